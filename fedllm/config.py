@@ -1,0 +1,385 @@
+"""Typed recipe: YAML + dotted overrides -> :class:`Recipe`, validated all at once.
+
+Every field has a type, a default and a one-line ``doc``. Validation walks the
+dataclasses by their type hints, collects *every* problem (unknown key, wrong
+type, impossible value) and raises one :class:`RecipeError` naming the file, the
+dotted key, what was given and what is expected.
+"""
+
+from __future__ import annotations
+
+from fedllm.errors import InputError
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+def doc(default: Any, text: str) -> Any:
+    """A dataclass field with a default and a one-line docstring."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": text})
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda d=default: dataclasses.replace(d), metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+class RecipeError(InputError):
+    """A recipe problem; ``problems`` lists ``(key, given, expected)``."""
+
+    def __init__(self, source: str, problems: list[tuple[str, Any, str]]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s) in the recipe:"]
+        for key, given, expected in problems:
+            lines.append(f"  - {key}: got {given!r}; expected {expected}")
+        super().__init__("\n".join(lines))
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    name: str = doc("tiny-llama", "preset name (tiny-llama, smollm2-135m-instruct, minilm-l6, ...), hub id, local dir or .gguf file")
+    task: Literal["auto", "causal_lm", "classification"] = doc("auto", "causal LM or sequence classifier; auto picks from the preset/config")
+    gguf_file: Optional[str] = doc(None, "GGUF file name inside `name` when `name` is a directory")
+    dtype: Literal["fp32", "bf16", "fp16"] = doc("fp32", "dtype of the base weights")
+    quantization: Literal["none", "4bit", "8bit"] = doc("none", "load the base through bitsandbytes (QLoRA)")
+    num_labels: Optional[int] = doc(None, "classifier labels; default: from the data")
+    revision: Optional[str] = doc(None, "hub revision")
+    trust_remote_code: bool = doc(False, "allow custom model code from the hub")
+
+
+@dataclass
+class LoraConfig:
+    r: int = doc(8, "LoRA rank")
+    alpha: float = doc(16.0, "LoRA alpha; scaling s = alpha / r")
+    dropout: float = doc(0.0, "LoRA dropout")
+    target_modules: Optional[list[str]] = doc(None, "module names to wrap; default: the family's attention projections")
+    modules_to_save: Optional[list[str]] = doc(None, "extra fully-trained modules; default: classifier head for classifiers")
+    init: Literal["default", "gaussian"] = doc("default", "PEFT init of A (B is zero)")
+
+
+@dataclass
+class PartitionConfig:
+    method: str = doc("iid", "partitioner name: iid, dirichlet, natural (registry)")
+    beta: float = doc(0.5, "Dirichlet concentration (smaller = more skew)")
+    column: Optional[str] = doc(None, "label/category column (dirichlet) or user column (natural)")
+    min_size: int = doc(1, "smallest allowed client; Dirichlet re-draws until every client has this many")
+    path: Optional[str] = doc(None, "load a partition manifest written by `fedllm partition` instead")
+
+
+@dataclass
+class DataConfig:
+    path: str = doc("", "hub id, or local json/jsonl/csv/parquet file or directory")
+    name: Optional[str] = doc(None, "hub dataset config name")
+    split: str = doc("train", "split to train on")
+    format: Literal["instruction", "chat", "classification"] = doc("instruction", "how records become token sequences")
+    template: str = doc("alpaca", "instruction template name, or for chat: 'tokenizer' or a FastChat template name")
+    fields: dict[str, str] = doc({}, "column renames, e.g. {instruction: query, output: response, label: label}")
+    labels: Optional[list[str]] = doc(None, "label names for classification (default: sorted distinct values)")
+    max_examples: Optional[int] = doc(None, "keep at most this many training records (after shuffling with the seed)")
+    eval_path: Optional[str] = doc(None, "held-out records (file or hub id); default: `eval_fraction` of `path`")
+    eval_split: Optional[str] = doc(None, "hub split of the held-out records")
+    eval_fraction: float = doc(0.0, "fraction of records held out when no eval_path is given")
+    client_eval_fraction: float = doc(0.0, "fraction of each client's records held out as its personal test split")
+
+
+@dataclass
+class FederationConfig:
+    num_clients: int = doc(2, "clients in the partition")
+    clients_per_round: Optional[int] = doc(None, "clients sampled per round (or give `fraction`)")
+    fraction: Optional[float] = doc(None, "fraction of clients sampled per round")
+    rounds: int = doc(1, "communication rounds")
+    strategy: str = doc("fedavg", "strategy registry name")
+    strategy_args: dict[str, Any] = doc({}, "keyword arguments of the strategy")
+    partition: PartitionConfig = doc(PartitionConfig(), "how records are split into clients")
+    comm_dtype: Literal["fp32", "bf16", "fp16"] = doc("fp32", "dtype of tensors sent, for byte accounting and transport")
+
+
+@dataclass
+class TrainConfig:
+    local_steps: Optional[int] = doc(None, "optimizer steps per client per round (or give local_epochs)")
+    local_epochs: Optional[float] = doc(None, "passes over the client's data per round")
+    batch_size: int = doc(4, "examples per micro-batch")
+    grad_accum: int = doc(1, "micro-batches per optimizer step")
+    lr: float = doc(2e-4, "peak learning rate")
+    min_lr: float = doc(0.0, "final learning rate of the cosine/linear schedule")
+    lr_schedule: Literal["constant", "cosine", "linear"] = doc("constant", "schedule across rounds (constant within a round)")
+    optimizer: Literal["adamw", "sgd"] = doc("adamw", "local optimizer")
+    weight_decay: float = doc(0.0, "weight decay")
+    momentum: float = doc(0.0, "SGD momentum")
+    optimizer_state: Literal["reset", "per_client"] = doc("reset", "reset optimizer moments each round or keep them per client")
+    max_grad_norm: Optional[float] = doc(None, "clip gradients to this norm")
+    max_length: int = doc(512, "truncate token sequences to this length")
+    dtype: Literal["fp32", "bf16", "fp16"] = doc("fp32", "mixed precision of the forward/backward (accelerate)")
+
+
+@dataclass
+class JudgeConfig:
+    base_url: Optional[str] = doc(None, "OpenAI-compatible endpoint; default: env FEDLLM_JUDGE_BASE_URL / OPENAI_BASE_URL")
+    model: Optional[str] = doc(None, "judge model name; default: env FEDLLM_JUDGE_MODEL")
+    api_key_env: str = doc("OPENAI_API_KEY", "environment variable holding the key (the key is never written)")
+    concurrency: int = doc(4, "parallel judge requests")
+    max_retries: int = doc(5, "retries with exponential backoff")
+
+
+@dataclass
+class EvalConfig:
+    tasks: list[str] = doc([], "task registry names evaluated on the global model")
+    every: int = doc(0, "evaluate every N rounds (0: only after the last round)")
+    before_training: bool = doc(False, "also evaluate the initial model (round 0)")
+    limit: Optional[int] = doc(None, "examples per task")
+    batch_size: int = doc(8, "generation batch size")
+    max_new_tokens: int = doc(256, "generation limit")
+    shots: int = doc(0, "few-shot exemplars (GSM8K)")
+    data: dict[str, str] = doc({}, "task -> local file or hub id of its data")
+    chat_template: Optional[str] = doc(None, "FastChat template name; default: the tokenizer's chat template")
+    personal: bool = doc(False, "personalized strategies: also evaluate each client's model on its own split")
+    judge: JudgeConfig = doc(JudgeConfig(), "LLM judge for MT-Bench / Vicuna / Ref-GPT4")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = doc(0, "write a checkpoint every N rounds (0: only final)")
+    keep_last: Optional[int] = doc(None, "keep only the newest N round checkpoints")
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = doc(True, "progress bars over rounds and client steps")
+    quiet: bool = doc(False, "only warnings and the run directory")
+
+
+@dataclass
+class Recipe:
+    seed: int = doc(0, "seed of sampling, partition, init and data order")
+    output_dir: str = doc("runs/run", "run directory")
+    model: ModelConfig = doc(ModelConfig(), "base model")
+    lora: LoraConfig = doc(LoraConfig(), "LoRA adapter")
+    data: DataConfig = doc(DataConfig(), "training data")
+    federation: FederationConfig = doc(FederationConfig(), "clients, rounds, strategy")
+    train: TrainConfig = doc(TrainConfig(), "local training")
+    eval: EvalConfig = doc(EvalConfig(), "evaluation during training")
+    checkpoint: CheckpointConfig = doc(CheckpointConfig(), "checkpointing")
+    logging: LoggingConfig = doc(LoggingConfig(), "progress and logs")
+    source: str = field(default="<recipe>", metadata={"doc": "file the recipe came from (set by the loader)", "internal": True})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the recipe, without internal fields (the resolved recipe.yaml)."""
+        d = dataclasses.asdict(self)
+        d.pop("source", None)
+        return d
+
+    def sampled_per_round(self) -> int:
+        """Number of clients sampled each round."""
+        fed = self.federation
+        if fed.clients_per_round is not None:
+            return fed.clients_per_round
+        if fed.fraction is not None:
+            return max(1, round(fed.fraction * fed.num_clients))
+        return fed.num_clients
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(f.name for f in _public_fields(tp))}"
+    if tp is Any:
+        return "any value"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _public_fields(cls: Any) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+
+def _coerce(value: Any, tp: Any, key: str, problems: list) -> Any:
+    """Return ``value`` as type ``tp`` or record a problem (and return the sentinel)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(value, inner[0], key, problems)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, key, problems)
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (item,) = typing.get_args(tp)
+            return [_coerce(v, item, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            _, item = typing.get_args(tp)
+            return {str(k): _coerce(v, item, f"{key}.{k}", problems) for k, v in value.items()}
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    problems.append((key, value, _type_name(tp)))
+    return value
+
+
+def _build(cls: Any, raw: dict, prefix: str, problems: list) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in _public_fields(cls)}
+    kwargs = {}
+    for k, v in raw.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in known:
+            problems.append((key, v, f"a known key of {prefix or 'the recipe'}: {', '.join(known)}"))
+            continue
+        kwargs[k] = _coerce(v, hints[k], key, problems)
+    return cls(**kwargs)
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for p in parts[:-1]:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def apply_overrides(raw: dict, overrides: list[str], problems: list) -> None:
+    """Apply ``key.sub=value`` strings (values parsed as YAML) to a raw recipe dict."""
+    for item in overrides:
+        if "=" not in item:
+            problems.append((item, item, "an override of the form dotted.key=value"))
+            continue
+        key, text = item.split("=", 1)
+        _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _semantic_problems(r: Recipe) -> list[tuple[str, Any, str]]:
+    p: list[tuple[str, Any, str]] = []
+    fed, tr = r.federation, r.train
+    if r.lora.r <= 0:
+        p.append(("lora.r", r.lora.r, "a positive integer"))
+    if r.lora.alpha <= 0:
+        p.append(("lora.alpha", r.lora.alpha, "a positive number"))
+    if not 0 <= r.lora.dropout < 1:
+        p.append(("lora.dropout", r.lora.dropout, "a number in [0, 1)"))
+    if fed.num_clients <= 0:
+        p.append(("federation.num_clients", fed.num_clients, "a positive integer"))
+    if fed.rounds <= 0:
+        p.append(("federation.rounds", fed.rounds, "a positive integer"))
+    if fed.clients_per_round is not None and fed.fraction is not None:
+        p.append(("federation.fraction", fed.fraction, "only one of clients_per_round and fraction"))
+    if fed.clients_per_round is not None and not 0 < fed.clients_per_round <= fed.num_clients:
+        p.append(("federation.clients_per_round", fed.clients_per_round,
+                  f"an integer in 1..num_clients ({fed.num_clients})"))
+    if fed.fraction is not None and not 0 < fed.fraction <= 1:
+        p.append(("federation.fraction", fed.fraction, "a number in (0, 1]"))
+    if fed.partition.beta <= 0:
+        p.append(("federation.partition.beta", fed.partition.beta, "a positive number"))
+    if fed.partition.min_size < 1:
+        p.append(("federation.partition.min_size", fed.partition.min_size, "an integer >= 1"))
+    if (tr.local_steps is None) == (tr.local_epochs is None):
+        p.append(("train.local_steps", tr.local_steps, "exactly one of train.local_steps and train.local_epochs"))
+    if tr.local_steps is not None and tr.local_steps <= 0:
+        p.append(("train.local_steps", tr.local_steps, "a positive integer"))
+    if tr.local_epochs is not None and tr.local_epochs <= 0:
+        p.append(("train.local_epochs", tr.local_epochs, "a positive number"))
+    for key in ("batch_size", "grad_accum", "max_length"):
+        if getattr(tr, key) <= 0:
+            p.append((f"train.{key}", getattr(tr, key), "a positive integer"))
+    if tr.lr < 0:
+        p.append(("train.lr", tr.lr, "a number >= 0"))
+    if not r.data.path and not r.federation.partition.path:
+        p.append(("data.path", r.data.path, "a hub id or a local data file"))
+    for key in ("eval_fraction", "client_eval_fraction"):
+        v = getattr(r.data, key)
+        if not 0 <= v < 1:
+            p.append((f"data.{key}", v, "a number in [0, 1)"))
+    if r.eval.every < 0:
+        p.append(("eval.every", r.eval.every, "an integer >= 0"))
+    if r.checkpoint.every < 0:
+        p.append(("checkpoint.every", r.checkpoint.every, "an integer >= 0"))
+    from fedllm.registry import partitioners, strategies, tasks
+
+    if fed.partition.method not in partitioners:
+        p.append(("federation.partition.method", fed.partition.method, f"one of {', '.join(partitioners.names())}"))
+    if fed.strategy not in strategies:
+        p.append(("federation.strategy", fed.strategy, f"one of {', '.join(strategies.names())}"))
+    else:
+        for key, given, expected in strategies.get(fed.strategy).check_args(fed.strategy_args):
+            p.append((f"federation.strategy_args.{key}", given, expected))
+    for t in r.eval.tasks:
+        if t not in tasks:
+            p.append(("eval.tasks", t, f"one of {', '.join(tasks.names())}"))
+    return p
+
+
+def parse_recipe(raw: Any, source: str = "<recipe>", overrides: Optional[list[str]] = None) -> Recipe:
+    """Build and validate a :class:`Recipe` from a raw mapping; raise :class:`RecipeError`."""
+    import fedllm.plugins  # noqa: F401  (fills the registries)
+
+    problems: list = []
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(source, [("<top level>", type(raw).__name__, "a mapping of recipe sections")])
+    apply_overrides(raw, list(overrides or []), problems)
+    recipe = _build(Recipe, raw, "", problems)
+    if not problems:
+        problems.extend(_semantic_problems(recipe))
+    if problems:
+        raise RecipeError(source, problems)
+    recipe.source = source
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Recipe:
+    """Load ``path`` (YAML), apply dotted ``overrides`` and validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(str(path), [("<file>", str(path), "an existing recipe YAML file")])
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(str(path), [("<yaml>", str(e).splitlines()[0], "valid YAML")]) from None
+    return parse_recipe(raw, str(path), overrides)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """YAML text of the resolved recipe."""
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

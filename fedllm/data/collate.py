@@ -1,0 +1,62 @@
+"""Batch tokenized examples into padded tensors."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fedllm.data.tokens import IGNORE_INDEX
+
+
+def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def _mask(examples: list[dict]) -> torch.Tensor:
+    return _pad([[1] * len(ex["input_ids"]) for ex in examples], 0)
+
+
+def _causal_labels(examples: list[dict]) -> torch.Tensor:
+    return _pad([ex["labels"] for ex in examples], IGNORE_INDEX)
+
+
+def _class_labels(examples: list[dict]) -> torch.Tensor:
+    return torch.tensor([int(ex["label"]) for ex in examples], dtype=torch.long)
+
+
+#: Task -> how the ``labels`` tensor is built.
+LABELS: dict[str, Callable[[list[dict]], torch.Tensor]] = {
+    "causal_lm": _causal_labels,
+    "classification": _class_labels,
+}
+
+
+def collate(examples: list[dict], pad_id: int, task: str = "causal_lm") -> dict[str, torch.Tensor]:
+    """Right-pad examples to the longest one in the batch.
+
+    Args:
+        examples: Examples from :mod:`fedllm.data.formats`.
+        pad_id: Id written into padded ``input_ids`` positions.
+        task: ``causal_lm`` (per-token ``labels`` padded with -100) or
+            ``classification`` (one integer ``labels`` entry per example).
+
+    Returns:
+        ``input_ids`` and ``attention_mask`` (batch x longest) and ``labels``
+        (batch x longest, or batch), all ``torch.long``.
+
+    Raises:
+        ValueError: No examples, an unknown task or no pad id.
+    """
+    if not examples:
+        raise ValueError("collate needs at least one example")
+    if task not in LABELS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(LABELS)}")
+    if pad_id is None:
+        raise ValueError("collate needs a pad id (the tokenizer has no pad token; set one, e.g. the EOS token)")
+    return {
+        "input_ids": _pad([ex["input_ids"] for ex in examples], int(pad_id)),
+        "attention_mask": _mask(examples),
+        "labels": LABELS[task](examples),
+    }

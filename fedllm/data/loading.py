@@ -1,0 +1,172 @@
+"""Load raw records (a list of dicts) from a local file, a directory or the hub.
+
+Local forms: ``.json`` (a list of objects, or an object holding the list under
+``"data"`` or under the split name), ``.jsonl`` (one object per line), ``.csv``
+and ``.parquet`` (read through ``datasets``), or a directory holding
+``<split>.jsonl|json|csv|parquet``. Anything else is taken as a Hugging Face hub
+id and read with ``datasets.load_dataset``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from fedllm.data.errors import DataError
+
+#: Suffixes that mark a path as a local file even when it does not exist.
+FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt", ".gz", ".zip")
+
+EXPECTED_FORMS = (
+    "a .json file (a list of objects, or an object with the list under 'data' or the split name), "
+    "a .jsonl file, a .csv file, a .parquet file, a directory holding <split>.jsonl|json|csv|parquet, "
+    "or a Hugging Face hub dataset id"
+)
+
+
+def _read_json(path: Path, split: str) -> list[Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(obj, list):
+        return obj
+    if isinstance(obj, dict):
+        for key in ("data", split):
+            if isinstance(obj.get(key), list):
+                return obj[key]
+    raise DataError(
+        f"{path}: expected a JSON list of records or an object with the list under 'data' or {split!r}; "
+        f"got {type(obj).__name__}" + (f" with keys {sorted(obj)}" if isinstance(obj, dict) else "")
+    )
+
+
+def _read_jsonl(path: Path, split: str) -> list[Any]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
+    return rows
+
+
+def _read_with_datasets(builder: str) -> Callable[[Path, str], list[Any]]:
+    def read(path: Path, split: str) -> list[Any]:
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as e:  # noqa: BLE001  (pyarrow/pandas raise many types)
+            raise DataError(f"{path}: could not be read as {builder} ({type(e).__name__}: {e})") from None
+        return ds.to_list()
+
+    read.__doc__ = f"Read a {builder} file through ``datasets``."
+    return read
+
+
+#: Local readers by file suffix.
+READERS: dict[str, Callable[[Path, str], list[Any]]] = {
+    ".json": _read_json,
+    ".jsonl": _read_jsonl,
+    ".csv": _read_with_datasets("csv"),
+    ".parquet": _read_with_datasets("parquet"),
+}
+
+
+def _checked(rows: list[Any], source: str) -> list[dict]:
+    if not rows:
+        raise DataError(f"{source}: holds no records")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"{source}: record {i} is a {type(row).__name__}, expected an object (dict)")
+    return rows
+
+
+def _read_file(path: Path, split: str) -> list[dict]:
+    reader = READERS.get(path.suffix.lower())
+    if reader is None:
+        raise DataError(f"{path}: unsupported file type {path.suffix!r}; expected {EXPECTED_FORMS}")
+    return _checked(reader(path, split), str(path))
+
+
+def _read_dir(path: Path, split: str) -> list[dict]:
+    candidates = [path / f"{split}{suffix}" for suffix in READERS]
+    for candidate in candidates:
+        if candidate.is_file():
+            return _read_file(candidate, split)
+    raise DataError(
+        f"{path}: directory has no {split}.jsonl, {split}.json, {split}.csv or {split}.parquet "
+        f"(found: {', '.join(sorted(p.name for p in path.iterdir())) or 'nothing'})"
+    )
+
+
+def looks_local(path: str) -> bool:
+    """Whether ``path`` names a local file rather than a hub id.
+
+    A path looks local when it starts with ``./``, ``../``, ``/`` or ``~`` or ends
+    in a data-file suffix (``.json``, ``.jsonl``, ``.csv``, ``.parquet``, ...).
+    Hub ids such as ``openai/gsm8k`` or ``teknium/OpenHermes-2.5`` do not.
+
+    Args:
+        path: The path or id from the recipe.
+
+    Returns:
+        True for a local-looking path.
+    """
+    return path.startswith(("./", "../", "/", "~")) or Path(path).suffix.lower() in FILE_SUFFIXES
+
+
+def _hub_offline() -> bool:
+    flags = (os.environ.get(k, "").strip().lower() for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(f in ("1", "true", "yes", "on") for f in flags)
+
+
+def _read_hub(path: str, name: Optional[str], split: str) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(path, name, split=split)
+    except Exception as e:  # noqa: BLE001  (the hub client raises many types)
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if _hub_offline() or isinstance(e, (ConnectionError, OSError)):
+            raise DataError(
+                f"{path!r} is not a local file or directory and could not be reached on the Hugging Face hub "
+                f"offline; pass a local file instead ({EXPECTED_FORMS}) [{detail}]"
+            ) from None
+        raise DataError(f"could not load hub dataset {path!r} (name={name!r}, split={split!r}): {detail}") from None
+    return _checked(ds.to_list(), f"{path} [{split}]")
+
+
+def load_records(path: str, name: Optional[str] = None, split: str = "train") -> list[dict]:
+    """Load a data set as a list of records.
+
+    Args:
+        path: A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, a directory
+            holding ``<split>.<ext>``, or a Hugging Face hub dataset id.
+        name: Hub configuration name (e.g. ``"main"`` for GSM8K); ignored locally.
+        split: Split to read: the file stem inside a directory, the key of a JSON
+            object, or the hub split.
+
+    Returns:
+        The records, in file order.
+
+    Raises:
+        DataError: The file is missing, malformed or empty, or the hub id cannot
+            be loaded (for instance offline).
+    """
+    if not path:
+        raise DataError(f"no data path given; expected {EXPECTED_FORMS}")
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return _read_dir(local, split)
+    if local.is_file():
+        return _read_file(local, split)
+    if looks_local(path):
+        raise DataError(f"{path}: no such file or directory; expected {EXPECTED_FORMS}")
+    return _read_hub(path, name, split)

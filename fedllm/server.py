@@ -1,0 +1,284 @@
+"""THE round loop: sampling, dispatch, aggregation, evaluation, checkpoints, metrics.
+
+``run(recipe)`` builds everything that can fail on bad input (tokenizer, data,
+partition, model, strategy) *before* it writes anything, then trains round by
+round. Every round appends one JSON line to ``metrics.jsonl``; checkpoints are
+atomic, and ``resume=True`` continues bit-exactly from the newest one.
+"""
+
+from __future__ import annotations
+
+from fedllm.errors import InputError
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from fedllm import checkpoint as ckpt_io
+from fedllm.client import derived_seed, steps_per_round, train_client
+from fedllm.config import Recipe, dump_recipe
+from fedllm.data import FederatedData, build_federated_data, collate
+from fedllm.distributed import Dispatch
+from fedllm.models import LoadedModel, lora_layers, load_model, load_tokenizer, read_state, resolve_task, write_state
+from fedllm.state import StateDict, cast, num_bytes
+from fedllm.strategies import ClientInfo, ClientUpdate, Strategy, get_strategy
+
+log = logging.getLogger("fedllm")
+
+
+class RunDirError(InputError):
+    """The run directory cannot be used as asked (exists without --resume, nothing to resume ...)."""
+
+
+@dataclass
+class RunResult:
+    """What a run produced."""
+
+    run_dir: Path
+    history: list[dict[str, Any]]
+    global_state: StateDict
+    strategy: Strategy
+    model: Any = None
+    tokenizer: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Federation:
+    """Everything a run needs in memory, built before anything is written."""
+
+    recipe: Recipe
+    loaded: LoadedModel
+    data: FederatedData
+    strategy: Strategy
+    global_keys: list[str]
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, k: int) -> list[int]:
+    """The ``k`` clients of round ``rnd`` (seeded by seed and round; sorted)."""
+    gen = torch.Generator().manual_seed(derived_seed(seed, rnd, 0x5A3))
+    return sorted(torch.randperm(num_clients, generator=gen)[:k].tolist())
+
+
+def round_lr(recipe: Recipe, rnd: int) -> float:
+    """Learning rate of round ``rnd`` (1-based): constant, or cosine/linear decay across rounds."""
+    tr, total = recipe.train, recipe.federation.rounds
+    progress = (rnd - 1) / max(1, total - 1) if total > 1 else 0.0
+    if tr.lr_schedule == "cosine":
+        return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * progress))
+    if tr.lr_schedule == "linear":
+        return tr.lr + (tr.min_lr - tr.lr) * progress
+    return tr.lr
+
+
+def build_federation(recipe: Recipe) -> Federation:
+    """Tokenizer, data + partition, model + LoRA, strategy: all input errors surface here."""
+    task = resolve_task(recipe.model)
+    tokenizer = load_tokenizer(recipe.model)
+    data = build_federated_data(recipe.data, recipe.federation.partition, recipe.federation.num_clients,
+                                tokenizer, recipe.train.max_length, recipe.seed, task)
+    num_labels = len(data.label_names) if data.label_names else 2
+    loaded = load_model(recipe.model, recipe.lora, num_labels=num_labels, seed=recipe.seed,
+                        source=recipe.source, tokenizer=tokenizer)
+    strategy = get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args)
+    strategy.recipe = recipe
+    torch.manual_seed(derived_seed(recipe.seed, 0x57A7))
+    strategy.setup(loaded.model, [ClientInfo(c, len(ix)) for c, ix in enumerate(data.clients)])
+    return Federation(recipe, loaded, data, strategy, strategy.global_keys(loaded.model))
+
+
+def base_weights(model: torch.nn.Module) -> StateDict:
+    """Current values of the LoRA-wrapped base weights (for strategies that change them)."""
+    params = {id(p): n for n, p in model.named_parameters()}
+    return {params[id(layer.weight)]: layer.weight.detach().clone() for layer in lora_layers(model).values()}
+
+
+class RoundLoop:
+    """One federated run over a built :class:`Federation`."""
+
+    def __init__(self, fed: Federation, run_dir: Path, progress: bool = True):
+        self.fed = fed
+        self.recipe = fed.recipe
+        self.run_dir = Path(run_dir)
+        self.model = fed.loaded.model
+        self.dispatch = Dispatch()
+        self.progress = progress and self.recipe.logging.progress and not self.recipe.logging.quiet \
+            and self.dispatch.is_main
+        self.collate = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
+        self.global_state = read_state(self.model, fed.global_keys)
+        self.optimizer_states: dict[int, StateDict] = {}
+        self.history: list[dict[str, Any]] = []
+        self.start_round = 0
+
+    # ----- persistence
+    def checkpoint(self, rnd: int, directory: Path) -> None:
+        if not self.dispatch.is_main:
+            return
+        optimizer = {f"client{c}/{k}": v for c, st in self.optimizer_states.items() for k, v in st.items()}
+        ckpt = ckpt_io.Checkpoint(
+            round=rnd, adapter=self.global_state, strategy=self.fed.strategy.state_dict(), optimizer=optimizer,
+            base=base_weights(self.model) if self.fed.strategy.modifies_base else {},
+            meta={"strategy": self.recipe.federation.strategy, "task": self.fed.loaded.task,
+                  "model_type": self.fed.loaded.model_type},
+            recipe_yaml=dump_recipe(self.recipe))
+        ckpt_io.save_checkpoint(directory, ckpt)
+
+    def restore(self, directory: Path) -> None:
+        """Continue from a checkpoint: global state, strategy, base weights, optimizer moments, metrics."""
+        ck = ckpt_io.load_checkpoint(directory)
+        write_state(self.model, ck.base)
+        self.fed.strategy.load_state_dict(ck.strategy)
+        self.global_state = ck.adapter
+        write_state(self.model, self.global_state)
+        self.optimizer_states = {}
+        for key, value in ck.optimizer.items():
+            client, name = key.split("/", 1)
+            self.optimizer_states.setdefault(int(client[len("client"):]), {})[name] = value
+        self.start_round = ck.round
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+            self.history = [x for x in lines if x.get("round", 0) <= ck.round]
+            if self.dispatch.is_main:
+                ckpt_io.atomic_write_text(metrics, "".join(json.dumps(x) + "\n" for x in self.history))
+
+    def log_round(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self.dispatch.is_main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    # ----- evaluation
+    def evaluate(self, rnd: int) -> dict[str, float]:
+        ev = self.recipe.eval
+        if not ev.tasks:
+            return {}
+        from fedllm.evaluation import evaluate
+
+        out_dir = self.run_dir / "eval" / f"round-{rnd:04d}" if self.dispatch.is_main else None
+        return evaluate(self.model, self.fed.loaded.tokenizer, ev, out_dir, records=self.fed.data.eval_records,
+                        eval_examples=self.fed.data.eval_examples, tag=f"round {rnd}")
+
+    def due(self, every: int, rnd: int) -> bool:
+        return rnd == self.recipe.federation.rounds or (every > 0 and rnd % every == 0)
+
+    # ----- one round
+    def run_round(self, rnd: int, bar: Any) -> dict[str, Any]:
+        recipe, strategy, data = self.recipe, self.fed.strategy, self.fed.data
+        comm = recipe.federation.comm_dtype
+        t0 = time.perf_counter()
+        sampled = sample_clients(recipe.seed, rnd, recipe.federation.num_clients, recipe.sampled_per_round())
+        lr = round_lr(recipe, rnd)
+        updates, down = [], {}
+        for cid in self.dispatch.local_share(sampled):
+            plan = strategy.configure_client(rnd, cid, self.global_state)
+            plan.lr = lr
+            plan.state = cast(plan.state, comm)
+            down[cid] = strategy.download_bytes(plan, comm)
+            result = train_client(self.model, plan, strategy, data.examples, data.clients[cid], recipe.train,
+                                  self.collate, derived_seed(recipe.seed, rnd, cid),
+                                  self.optimizer_states.get(cid), bar)
+            if result.optimizer_state is not None:
+                self.optimizer_states[cid] = result.optimizer_state
+            upload = cast(strategy.client_upload(plan, result.state, result.steps), comm)
+            updates.append(ClientUpdate(cid, upload, len(data.clients[cid]), result.loss, result.steps))
+        updates, down = self.dispatch.gather(updates, down)
+        self.global_state = strategy.aggregate(rnd, self.global_state, updates)
+        self.global_state = strategy.after_aggregate(rnd, self.model, self.global_state)
+        write_state(self.model, self.global_state)
+        for cid, extra in strategy.extra_download_bytes(rnd, sampled, recipe.federation.num_clients, comm).items():
+            down[cid] = down.get(cid, 0) + extra
+        up = {u.client_id: num_bytes(u.state, comm) for u in updates}
+        record = {
+            "round": rnd, "clients": sampled, "lr": lr,
+            "client_loss": {str(u.client_id): u.loss for u in updates},
+            "client_steps": {str(u.client_id): u.steps for u in updates},
+            "bytes_up": {str(c): b for c, b in up.items()}, "bytes_down": {str(c): b for c, b in down.items()},
+            "bytes_up_total": sum(up.values()), "bytes_down_total": sum(down.values()),
+            "train_loss": sum(u.loss * u.num_examples for u in updates) / sum(u.num_examples for u in updates),
+        }
+        if self.due(recipe.eval.every, rnd) and recipe.eval.tasks:
+            record["eval"] = self.evaluate(rnd)
+        record["seconds"] = round(time.perf_counter() - t0, 3)
+        return record
+
+    def run(self) -> RunResult:
+        recipe = self.recipe
+        rounds = recipe.federation.rounds
+        if self.start_round == 0 and recipe.eval.before_training and recipe.eval.tasks:
+            self.log_round({"round": 0, "eval": self.evaluate(0)})
+        sizes = [len(ix) for ix in self.fed.data.clients]
+        steps_round = sum(sorted((steps_per_round(recipe.train, n) for n in sizes), reverse=True)
+                          [:recipe.sampled_per_round()])
+        bar = tqdm(total=(rounds - self.start_round) * steps_round, desc="client steps", unit="step",
+                   disable=not self.progress, leave=False)
+        for rnd in range(self.start_round + 1, rounds + 1):
+            record = self.run_round(rnd, bar)
+            self.log_round(record)
+            if not recipe.logging.quiet and self.dispatch.is_main:
+                evals = " ".join(f"{k}={v:.4g}" for k, v in record.get("eval", {}).items())
+                tqdm.write(f"round {rnd}/{rounds}  clients={record['clients']}  loss={record['train_loss']:.4f}  "
+                           f"up={record['bytes_up_total'] / 1e6:.2f}MB  down={record['bytes_down_total'] / 1e6:.2f}MB"
+                           f"  {record['seconds']:.1f}s {evals}".rstrip())
+            if recipe.checkpoint.every and rnd % recipe.checkpoint.every == 0 and rnd < rounds:
+                self.checkpoint(rnd, ckpt_io.round_dir(self.run_dir, rnd))
+                if self.dispatch.is_main:
+                    ckpt_io.prune(self.run_dir, recipe.checkpoint.keep_last)
+        bar.close()
+        self.checkpoint(rounds, self.run_dir / "final")
+        if self.dispatch.is_main:
+            self.write_summary()
+        return RunResult(self.run_dir, self.history, self.global_state, self.fed.strategy,
+                         self.model, self.fed.loaded.tokenizer)
+
+    def write_summary(self) -> None:
+        rounds = [h for h in self.history if h.get("round", 0) > 0]
+        evals = [h for h in self.history if "eval" in h]
+        summary = {
+            "rounds": len(rounds), "strategy": self.recipe.federation.strategy,
+            "bytes_up_total": sum(h["bytes_up_total"] for h in rounds),
+            "bytes_down_total": sum(h["bytes_down_total"] for h in rounds),
+            "final_train_loss": rounds[-1]["train_loss"] if rounds else None,
+            "initial_eval": evals[0]["eval"] if evals and evals[0]["round"] == 0 else None,
+            "final_eval": evals[-1]["eval"] if evals else None,
+            "seconds": round(sum(h.get("seconds", 0) for h in rounds), 3),
+        }
+        ckpt_io.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+
+
+def prepare_run_dir(recipe: Recipe, fed: Federation, resume: bool, overwrite: bool) -> Optional[Path]:
+    """Create the run directory (or find the checkpoint to resume from)."""
+    run_dir = Path(recipe.output_dir)
+    if resume:
+        if ckpt_io.is_checkpoint(run_dir / "final"):
+            raise RunDirError(f"{run_dir}: the run already finished (final/ exists); nothing to resume")
+        return ckpt_io.latest_checkpoint(run_dir) if run_dir.exists() else None
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise RunDirError(f"output_dir={str(run_dir)!r} already holds a run; pass --resume to continue it, "
+                              "--overwrite to replace it, or output_dir=<new dir>")
+        shutil.rmtree(run_dir)
+    return None
+
+
+def run(recipe: Recipe, resume: bool = False, overwrite: bool = False, progress: bool = True) -> RunResult:
+    """Run a federated recipe end to end and return its :class:`RunResult`."""
+    fed = build_federation(recipe)
+    start_from = prepare_run_dir(recipe, fed, resume, overwrite)
+    loop = RoundLoop(fed, Path(recipe.output_dir), progress)
+    if loop.dispatch.is_main:
+        loop.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt_io.atomic_write_text(loop.run_dir / "recipe.yaml", dump_recipe(recipe))
+        ckpt_io.atomic_write_text(loop.run_dir / "partition.json", json.dumps(fed.data.manifest, indent=1))
+    if start_from is not None:
+        loop.restore(start_from)
+        log.info("resuming %s from round %d", loop.run_dir, loop.start_round)
+    return loop.run()

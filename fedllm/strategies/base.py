@@ -1,0 +1,153 @@
+"""The Strategy interface (modelled on Flower's strategies) and the plans it hands clients.
+
+State is always ``dict[name -> tensor]`` keyed by the model's parameter names
+(``...q_proj.lora_A.default.weight``); the server owns the single round loop and
+calls these hooks, the client calls ``client_loss`` / ``after_step`` while training.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from fedllm.state import StateDict, num_bytes
+
+
+@dataclass
+class Phase:
+    """One stretch of local training: which parameters train, for how many steps."""
+
+    keys: Optional[list[str]] = None  # trainable parameter names; None: every key of the plan's state
+    steps: Optional[int] = None  # optimizer steps; None: the recipe's local_steps / local_epochs
+    name: str = "local"
+
+
+@dataclass
+class ClientPlan:
+    """What a client loads and trains this round (made by ``Strategy.configure_client``)."""
+
+    client_id: int
+    rnd: int
+    state: StateDict  # written into the model before training
+    phases: list[Phase] = field(default_factory=lambda: [Phase()])
+    extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific (control variates, anchors ...)
+    lr: float = 0.0  # the round's learning rate, set by the server
+
+
+@dataclass
+class ClientUpdate:
+    """What a client sends back after local training."""
+
+    client_id: int
+    state: StateDict
+    num_examples: int
+    loss: float
+    steps: int
+
+
+@dataclass
+class ClientInfo:
+    """A client as the strategy sees it at setup."""
+
+    client_id: int
+    num_examples: int
+
+
+class Strategy(abc.ABC):
+    """Base strategy: hooks with do-nothing defaults; FedAvg overrides ``aggregate``.
+
+    Attributes:
+        recipe: the run's :class:`fedllm.config.Recipe`, set by the server before ``setup``.
+        modifies_base: True when the strategy changes the frozen base weights (their current
+            values are then checkpointed and exported).
+    """
+
+    name = "base"
+    modifies_base = False
+    personalized = False
+
+    def __init__(self, **kwargs: Any):
+        if kwargs:
+            raise TypeError(f"{self.name} takes no argument(s) {sorted(kwargs)}")
+        self.recipe: Any = None
+
+    # ----- argument checking (used by recipe validation)
+    @classmethod
+    def check_args(cls, args: dict[str, Any]) -> list[tuple[str, Any, str]]:
+        """Problems with ``args`` as ``(key, given, expected)``: unknown names and wrong types."""
+        params = {n: p for n, p in inspect.signature(cls.__init__).parameters.items()
+                  if n not in ("self", "kwargs") and p.kind is not p.VAR_KEYWORD}
+        problems = []
+        for key, value in args.items():
+            if key not in params:
+                problems.append((key, value, f"an argument of {cls.name}: {', '.join(params) or 'none'}"))
+                continue
+            default = params[key].default
+            if isinstance(default, bool) and not isinstance(value, bool):
+                problems.append((key, value, "true or false"))
+            elif isinstance(default, (int, float)) and not isinstance(default, bool) and (
+                    isinstance(value, bool) or not isinstance(value, (int, float))):
+                problems.append((key, value, "a number"))
+            elif isinstance(default, str) and not isinstance(value, str):
+                problems.append((key, value, "a string"))
+        problems.extend(cls.check_values(args))
+        return problems
+
+    @classmethod
+    def check_values(cls, args: dict[str, Any]) -> list[tuple[str, Any, str]]:
+        """Range checks of a subclass's arguments (override)."""
+        return []
+
+    # ----- hooks
+    def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
+        """Once, before round 1 (e.g. SVD init, per-client state)."""
+
+    def global_keys(self, model: torch.nn.Module) -> list[str]:
+        """Names of the parameters that form the global (aggregated) state."""
+        return [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def configure_client(self, rnd: int, client_id: int, global_state: StateDict) -> ClientPlan:
+        """What ``client_id`` loads and trains in round ``rnd``."""
+        return ClientPlan(client_id=client_id, rnd=rnd, state=global_state)
+
+    def client_loss(self, model: torch.nn.Module, plan: ClientPlan) -> Optional[torch.Tensor]:
+        """Extra loss term added to each micro-batch (e.g. FedProx)."""
+        return None
+
+    def after_step(self, model: torch.nn.Module, plan: ClientPlan) -> None:
+        """Called after every local optimizer step (e.g. SCAFFOLD's correction)."""
+
+    def client_upload(self, plan: ClientPlan, trained: StateDict, steps: int) -> StateDict:
+        """What the client sends: by default the trained values of the plan's state keys."""
+        return {k: trained[k] for k in plan.state}
+
+    def download_bytes(self, plan: ClientPlan, comm_dtype: str) -> int:
+        """Bytes sent to a sampled client this round."""
+        return num_bytes(plan.state, comm_dtype)
+
+    def extra_download_bytes(self, rnd: int, sampled: list[int], num_clients: int, comm_dtype: str) -> dict[int, int]:
+        """Bytes sent to clients outside ``configure_client`` (e.g. syncs to non-participants)."""
+        return {}
+
+    @abc.abstractmethod
+    def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
+        """The new global state from the round's updates."""
+
+    def after_aggregate(self, rnd: int, model: torch.nn.Module, global_state: StateDict) -> StateDict:
+        """After aggregation, with the model at hand (merge into the base, re-init ...)."""
+        return global_state
+
+    def personal_state(self, client_id: int) -> Optional[StateDict]:
+        """A personalized strategy's private tensors of ``client_id`` (loaded for its own eval)."""
+        return None
+
+    def state_dict(self) -> StateDict:
+        """Server-side tensors to checkpoint (moments, control variates, private states ...)."""
+        return {}
+
+    def load_state_dict(self, state: StateDict) -> None:
+        """Restore what :meth:`state_dict` returned."""

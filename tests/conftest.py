@@ -1,0 +1,60 @@
+"""Shared fixtures: offline, CPU, tiny models, data the tests write themselves."""
+
+import json
+import os
+import random
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+OPS = {"add": ("+", lambda a, b: a + b), "sub": ("-", lambda a, b: a - b), "mul": ("*", lambda a, b: a * b)}
+
+
+def arith_records(n: int, seed: int = 0) -> list[dict]:
+    """Tiny GSM8K-format records with a category column."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        cat = rng.choice(sorted(OPS))
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        sym, fn = OPS[cat]
+        out.append({"question": f"What is {a} {sym} {b}?", "answer": f"{a} {sym} {b} = {fn(a, b)}\n#### {fn(a, b)}",
+                    "category": cat})
+    return out
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture
+def arith_file(tmp_path):
+    return write_jsonl(tmp_path / "arith.jsonl", arith_records(48))
+
+
+@pytest.fixture
+def tiny_recipe(tmp_path, arith_file):
+    """A raw recipe dict for a tiny LLaMA on the arith fixture (2 rounds, 3 clients, 2 per round)."""
+
+    def make(**sections):
+        raw = {
+            "seed": 0, "output_dir": str(tmp_path / "run"),
+            "model": {"name": "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
+            "data": {"path": str(arith_file), "format": "instruction",
+                     "fields": {"instruction": "question", "output": "answer"}},
+            "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 2,
+                           "partition": {"method": "iid"}},
+            "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64},
+            "logging": {"progress": False, "quiet": True},
+        }
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(raw.get(key), dict):
+                raw[key] = {**raw[key], **value}
+            else:
+                raw[key] = value
+        return raw
+
+    return make

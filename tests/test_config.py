@@ -1,0 +1,71 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedllm.config import RecipeError, load_recipe, parse_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def base(**over):
+    raw = {"data": {"path": "x.jsonl"}, "train": {"local_steps": 1}}
+    for k, v in over.items():
+        raw[k] = v
+    return raw
+
+
+def test_defaults_and_overrides():
+    r = parse_recipe(base(), "r.yaml", ["federation.rounds=3", "lora.r=16", "train.lr=1e-3",
+                                        "federation.strategy_args={weighting: uniform}"])
+    assert r.federation.rounds == 3 and r.lora.r == 16 and r.train.lr == 1e-3
+    assert r.federation.strategy_args == {"weighting": "uniform"}
+    assert r.source == "r.yaml"
+
+
+def test_every_problem_is_reported_at_once_with_key_value_and_expectation():
+    raw = base(lora={"r": 0, "alpah": 3}, federation={"num_clients": 2, "clients_per_round": 5})
+    raw["train"]["batch_size"] = "four"
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(raw, "bad.yaml")
+    msg = str(e.value)
+    assert msg.startswith("bad.yaml:")
+    assert "lora.alpah" in msg and "known key" in msg
+    assert "train.batch_size: got 'four'; expected an integer" in msg
+    # semantic checks run once the types are right:
+    raw = base(lora={"r": 0}, federation={"num_clients": 2, "clients_per_round": 5, "strategy": "nope"})
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(raw, "bad.yaml")
+    keys = [p[0] for p in e.value.problems]
+    assert {"lora.r", "federation.clients_per_round", "federation.strategy"} <= set(keys)
+    assert "got 5; expected an integer in 1..num_clients (2)" in str(e.value)
+
+
+def test_strategy_args_are_checked():
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(base(federation={"strategy": "fedavg", "strategy_args": {"weighting": "sizes", "foo": 1}}))
+    keys = [p[0] for p in e.value.problems]
+    assert "federation.strategy_args.weighting" in keys and "federation.strategy_args.foo" in keys
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(RecipeError, match="existing recipe YAML"):
+        load_recipe(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(RecipeError, match="valid YAML"):
+        load_recipe(bad)
+
+
+def test_local_steps_xor_epochs():
+    with pytest.raises(RecipeError, match="exactly one of train.local_steps"):
+        parse_recipe({"data": {"path": "x"}, "train": {}})
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_recipe_loads_and_names_its_command(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and ("fedllm train" in first or "accelerate launch" in first), first
+    assert str(path.relative_to(ROOT)) in first
+    load_recipe(path)
+    yaml.safe_load(path.read_text())
