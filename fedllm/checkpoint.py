@@ -149,5 +149,10 @@ def resolve_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"{path}: neither a run directory with checkpoints nor a fedllm checkpoint")
 
 
-def state_to_device(state: StateDict, device: torch.device) -> StateDict:
-    return {k: v.to(device) for k, v in state.items()}
+def restore_into(model: torch.nn.Module, strategy: Any, ck: Checkpoint) -> None:
+    """Put a checkpoint's base weights, strategy state and global adapter into ``model``/``strategy``."""
+    from fedllm.models import write_state
+
+    write_state(model, ck.base)
+    strategy.load_state_dict(ck.strategy)
+    write_state(model, ck.adapter)

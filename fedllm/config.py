@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fedllm.errors import InputError
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -189,6 +190,26 @@ class Recipe:
 # --------------------------------------------------------------------------- parsing
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` / ``2E5`` as floats (YAML 1.2), as users write learning rates."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text with :class:`_Loader`."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 — a SafeLoader subclass
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -283,7 +304,7 @@ def apply_overrides(raw: dict, overrides: list[str], problems: list) -> None:
             problems.append((item, item, "an override of the form dotted.key=value"))
             continue
         key, text = item.split("=", 1)
-        _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
+        _set_dotted(raw, key.strip(), read_yaml(text) if text.strip() else "")
 
 
 # --------------------------------------------------------------------------- validation
@@ -374,7 +395,7 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
     if not path.is_file():
         raise RecipeError(str(path), [("<file>", str(path), "an existing recipe YAML file")])
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = read_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise RecipeError(str(path), [("<yaml>", str(e).splitlines()[0], "valid YAML")]) from None
     return parse_recipe(raw, str(path), overrides)

@@ -127,17 +127,16 @@ class RoundLoop:
             round=rnd, adapter=self.global_state, strategy=self.fed.strategy.state_dict(), optimizer=optimizer,
             base=base_weights(self.model) if self.fed.strategy.modifies_base else {},
             meta={"strategy": self.recipe.federation.strategy, "task": self.fed.loaded.task,
-                  "model_type": self.fed.loaded.model_type},
+                  "model_type": self.fed.loaded.model_type, "label_names": self.fed.data.label_names,
+                  "client_sizes": [len(ix) for ix in self.fed.data.clients]},
             recipe_yaml=dump_recipe(self.recipe))
         ckpt_io.save_checkpoint(directory, ckpt)
 
     def restore(self, directory: Path) -> None:
         """Continue from a checkpoint: global state, strategy, base weights, optimizer moments, metrics."""
         ck = ckpt_io.load_checkpoint(directory)
-        write_state(self.model, ck.base)
-        self.fed.strategy.load_state_dict(ck.strategy)
+        ckpt_io.restore_into(self.model, self.fed.strategy, ck)
         self.global_state = ck.adapter
-        write_state(self.model, self.global_state)
         self.optimizer_states = {}
         for key, value in ck.optimizer.items():
             client, name = key.split("/", 1)
