@@ -33,8 +33,11 @@ class JudgmentCache:
         self.path = path
         self._items: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._torn = False
         if path is not None and path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
+            text = path.read_text(encoding="utf-8")
+            self._torn = bool(text) and not text.endswith("\n")
+            for line in text.splitlines():
                 try:
                     item = json.loads(line)
                 except json.JSONDecodeError:
@@ -53,6 +56,9 @@ class JudgmentCache:
             if self.path is not None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with self.path.open("a", encoding="utf-8") as f:
+                    if self._torn:
+                        f.write("\n")
+                        self._torn = False
                     f.write(json.dumps({"key": key, "model": model, "judgment": judgment}, ensure_ascii=False) + "\n")
                     f.flush()
 

@@ -141,6 +141,15 @@ class Strategy(abc.ABC):
         """After aggregation, with the model at hand (merge into the base, re-init ...)."""
         return global_state
 
+    def kept_factors(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]]:
+        """Low-rank pieces of the learned update kept outside the adapter, for exact export.
+
+        Maps a LoRA-wrapped module name (as in ``fedllm.models.lora_layers``) to a list of
+        ``(B, A, scale)``: the layer's learned change equals the sum of ``scale * B @ A`` over the
+        list plus the current adapter's product (FedLoRU's accumulated factors). Default: none.
+        """
+        return {}
+
     def personal_state(self, client_id: int) -> Optional[StateDict]:
         """A personalized strategy's private tensors of ``client_id`` (loaded for its own eval)."""
         return None
