@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from fedllm.errors import InputError
 
-class DataError(ValueError):
+
+class DataError(InputError):
     """A data set cannot be loaded, formatted or tokenized as the recipe asks."""
 
 
-class PartitionError(ValueError):
+class PartitionError(InputError):
     """Records cannot be split into the requested clients."""
