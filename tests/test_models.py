@@ -1,0 +1,83 @@
+"""Model loading: presets, LoRA targets, rank checks, real shipped weights (slow)."""
+
+import pytest
+import torch
+
+from fedllm.config import LoraConfig, ModelConfig, RecipeError
+from fedllm.models import ModelError, load_model, lora_layers, trainable_state_keys
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma"])
+def test_decoder_presets_wrap_the_attention_projections(name):
+    lm = load_model(ModelConfig(name=name), LoraConfig(r=4, alpha=8))
+    assert lm.task == "causal_lm"
+    wrapped = {n.rsplit(".", 1)[-1] for n in lora_layers(lm.model)}
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    keys = trainable_state_keys(lm.model)
+    assert keys and all("lora_" in k for k in keys)
+    ids = lm.tokenizer("What is 2 + 3?", return_tensors="pt")
+    out = lm.model(**ids, labels=ids["input_ids"])
+    assert torch.isfinite(out.loss)
+
+
+def test_roberta_preset_trains_attention_and_head():
+    lm = load_model(ModelConfig(name="tiny-roberta"), LoraConfig(r=4), num_labels=3)
+    assert lm.task == "classification"
+    wrapped = {n.split("attention.", 1)[1] for n in lora_layers(lm.model)}
+    assert wrapped == {"self.query", "self.key", "self.value", "output.dense"}
+    keys = trainable_state_keys(lm.model)
+    assert any("classifier.modules_to_save" in k for k in keys)
+    assert lm.model(**lm.tokenizer("good", return_tensors="pt")).logits.shape == (1, 3)
+
+
+def test_lora_init_is_seeded_and_b_starts_at_zero():
+    a = load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=4), seed=3).model
+    b = load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=4), seed=3).model
+    sa, sb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(torch.count_nonzero(v) == 0 for k, v in sa.items() if "lora_B" in k)
+
+
+def test_impossible_rank_and_targets_are_recipe_errors():
+    with pytest.raises(RecipeError, match=r"lora.r: got 100; expected <= min\(out, in\)"):
+        load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=100))
+    with pytest.raises(RecipeError, match="lora.target_modules"):
+        load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=4, target_modules=["no_such_proj"]))
+
+
+def test_missing_model_paths_are_clear_errors(tmp_path):
+    with pytest.raises(ModelError, match="GGUF file not found"):
+        load_model(ModelConfig(name=str(tmp_path / "m.gguf")), LoraConfig())
+    with pytest.raises(ModelError, match="directory not found"):
+        load_model(ModelConfig(name=str(tmp_path / "nope")), LoraConfig())
+
+
+def test_local_directory_round_trip(tmp_path):
+    lm = load_model(ModelConfig(name="tiny-qwen2"), LoraConfig(r=2))
+    base = lm.model.get_base_model()
+    base.save_pretrained(tmp_path / "m")
+    lm.tokenizer.save_pretrained(tmp_path / "m")
+    again = load_model(ModelConfig(name=str(tmp_path / "m")), LoraConfig(r=2))
+    assert again.model_type == "qwen2" and again.task == "causal_lm"
+
+
+def test_bf16_dtype():
+    lm = load_model(ModelConfig(name="tiny-llama", dtype="bf16"), LoraConfig(r=2))
+    assert next(lm.model.get_base_model().parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_real_smollm2_from_the_shipped_gguf():
+    lm = load_model(ModelConfig(name="smollm2-135m-instruct"), LoraConfig(r=8, alpha=16))
+    assert lm.model_type == "llama" and len(lora_layers(lm.model)) == 4 * 30
+    ids = lm.tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        nxt = lm.model(**ids).logits[0, -1].argmax()
+    assert "Paris" in lm.tokenizer.decode(nxt)
+
+
+@pytest.mark.slow
+def test_real_minilm_encoder_as_classifier():
+    lm = load_model(ModelConfig(name="minilm-l6"), LoraConfig(r=8), num_labels=4)
+    assert lm.model_type == "bert" and lm.task == "classification" and len(lora_layers(lm.model)) == 4 * 6
+    assert lm.model(**lm.tokenizer(["a", "b c"], return_tensors="pt", padding=True)).logits.shape == (2, 4)
