@@ -81,7 +81,7 @@ class DataConfig:
     name: Optional[str] = doc(None, "hub dataset config name")
     split: str = doc("train", "split to train on")
     format: Literal["instruction", "chat", "classification"] = doc("instruction", "how records become token sequences")
-    template: str = doc("alpaca", "instruction template name, or for chat: 'tokenizer' or a FastChat template name")
+    template: Optional[str] = doc(None, "instruction template (default alpaca), or for chat 'tokenizer' (default) or a FastChat template name")
     fields: dict[str, str] = doc({}, "column renames, e.g. {instruction: query, output: response, label: label}")
     labels: Optional[list[str]] = doc(None, "label names for classification (default: sorted distinct values)")
     max_examples: Optional[int] = doc(None, "keep at most this many training records (after shuffling with the seed)")
@@ -89,6 +89,10 @@ class DataConfig:
     eval_split: Optional[str] = doc(None, "hub split of the held-out records")
     eval_fraction: float = doc(0.0, "fraction of records held out when no eval_path is given")
     client_eval_fraction: float = doc(0.0, "fraction of each client's records held out as its personal test split")
+
+    def __post_init__(self) -> None:
+        if self.template is None:
+            self.template = "tokenizer" if self.format == "chat" else "alpaca"
 
 
 @dataclass

@@ -26,7 +26,13 @@ from typing import Any, Callable, Optional
 from fedllm.config import DataConfig
 from fedllm.data.chat import chat_encoder
 from fedllm.data.errors import DataError
-from fedllm.data.templates import format_prompt, format_response, instruction_template, record_field
+from fedllm.data.templates import (
+    INSTRUCTION_TEMPLATES,
+    format_prompt,
+    format_response,
+    instruction_template,
+    record_field,
+)
 from fedllm.data.tokens import IGNORE_INDEX, leading_bos, text_ids
 
 Encoder = Callable[[dict], Optional[dict]]
@@ -51,6 +57,19 @@ def fit_prompt_response(prompt: list[int], response: list[int], budget: int) -> 
     keep_prompt = max(budget - len(response), min(len(prompt), budget // 2))
     keep_response = budget - keep_prompt
     return prompt[len(prompt) - keep_prompt :], response[:keep_response]
+
+
+def format_alpaca_prompt(instruction: str, input: str = "") -> str:
+    """The ``alpaca`` prompt of one instruction (no-input variant when ``input`` is empty).
+
+    Args:
+        instruction: The instruction text.
+        input: Optional context.
+
+    Returns:
+        The prompt, ending where the response starts.
+    """
+    return INSTRUCTION_TEMPLATES["alpaca"].prompt(instruction, input or "")
 
 
 def instruction_encoder(tokenizer: Any, data_cfg: DataConfig, max_length: int, label_names: Optional[list[str]] = None) -> Encoder:

@@ -19,11 +19,11 @@ from fedllm.data.errors import DataError
 #: Suffixes that mark a path as a local file even when it does not exist.
 FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt", ".gz", ".zip")
 
-EXPECTED_FORMS = (
+LOCAL_FORMS = (
     "a .json file (a list of objects, or an object with the list under 'data' or the split name), "
-    "a .jsonl file, a .csv file, a .parquet file, a directory holding <split>.jsonl|json|csv|parquet, "
-    "or a Hugging Face hub dataset id"
+    "a .jsonl, .csv or .parquet file, or a directory holding <split>.jsonl|json|csv|parquet"
 )
+EXPECTED_FORMS = LOCAL_FORMS + ", or a Hugging Face hub dataset id"
 
 
 def _read_json(path: Path, split: str) -> list[Any]:
@@ -134,12 +134,15 @@ def _read_hub(path: str, name: Optional[str], split: str) -> list[dict]:
         ds = datasets.load_dataset(path, name, split=split)
     except Exception as e:  # noqa: BLE001  (the hub client raises many types)
         detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if _hub_offline() or isinstance(e, (ConnectionError, OSError)):
+        if _hub_offline() or isinstance(e, ConnectionError):
             raise DataError(
-                f"{path!r} is not a local file or directory and could not be reached on the Hugging Face hub "
-                f"offline; pass a local file instead ({EXPECTED_FORMS}) [{detail}]"
+                f"hub dataset {path!r} could not be reached offline (and it is not a local file or directory); "
+                f"pass a local file instead: {LOCAL_FORMS} [{detail}]"
             ) from None
-        raise DataError(f"could not load hub dataset {path!r} (name={name!r}, split={split!r}): {detail}") from None
+        raise DataError(
+            f"could not load hub dataset {path!r} (name={name!r}, split={split!r}): {detail}; "
+            f"if you meant a local file, it does not exist (expected {LOCAL_FORMS})"
+        ) from None
     return _checked(ds.to_list(), f"{path} [{split}]")
 
 
@@ -168,5 +171,5 @@ def load_records(path: str, name: Optional[str] = None, split: str = "train") ->
     if local.is_file():
         return _read_file(local, split)
     if looks_local(path):
-        raise DataError(f"{path}: no such file or directory; expected {EXPECTED_FORMS}")
+        raise DataError(f"{path}: no such file or directory; expected {LOCAL_FORMS}")
     return _read_hub(path, name, split)

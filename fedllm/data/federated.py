@@ -1,0 +1,336 @@
+"""Records -> tokenized per-client training data and held-out splits.
+
+Pipeline of :func:`build_federated_data`:
+
+1. load ``data.path`` (file order);
+2. without a manifest: shuffle with the seed, keep ``max_examples``, hold out
+   ``eval_fraction`` of those (only when no ``eval_path``/``eval_split`` is given)
+   and partition the rest with ``federation.partition``; with
+   ``federation.partition.path``: take the manifest's client lists (and its
+   held-out ``eval`` ids) as they are;
+3. hold out ``client_eval_fraction`` of every client as its personal test split;
+4. tokenize with ``data.format``.
+
+Record ids in manifests always index the data file as loaded, so a manifest
+written by :func:`partition_to_disk` (``fedllm partition``) reproduces the split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from fedllm.config import DataConfig, PartitionConfig
+from fedllm.data.errors import DataError, PartitionError
+from fedllm.data.formats import FORMAT_TASKS, Encoder, make_encoder, resolve_label_names
+from fedllm.data.loading import load_records
+from fedllm.data.manifest import load_manifest, manifest_clients, partition_manifest, save_manifest
+from fedllm.data.partition import partition_records
+from fedllm.data.templates import field_name
+
+log = logging.getLogger(__name__)
+
+# Independent random streams derived from the recipe seed.
+_SHUFFLE_STREAM, _CLIENT_EVAL_STREAM = 1, 2
+
+
+@dataclass
+class FederatedData:
+    """Tokenized training data split into clients, and the held-out data.
+
+    Attributes:
+        examples: Tokenized training examples of all clients.
+        clients: ``clients[c]`` = indices into ``examples`` of client ``c``.
+        client_eval: ``client_eval[c]`` = client ``c``'s personal held-out
+            examples, tokenized (empty lists when ``client_eval_fraction`` is 0).
+        client_eval_records: The same held-out records, raw (for generation).
+        eval_records: Global held-out records, raw (for generation-based eval).
+        eval_examples: ``eval_records`` tokenized (classification accuracy, eval loss).
+        label_names: Class names (classification), else None.
+        manifest: The partition manifest (record ids into the loaded data file).
+    """
+
+    examples: list[dict]
+    clients: list[list[int]]
+    client_eval: list[list[dict]]
+    client_eval_records: list[list[dict]]
+    eval_records: list[dict]
+    eval_examples: list[dict]
+    label_names: Optional[list[str]]
+    manifest: dict
+
+    @property
+    def num_clients(self) -> int:
+        """Number of clients."""
+        return len(self.clients)
+
+    def num_examples(self, client_id: int) -> int:
+        """Number of training examples of ``client_id`` (the FedAvg weight)."""
+        return len(self.clients[client_id])
+
+    def client_examples(self, client_id: int) -> list[dict]:
+        """The training examples of ``client_id``."""
+        return [self.examples[i] for i in self.clients[client_id]]
+
+
+def _rng(seed: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([stream, seed])
+
+
+def _has_eval_source(data_cfg: DataConfig) -> bool:
+    return bool(data_cfg.eval_path or data_cfg.eval_split)
+
+
+def select_records(records: list[dict], data_cfg: DataConfig, seed: int) -> tuple[list[int], list[int]]:
+    """Pick the training and held-out records.
+
+    The records are shuffled with ``seed`` and capped at ``max_examples``; when
+    no ``eval_path``/``eval_split`` is given, ``eval_fraction`` of them (at least
+    one when the fraction is positive) is held out.
+
+    Args:
+        records: All records, in file order.
+        data_cfg: ``max_examples``, ``eval_fraction`` and the eval source.
+        seed: Seed of the shuffle.
+
+    Returns:
+        ``(train_ids, eval_ids)``: sorted indices into ``records``.
+
+    Raises:
+        DataError: The hold-out would leave no training record.
+    """
+    order = _rng(seed, _SHUFFLE_STREAM).permutation(len(records)).tolist()
+    if data_cfg.max_examples is not None:
+        order = order[: data_cfg.max_examples]
+    n_eval = 0
+    if data_cfg.eval_fraction > 0 and not _has_eval_source(data_cfg):
+        n_eval = max(1, round(data_cfg.eval_fraction * len(order)))
+    if n_eval >= len(order):
+        raise DataError(
+            f"data.eval_fraction={data_cfg.eval_fraction} of {len(order)} records leaves no training record"
+        )
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def _partition_cfg(data_cfg: DataConfig, partition_cfg: PartitionConfig) -> PartitionConfig:
+    """Default the partition column to the classification label column (after renames)."""
+    if partition_cfg.column is None and data_cfg.format == "classification":
+        return dataclasses.replace(partition_cfg, column=field_name(data_cfg, "label"))
+    return partition_cfg
+
+
+def partition_ids(
+    records: list[dict], ids: list[int], num_clients: int, seed: int, partition_cfg: PartitionConfig
+) -> list[list[int]]:
+    """Partition the records ``ids`` into clients.
+
+    Args:
+        records: All records.
+        ids: The training records to split.
+        num_clients: Number of clients.
+        seed: Seed of the partitioner.
+        partition_cfg: Method and its options.
+
+    Returns:
+        Sorted indices into ``records`` per client.
+    """
+    parts = partition_records([records[i] for i in ids], num_clients, seed, partition_cfg)
+    return [sorted(ids[j] for j in part) for part in parts]
+
+
+def split_client_eval(parts: list[list[int]], fraction: float, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Hold out ``fraction`` of every client's records as its personal test split.
+
+    Args:
+        parts: Record ids per client.
+        fraction: Share held out per client (0: none); at least one record and
+            at most all but one record are held out when positive.
+        seed: Seed of the choice.
+
+    Returns:
+        ``(train_parts, eval_parts)``, sorted ids per client.
+
+    Raises:
+        DataError: A client has too few records to hold one out.
+    """
+    if fraction <= 0:
+        return [list(p) for p in parts], [[] for _ in parts]
+    rng = _rng(seed, _CLIENT_EVAL_STREAM)
+    train, held = [], []
+    for client, ids in enumerate(parts):
+        if len(ids) < 2:
+            raise DataError(
+                f"client {client} has {len(ids)} record(s): too few to hold out a personal test split "
+                f"(data.client_eval_fraction={fraction})"
+            )
+        n = min(max(1, round(fraction * len(ids))), len(ids) - 1)
+        order = rng.permutation(ids).tolist()
+        held.append(sorted(order[:n]))
+        train.append(sorted(order[n:]))
+    return train, held
+
+
+def _encode_all(encode: Encoder, records: list[dict], what: str, max_length: int) -> list[dict]:
+    examples = [ex for ex in map(encode, records) if ex is not None]
+    if records and not examples:
+        raise DataError(
+            f"{what}: none of its {len(records)} records keeps a trainable token within max_length={max_length}"
+        )
+    if len(examples) < len(records):
+        log.warning("%s: dropped %d of %d records with no trainable token within max_length=%d",
+                    what, len(records) - len(examples), len(records), max_length)
+    return examples
+
+
+def _load_eval_records(data_cfg: DataConfig, source_path: str) -> list[dict]:
+    path = data_cfg.eval_path or source_path
+    name = data_cfg.name if path == source_path else None
+    return load_records(path, name, data_cfg.eval_split or "test")
+
+
+def _manifest_parts(manifest: dict, num_clients: int, num_records: int, where: str) -> list[list[int]]:
+    parts = manifest_clients(manifest)
+    if len(parts) != num_clients:
+        raise PartitionError(f"{where}: the manifest has {len(parts)} clients but num_clients is {num_clients}")
+    largest = max(max(p) for p in parts)
+    if largest >= num_records:
+        raise PartitionError(
+            f"{where}: the manifest refers to record {largest} but the data has {num_records} records "
+            "(was it written for another data file?)"
+        )
+    return parts
+
+
+def build_federated_data(
+    data_cfg: DataConfig,
+    partition_cfg: PartitionConfig,
+    num_clients: int,
+    tokenizer: Any,
+    max_length: int,
+    seed: int,
+    task: str = "causal_lm",
+) -> FederatedData:
+    """Load, split and tokenize the training data of a federation.
+
+    Args:
+        data_cfg: The ``data`` section of the recipe.
+        partition_cfg: ``federation.partition``.
+        num_clients: ``federation.num_clients``.
+        tokenizer: The model's tokenizer.
+        max_length: ``train.max_length``.
+        seed: The recipe seed (shuffle, partition, personal splits).
+        task: ``causal_lm`` or ``classification``; must match ``data.format``.
+
+    Returns:
+        The :class:`FederatedData`.
+
+    Raises:
+        DataError: Loading/formatting problems, or a client left without examples.
+        PartitionError: The partition is impossible or the manifest does not fit.
+    """
+    if FORMAT_TASKS.get(data_cfg.format) != task:
+        raise DataError(
+            f"data.format {data_cfg.format!r} trains a {FORMAT_TASKS.get(data_cfg.format)} model, "
+            f"but the model task is {task!r}"
+        )
+    partition_cfg = _partition_cfg(data_cfg, partition_cfg)
+    manifest = load_manifest(partition_cfg.path) if partition_cfg.path else None
+    source_path = data_cfg.path or (manifest or {}).get("source", {}).get("path", "")
+    records = load_records(source_path, data_cfg.name, data_cfg.split)
+    if manifest is not None:
+        parts = _manifest_parts(manifest, num_clients, len(records), str(partition_cfg.path))
+        eval_ids = [] if _has_eval_source(data_cfg) else list(manifest.get("eval", []))
+    else:
+        train_ids, eval_ids = select_records(records, data_cfg, seed)
+        parts = partition_ids(records, train_ids, num_clients, seed, partition_cfg)
+        manifest = partition_manifest(
+            parts, records, partition_cfg.column, partition_cfg.method, seed=seed, beta=partition_cfg.beta,
+            source={"path": source_path, "name": data_cfg.name, "split": data_cfg.split}, eval=eval_ids,
+        )
+    eval_records = _load_eval_records(data_cfg, source_path) if _has_eval_source(data_cfg) else [records[i] for i in eval_ids]
+    train_parts, personal_parts = split_client_eval(parts, data_cfg.client_eval_fraction, seed)
+
+    label_names = None
+    if task == "classification":
+        used = [records[i] for part in parts for i in part] + eval_records
+        label_names = resolve_label_names(used, data_cfg)
+    encode = make_encoder(tokenizer, data_cfg, max_length, label_names)
+
+    examples: list[dict] = []
+    clients: list[list[int]] = []
+    for client, ids in enumerate(train_parts):
+        start = len(examples)
+        examples.extend(_encode_all(encode, [records[i] for i in ids], f"client {client}", max_length))
+        clients.append(list(range(start, len(examples))))
+    client_eval_records = [[records[i] for i in ids] for ids in personal_parts]
+    client_eval = [
+        _encode_all(encode, recs, f"client {c} personal test split", max_length)
+        for c, recs in enumerate(client_eval_records)
+    ]
+    return FederatedData(
+        examples=examples,
+        clients=clients,
+        client_eval=client_eval,
+        client_eval_records=client_eval_records,
+        eval_records=eval_records,
+        eval_examples=_encode_all(encode, eval_records, "held-out data", max_length),
+        label_names=label_names,
+        manifest=manifest,
+    )
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def partition_to_disk(
+    data_cfg: DataConfig, partition_cfg: PartitionConfig, num_clients: int, seed: int, out_dir: str | os.PathLike
+) -> dict:
+    """Partition a data set and write it out (what ``fedllm partition`` runs).
+
+    Writes ``client_000.jsonl`` ... (each client's raw records), ``eval.jsonl``
+    when records are held out, and ``manifest.json`` last. Pass the directory as
+    ``federation.partition.path`` to train on exactly this split.
+
+    Args:
+        data_cfg: Data source, ``max_examples`` and ``eval_fraction``.
+        partition_cfg: Method and its options.
+        num_clients: Number of clients.
+        seed: Seed of shuffle and partition (use the recipe's seed).
+        out_dir: Output directory (created).
+
+    Returns:
+        The manifest written.
+    """
+    partition_cfg = _partition_cfg(data_cfg, partition_cfg)
+    records = load_records(data_cfg.path, data_cfg.name, data_cfg.split)
+    train_ids, eval_ids = select_records(records, data_cfg, seed)
+    parts = partition_ids(records, train_ids, num_clients, seed, partition_cfg)
+    manifest = partition_manifest(
+        parts, records, partition_cfg.column, partition_cfg.method, seed=seed, beta=partition_cfg.beta,
+        source={"path": data_cfg.path, "name": data_cfg.name, "split": data_cfg.split}, eval=eval_ids,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for client, ids in enumerate(parts):
+        _write_jsonl(out / f"client_{client:03d}.jsonl", [records[i] for i in ids])
+    if eval_ids:
+        _write_jsonl(out / "eval.jsonl", [records[i] for i in eval_ids])
+    save_manifest(out / "manifest.json", manifest)
+    return manifest
