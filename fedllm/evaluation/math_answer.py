@@ -53,7 +53,7 @@ def extract_math_answer(text: str) -> Optional[str]:
     match = _ANSWER_IS_RE.search(text)
     if match:
         answer = match.group(1).strip().splitlines()[0].strip()
-        return answer.strip("$").rstrip(".").strip() or None
+        return answer.rstrip(".").strip().strip("$").strip() or None
     return None
 
 
@@ -115,7 +115,7 @@ def normalize_math_answer(answer: Optional[str]) -> Optional[str]:
 
 
 def _value(s: str) -> Optional[Fraction]:
-    match = re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", s)
+    match = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(\d+)\}", s)
     try:
         if match:
             value = Fraction(int(match.group(2)), int(match.group(3)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from fedllm.errors import InputError
 from fedllm.registry import Registry
 
 Message = dict
@@ -71,7 +72,7 @@ class ChatStyle(PromptStyle):
         if self.chat_template:
             return _fastchat_prompt(self.chat_template, plain)
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
+            raise InputError(
                 "the tokenizer has no chat template: set eval.chat_template (--chat-template) to a "
                 "FastChat template name, or use the 'alpaca' or 'plain' prompt style"
             )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from fedllm.evaluation.sources import DataSourceError
+
 QUESTION_KEYS = ("question", "problem", "instruction", "query", "prompt", "text")
 ANSWER_KEYS = ("answer", "solution", "output", "response", "completion")
 _ROLE_KEYS = ("role", "from")
@@ -42,14 +44,15 @@ def question_of(record: dict) -> str:
     """The question / instruction of a record (Alpaca ``input`` appended on a new line).
 
     Raises:
-        KeyError: when the record has no recognisable question field.
+        DataSourceError: the record has no recognisable question field.
     """
     chat = _turn(record, _USER_ROLES)
     if chat is not None:
         return chat
     q = _first(record, QUESTION_KEYS)
     if q is None:
-        raise KeyError(f"no question field ({', '.join(QUESTION_KEYS)} or messages) in record with keys {sorted(record)}")
+        raise DataSourceError(f"no question field ({', '.join(QUESTION_KEYS)} or messages) "
+                              f"in a record with keys {sorted(record)}")
     extra = record.get("input")
     return f"{q}\n\n{extra}" if isinstance(extra, str) and extra.strip() else q
 
@@ -58,14 +61,15 @@ def answer_of(record: dict) -> str:
     """The reference answer of a record.
 
     Raises:
-        KeyError: when the record has no recognisable answer field.
+        DataSourceError: the record has no recognisable answer field.
     """
     chat = _turn(record, _ASSISTANT_ROLES)
     if chat is not None:
         return chat
     a = _first(record, ANSWER_KEYS)
     if a is None:
-        raise KeyError(f"no answer field ({', '.join(ANSWER_KEYS)} or messages) in record with keys {sorted(record)}")
+        raise DataSourceError(f"no answer field ({', '.join(ANSWER_KEYS)} or messages) "
+                              f"in a record with keys {sorted(record)}")
     return a
 
 

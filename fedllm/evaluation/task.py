@@ -1,0 +1,42 @@
+"""The task interface: every registered evaluation task is a :class:`Task` subclass."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fedllm.evaluation.context import EvalContext
+from fedllm.evaluation.sources import DataSourceError, HubSource, read_hub, read_records
+
+
+class Task:
+    """One evaluation task (registered with :func:`fedllm.registry.register_task`).
+
+    Attributes:
+        name: registry name; metric keys are ``<name>/<metric>``.
+        hub: default data on the hub, or None when the data must be given.
+        uses_records: the held-out training records are used when no data spec is given.
+    """
+
+    name: str = ""
+    hub: Optional[HubSource] = None
+    uses_records: bool = False
+
+    def run(self, ctx: EvalContext) -> dict[str, float]:
+        """Evaluate ``ctx.model``; write the result file; return the task's metrics (unprefixed)."""
+        raise NotImplementedError
+
+    def raw_records(self, ctx: EvalContext) -> list[dict]:
+        """The task's raw records: ``eval.data[name]``, else held-out training records, else the hub default.
+
+        Raises:
+            DataSourceError: none of them is available.
+        """
+        spec = ctx.data_spec(self.name)
+        if spec:
+            return read_records(spec, self.hub.split if self.hub else "test")
+        if self.uses_records and ctx.records:
+            return list(ctx.records)
+        if self.hub is None:
+            raise DataSourceError(f"task {self.name!r} has no default data: pass --data {self.name}=PATH_OR_HUB_ID "
+                                  f"(eval.data.{self.name})")
+        return read_hub(self.hub)

