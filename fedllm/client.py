@@ -117,12 +117,12 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     if not indices:
         raise ValueError(f"client {plan.client_id} has no training examples")
     torch.manual_seed(seed)
-    write_state(model, plan.state)
+    write_state(model, {**plan.state, **plan.local})
     device = next(model.parameters()).device
     params = dict(model.named_parameters())
     stream = BatchStream(indices, cfg.batch_size, seed)
     default_steps = steps_per_round(cfg, len(indices))
-    touched = list(plan.state)
+    touched = list(plan.state) + [k for k in plan.local if k not in plan.state]
     losses: list[float] = []
     total_steps = 0
     new_opt_state: StateDict = {}

@@ -27,6 +27,7 @@ from fedllm.client import derived_seed, steps_per_round, train_client
 from fedllm.config import Recipe, dump_recipe
 from fedllm.data import FederatedData, build_federated_data, collate
 from fedllm.distributed import Dispatch
+from fedllm.evaluation.runner import eval_due
 from fedllm.models import LoadedModel, lora_layers, load_model, load_tokenizer, read_state, resolve_task, write_state
 from fedllm.state import StateDict, cast, num_bytes
 from fedllm.strategies import ClientInfo, ClientUpdate, Strategy, get_strategy
@@ -156,18 +157,33 @@ class RoundLoop:
                 f.write(json.dumps(record) + "\n")
 
     # ----- evaluation
-    def evaluate(self, rnd: int) -> dict[str, float]:
-        ev = self.recipe.eval
-        if not ev.tasks:
-            return {}
-        from fedllm.evaluation import evaluate
+    def evaluate(self, rnd: int, records: Optional[list] = None, examples: Optional[list] = None,
+                 tag: str = "") -> dict[str, float]:
+        """The recipe's eval tasks on the model as it is now (held-out data of the run by default)."""
+        from fedllm.evaluation import evaluate, prompt_style_for_data
 
+        data = self.fed.data
         out_dir = self.run_dir / "eval" / f"round-{rnd:04d}" if self.dispatch.is_main else None
-        return evaluate(self.model, self.fed.loaded.tokenizer, ev, out_dir, records=self.fed.data.eval_records,
-                        eval_examples=self.fed.data.eval_examples, tag=f"round {rnd}")
+        return evaluate(self.model, self.fed.loaded.tokenizer, self.recipe.eval, out_dir,
+                        records=data.eval_records if records is None else records,
+                        eval_examples=data.eval_examples if examples is None else examples, tag=tag,
+                        prompt_style=prompt_style_for_data(self.recipe.data), progress=self.progress)
 
-    def due(self, every: int, rnd: int) -> bool:
-        return rnd == self.recipe.federation.rounds or (every > 0 and rnd % every == 0)
+    def evaluate_personal(self, rnd: int) -> dict[str, dict[str, float]]:
+        """Each client's personal model (``Strategy.personal_state``) on its own held-out split."""
+        data, out = self.fed.data, {}
+        for cid in range(self.recipe.federation.num_clients):
+            personal = self.fed.strategy.personal_state(cid)
+            if personal is None or not (data.client_eval[cid] or data.client_eval_records[cid]):
+                continue
+            saved = read_state(self.model, personal.keys())
+            write_state(self.model, personal)
+            try:
+                out[str(cid)] = self.evaluate(rnd, data.client_eval_records[cid], data.client_eval[cid],
+                                              tag=f"client-{cid}")
+            finally:
+                write_state(self.model, saved)
+        return out
 
     # ----- one round
     def run_round(self, rnd: int, bar: Any) -> dict[str, Any]:
@@ -184,7 +200,7 @@ class RoundLoop:
             down[cid] = strategy.download_bytes(plan, comm)
             result = train_client(self.model, plan, strategy, data.examples, data.clients[cid], recipe.train,
                                   self.collate, derived_seed(recipe.seed, rnd, cid),
-                                  self.optimizer_states.get(cid), bar)
+                                  strategy.client_optimizer_state(rnd, cid, self.optimizer_states.get(cid)), bar)
             if result.optimizer_state is not None:
                 self.optimizer_states[cid] = result.optimizer_state
             upload = cast(strategy.client_upload(plan, result.state, result.steps), comm)
@@ -204,15 +220,17 @@ class RoundLoop:
             "bytes_up_total": sum(up.values()), "bytes_down_total": sum(down.values()),
             "train_loss": sum(u.loss * u.num_examples for u in updates) / sum(u.num_examples for u in updates),
         }
-        if self.due(recipe.eval.every, rnd) and recipe.eval.tasks:
+        if eval_due(recipe.eval, rnd, recipe.federation.rounds):
             record["eval"] = self.evaluate(rnd)
+            if recipe.eval.personal and strategy.personalized:
+                record["personal_eval"] = self.evaluate_personal(rnd)
         record["seconds"] = round(time.perf_counter() - t0, 3)
         return record
 
     def run(self) -> RunResult:
         recipe = self.recipe
         rounds = recipe.federation.rounds
-        if self.start_round == 0 and recipe.eval.before_training and recipe.eval.tasks:
+        if self.start_round == 0 and eval_due(recipe.eval, 0, rounds):
             self.log_round({"round": 0, "eval": self.evaluate(0)})
         sizes = [len(ix) for ix in self.fed.data.clients]
         steps_round = sum(sorted((steps_per_round(recipe.train, n) for n in sizes), reverse=True)

@@ -2,6 +2,7 @@
 
 from fedllm.registry import strategies
 from fedllm.strategies import fedavg  # noqa: F401
+from fedllm.strategies import fedloru, frlora, mfedloru, pfedloru  # noqa: F401
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate, Phase, Strategy
 
 

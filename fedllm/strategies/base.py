@@ -36,6 +36,7 @@ class ClientPlan:
     phases: list[Phase] = field(default_factory=lambda: [Phase()])
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific (control variates, anchors ...)
     lr: float = 0.0  # the round's learning rate, set by the server
+    local: StateDict = field(default_factory=dict)  # client-held tensors (private factors ...): loaded, never sent
 
 
 @dataclass
@@ -64,10 +65,14 @@ class Strategy(abc.ABC):
         recipe: the run's :class:`fedllm.config.Recipe`, set by the server before ``setup``.
         modifies_base: True when the strategy changes the frozen base weights (their current
             values are then checkpointed and exported).
+        kept_in_base: True when the pieces returned by :meth:`kept_factors` are also merged into
+            the current base weights already (FedLoRU's ``accumulate: merge``), so the original
+            weight is the current base minus them; False when they are kept only beside the base.
     """
 
     name = "base"
     modifies_base = False
+    kept_in_base = False
     personalized = False
 
     def __init__(self, **kwargs: Any):
@@ -125,6 +130,16 @@ class Strategy(abc.ABC):
         """What the client sends: by default the trained values of the plan's state keys."""
         return {k: trained[k] for k in plan.state}
 
+    def client_optimizer_state(self, rnd: int, client_id: int,
+                               state: Optional[StateDict]) -> Optional[StateDict]:
+        """The per-client optimizer moments ``client_id`` continues from in round ``rnd``.
+
+        Called once per sampled client per round with the moments kept from its last round
+        (None when moments are reset each round); a strategy that re-initialises tensors drops
+        their stale moments here. Default: unchanged.
+        """
+        return state
+
     def download_bytes(self, plan: ClientPlan, comm_dtype: str) -> int:
         """Bytes sent to a sampled client this round."""
         return num_bytes(plan.state, comm_dtype)
@@ -147,6 +162,16 @@ class Strategy(abc.ABC):
         Maps a LoRA-wrapped module name (as in ``fedllm.models.lora_layers``) to a list of
         ``(B, A, scale)``: the layer's learned change equals the sum of ``scale * B @ A`` over the
         list plus the current adapter's product (FedLoRU's accumulated factors). Default: none.
+        See :attr:`kept_in_base` for whether the current base weights already include them.
+        """
+        return {}
+
+    def base_residuals(self) -> dict[str, torch.Tensor]:
+        """Dense changes of LoRA-wrapped base weights kept beside them instead of merged, for export.
+
+        Maps a module name (as in ``fedllm.models.lora_layers``) to an fp32 ``out × in`` matrix that
+        the model adds to that layer's base weight (a forward hook computes with it): FRLoRA's and
+        FedLoRU's merges on a 4/8-bit or half-precision base. Default: none.
         """
         return {}
 

@@ -1,0 +1,185 @@
+"""FRLoRA: federated residual low-rank adaptation (seed 001, Alg. 1) and its ablations v1/v2/v3 (§4.4).
+
+Per LoRA-wrapped weight ``W0`` (scaling ``s = alpha / r``):
+
+- init: ``U,S,Vh = svd(W0)``, ``B0 = U_r·diag(√(S_r/s))``, ``A0 = diag(√(S_r/s))·Vh_r``; the base becomes
+  ``Ŵ0 = W0 − s·B0A0`` so the model computes exactly what it did before;
+- every round each sampled client starts from ``(B0, A0)`` on the current base ``Ŵ^{t−1}``; the server
+  averages A and B separately; ``ΔW^t = s·(B̄^t Ā^t − B0A0)`` is added to the base (in fp32) on the
+  server and on every client, participating or not; the model in memory always holds
+  ``Ŵ^t + s·B0A0`` (the final weight ``W̃^T``).
+
+The variants differ only in where each round's clients start from (``reinit``) and how it begins
+(``init``): the merge ``base ← base + s·(B̄Ā − B_next A_next)`` keeps the model's output unchanged.
+
+Precision: with ``residual: auto`` an fp32 base is merged in place; a 4/8-bit or bf16/fp16 base is left
+untouched and the accumulated change (including ``−s·B0A0``) is kept as an fp32 dense residual per layer,
+added to the layer's output by a forward hook, so nothing is lost to re-quantisation or rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedllm.lowrank import SVD_METHODS, principal_factors, product
+from fedllm.registry import register_strategy
+from fedllm.state import DTYPES, StateDict
+from fedllm.strategies.base import ClientInfo
+from fedllm.strategies.fedavg import FedAvg
+from fedllm.strategies.residual import (
+    RESIDUAL_MODES,
+    BaseUpdates,
+    adapter_layers,
+    layer_seed,
+    recipe_value,
+    resolve_residual_mode,
+    standard_factors,
+    to_wire,
+)
+
+
+@register_strategy("frlora")
+class FRLoRA(FedAvg):
+    """FRLoRA (Yan et al., ICLR 2025, Alg. 1): ``Ŵ^t = Ŵ^{t−1} + s·(B̄^t Ā^t − B0A0)`` on every client, then all restart from the principal ``(B0, A0)``.
+
+    Args:
+        weighting: ``uniform`` (Alg. 1 line 9 and the official code: ``1/K``) or ``examples``.
+        svd: ``exact`` (``torch.linalg.svd``) or ``randomized`` (``torch.svd_lowrank``, seeded per layer
+            from the recipe seed, so every process computes the same factors).
+        niter: subspace iterations of the randomized SVD.
+        oversample: extra probe vectors of the randomized SVD (``q = r + oversample``).
+        residual: ``auto``, ``merge`` (add into the base weights) or ``dense`` (fp32 residual beside
+            the base; required for a 4/8-bit base, chosen by ``auto`` for any non-fp32 base).
+    """
+
+    name = "frlora"
+    init = "principal"  # how the run starts: "principal" (SVD init) or "standard" (PEFT's LoRA init)
+    reinit = "principal"  # where each round starts: principal (B0, A0) | standard | resvd | none (no merge)
+
+    def __init__(self, weighting: str = "uniform", svd: str = "exact", niter: int = 4, oversample: int = 8,
+                 residual: str = "auto", **kwargs):
+        super().__init__(weighting=weighting, **kwargs)
+        self.svd, self.niter, self.oversample, self.residual = svd, niter, oversample, residual
+
+    @classmethod
+    def check_values(cls, args):
+        problems = super().check_values(args)
+        if args.get("svd", "exact") not in SVD_METHODS:
+            problems.append(("svd", args["svd"], f"one of {', '.join(SVD_METHODS)}"))
+        for key in ("niter", "oversample"):
+            v = args.get(key, 0)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                problems.append((key, v, "an integer >= 0"))
+        if args.get("residual", "auto") not in RESIDUAL_MODES:
+            problems.append(("residual", args["residual"], f"one of {', '.join(RESIDUAL_MODES)}"))
+        return problems
+
+    # ----- helpers
+    @property
+    def seed(self) -> int:
+        return int(recipe_value(self.recipe, "seed", 0))
+
+    @property
+    def comm_dtype(self) -> str:
+        return recipe_value(self.recipe, "federation.comm_dtype", "fp32")
+
+    def _wire(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return to_wire(t, self.comm_dtype, like)
+
+    def _principal(self, name: str, weight: torch.Tensor, rnd: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[name]
+        return principal_factors(weight, layer.rank, layer.scale, self.svd, self.niter, self.oversample,
+                                 seed=layer_seed(self.seed, name, 0x5BD, rnd))
+
+    def _standard(self, name: str, rnd: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return standard_factors(self.layers[name], recipe_value(self.recipe, "lora.init", "default"),
+                                layer_seed(self.seed, name, 0x1A17, rnd))
+
+    # ----- hooks
+    def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
+        self.layers = adapter_layers(model)
+        self.num_clients = len(clients)
+        self.base = BaseUpdates(self.layers, resolve_residual_mode(self.residual, self.layers))
+        self.modifies_base = self.base.modifies_base
+        self.sync_numel = sum(layer.numel for layer in self.layers.values())
+        self.start: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        with torch.no_grad():
+            for name, layer in self.layers.items():
+                a_param, b_param = layer.module.lora_A["default"].weight, layer.module.lora_B["default"].weight
+                if self.init == "principal":
+                    b0, a0 = self._principal(name, self.base.weight(name), 0)
+                    b_param.copy_(self._wire(b0, b_param))
+                    a_param.copy_(self._wire(a0, a_param))
+                    self.base.add(name, -product(b_param, a_param, layer.scale))
+                self.start[name] = (b_param.detach().clone(), a_param.detach().clone())
+
+    def after_aggregate(self, rnd: int, model: torch.nn.Module, global_state: StateDict) -> StateDict:
+        if self.reinit == "none":
+            return global_state
+        out = dict(global_state)
+        for name, layer in self.layers.items():
+            b_bar = global_state[layer.b_key].to(DTYPES[self.comm_dtype])  # what every client receives
+            a_bar = global_state[layer.a_key].to(DTYPES[self.comm_dtype])
+            b_now, a_now = self.start[name]
+            learned = product(b_bar, a_bar, layer.scale).to(b_now.device)
+            if self.reinit == "principal":
+                b_next, a_next = b_now, a_now
+            else:
+                if self.reinit == "standard":
+                    b_new, a_new = self._standard(name, rnd)
+                else:  # resvd: the principal factors of the new full weight
+                    b_new, a_new = self._principal(name, self.base.weight(name).to(learned.device) + learned, rnd)
+                b_next, a_next = self._wire(b_new, b_now), self._wire(a_new, a_now)
+            self.base.add(name, learned - product(b_next, a_next, layer.scale))
+            self.start[name] = (b_next.clone(), a_next.clone())
+            out[layer.b_key] = b_next.clone().to(global_state[layer.b_key].dtype)
+            out[layer.a_key] = a_next.clone().to(global_state[layer.a_key].dtype)
+        return out
+
+    def extra_download_bytes(self, rnd: int, sampled: list[int], num_clients: int, comm_dtype: str) -> dict[int, int]:
+        """Clients outside the round receive ``(B̄^t, Ā^t)`` to apply ``ΔW^t`` too (seed 001, Table 14)."""
+        if self.reinit == "none":
+            return {}
+        size = self.sync_numel * DTYPES[comm_dtype].itemsize
+        return {c: size for c in range(num_clients) if c not in set(sampled)}
+
+    def base_residuals(self) -> dict[str, torch.Tensor]:
+        return dict(self.base.residual)
+
+    def state_dict(self) -> StateDict:
+        state = self.base.state_dict()
+        for name, (b, a) in self.start.items():
+            state[f"start/{name}/B"] = b
+            state[f"start/{name}/A"] = a
+        return state
+
+    def load_state_dict(self, state: StateDict) -> None:
+        self.base.load_state_dict(state)
+        for name in self.layers:
+            if f"start/{name}/B" in state:
+                self.start[name] = (state[f"start/{name}/B"].clone(), state[f"start/{name}/A"].clone())
+
+
+@register_strategy("frlora_v1")
+class FRLoRAv1(FRLoRA):
+    """FRLoRA-v1 (seed 001 §4.4): FedAvg from FRLoRA's principal init (FedAvg + PiSSA): ``B, A ← mean_k (B_k, A_k)``, never merged."""
+
+    name = "frlora_v1"
+    reinit = "none"
+
+
+@register_strategy("frlora_v2")
+class FRLoRAv2(FRLoRA):
+    """FRLoRA-v2 (seed 001 §4.4): residual merge ``Ŵ^t = Ŵ^{t−1} + s·B̄^t Ā^t``, then a fresh standard LoRA init (A random, B = 0) each round."""
+
+    name = "frlora_v2"
+    init = "standard"
+    reinit = "standard"
+
+
+@register_strategy("frlora_v3")
+class FRLoRAv3(FRLoRA):
+    """FRLoRA-v3 (seed 001 §4.4): ``W^t = Ŵ^{t−1} + s·B̄^t Ā^t``, then re-run the SVD init on ``W^t`` every round."""
+
+    name = "frlora_v3"
+    reinit = "resvd"

@@ -1,0 +1,281 @@
+"""Merge-and-reinit machinery shared by FRLoRA (and its ablations) and the FedLoRU family.
+
+- :func:`adapter_layers`: every LoRA-wrapped layer with the state keys of its ``default``
+  adapter factors and its scaling ``s``.
+- :class:`BaseUpdates`: the learned changes of the frozen base weights. ``merge`` adds them to
+  the base weights in place (the sum is taken in fp32); ``dense`` keeps them as an fp32 residual
+  matrix beside the base and adds ``x @ Rᵀ`` to the layer's output through a forward hook. Dense
+  is what a 4/8-bit base needs (re-quantising the merged weight would lose the update) and what
+  a bf16/fp16 base needs (small updates vanish when rounded into half precision).
+- :class:`KeptFactors`: low-rank pieces ``(B, A, s)`` kept per layer instead of merged (FedLoRU's
+  accumulated updates); optionally live, i.e. added to the layer's output through a forward hook
+  so the in-memory model computes with them (FedLoRU's plug-and-play fine-tuning variant).
+
+Forward hooks are used rather than extra PEFT adapters so that nothing is added to the model's
+parameters or state dict; the tensors live here and are checkpointed by the owning strategy.
+Hooks add to the output of the PEFT LoRA layer (base + adapter), so they act whether or not the
+adapter is enabled, exactly like a change of the base weight would.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fedllm.lowrank import add_to_weight_, dense_weight, is_quantized, lora_init_
+from fedllm.state import DTYPES, StateDict
+
+RESIDUAL_MODES = ("auto", "merge", "dense")
+
+
+@dataclass
+class AdapterLayer:
+    """One LoRA-wrapped layer: its module, the state keys of its factors, and ``s = alpha / r``."""
+
+    name: str
+    module: Any
+    a_key: str
+    b_key: str
+    scale: float
+
+    @property
+    def base(self) -> torch.nn.Module:
+        """The wrapped (frozen) base layer."""
+        return self.module.get_base_layer()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out, in)`` of the base weight."""
+        return self.module.out_features, self.module.in_features
+
+    @property
+    def rank(self) -> int:
+        return self.module.lora_A["default"].weight.shape[0]
+
+    @property
+    def numel(self) -> int:
+        """Entries of the adapter's two factors (what one transfer of ``(B, A)`` carries)."""
+        return self.module.lora_A["default"].weight.numel() + self.module.lora_B["default"].weight.numel()
+
+
+def adapter_layers(model: torch.nn.Module, adapter: str = "default") -> dict[str, AdapterLayer]:
+    """The LoRA-wrapped layers of ``model`` (keyed like :func:`fedllm.models.lora_layers`)."""
+    from fedllm.models import lora_layers
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, AdapterLayer] = {}
+    for name in lora_layers(model):
+        module = model.get_submodule(name)
+        if getattr(module, "fan_in_fan_out", False):
+            raise ValueError(f"{name}: fan_in_fan_out (Conv1D) layers are not supported by merge-and-reinit strategies")
+        out[name] = AdapterLayer(name, module, names[id(module.lora_A[adapter].weight)],
+                                 names[id(module.lora_B[adapter].weight)], float(module.scaling[adapter]))
+    return out
+
+
+def recipe_value(recipe: Any, dotted: str, default: Any) -> Any:
+    """``recipe.<dotted>``, or ``default`` when the strategy runs without a recipe (unit use)."""
+    node = recipe
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        node = getattr(node, part, None)
+    return default if node is None else node
+
+
+def layer_seed(seed: int, name: str, *parts: int) -> int:
+    """A seed every process derives alike for layer ``name`` (and a round, a purpose ...)."""
+    from fedllm.client import derived_seed
+
+    return derived_seed(seed, zlib.crc32(name.encode()), *parts)
+
+
+def to_wire(t: torch.Tensor, comm_dtype: str, like: torch.Tensor) -> torch.Tensor:
+    """``t`` as clients receive it: rounded through ``comm_dtype``, stored in ``like``'s dtype and device."""
+    return t.detach().to(DTYPES[comm_dtype]).to(like.device, like.dtype)
+
+
+def standard_factors(layer: AdapterLayer, init: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh standard LoRA init ``(B = 0, A random)`` for ``layer`` from ``seed`` (fp32, CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.empty(layer.rank, layer.shape[1])
+    b = torch.empty(layer.shape[0], layer.rank)
+    lora_init_(a, b, init, gen)
+    return b, a
+
+
+def resolve_residual_mode(mode: str, layers: dict[str, AdapterLayer]) -> str:
+    """``merge`` or ``dense`` for ``mode`` (``auto``: dense unless every base weight is plain fp32).
+
+    Raises:
+        ValueError: ``merge`` was asked for a quantized base.
+    """
+    if mode not in RESIDUAL_MODES:
+        raise ValueError(f"residual mode {mode!r}; expected one of {RESIDUAL_MODES}")
+    quantized = any(is_quantized(layer.base) for layer in layers.values())
+    if mode == "merge" and quantized:
+        raise ValueError("residual: merge cannot add an update to a 4/8-bit base without re-quantising it; "
+                         "use 'dense' (or 'auto')")
+    if mode != "auto":
+        return mode
+    half = any(layer.base.weight.dtype != torch.float32 for layer in layers.values())
+    return "dense" if quantized or half else "merge"
+
+
+class BaseUpdates:
+    """Changes of the frozen base weights, merged in place (``merge``) or kept in fp32 beside them (``dense``).
+
+    Args:
+        layers: from :func:`adapter_layers`.
+        mode: ``merge`` or ``dense`` (see :func:`resolve_residual_mode`).
+    """
+
+    def __init__(self, layers: dict[str, AdapterLayer], mode: str):
+        if mode not in ("merge", "dense"):
+            raise ValueError(f"mode {mode!r}; expected 'merge' or 'dense'")
+        self.layers = layers
+        self.mode = mode
+        self.residual: dict[str, torch.Tensor] = {}
+        self.handles = []
+        if mode == "dense":
+            for name, layer in layers.items():
+                self.handles.append(layer.module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def add_residual(module: Any, args: tuple, output: torch.Tensor) -> Optional[torch.Tensor]:
+            r = self.residual.get(name)
+            if r is None:
+                return None
+            return output + F.linear(args[0].to(r.dtype), r).to(output.dtype)
+
+        return add_residual
+
+    @property
+    def modifies_base(self) -> bool:
+        """True when the base weights themselves change (``merge``)."""
+        return self.mode == "merge"
+
+    @torch.no_grad()
+    def add(self, name: str, delta: torch.Tensor) -> None:
+        """Base weight of layer ``name`` ← base + ``delta`` (an fp32 ``out × in`` matrix)."""
+        layer = self.layers[name]
+        if delta.shape != layer.shape:
+            raise ValueError(f"{name}: update shape {tuple(delta.shape)} vs weight {layer.shape}")
+        if self.mode == "merge":
+            add_to_weight_(layer.base, delta)
+            return
+        device = layer.module.lora_A["default"].weight.device
+        if name not in self.residual:
+            self.residual[name] = torch.zeros(layer.shape, dtype=torch.float32, device=device)
+        self.residual[name] += delta.to(device, torch.float32)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The current base weight of layer ``name`` (dequantised, plus the residual) in fp32."""
+        w = dense_weight(self.layers[name].base)
+        r = self.residual.get(name)
+        return w if r is None else w + r.to(w.device)
+
+    def state_dict(self, prefix: str = "residual/") -> StateDict:
+        """The dense residuals (``merge`` keeps nothing here: the server checkpoints the base weights)."""
+        return {f"{prefix}{name}": r for name, r in self.residual.items()}
+
+    def load_state_dict(self, state: StateDict, prefix: str = "residual/") -> None:
+        loaded = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        unknown = sorted(set(loaded) - set(self.layers))
+        if unknown:
+            raise KeyError(f"residuals of unknown layers: {unknown[:3]}")
+        if loaded and self.mode != "dense":
+            raise ValueError("checkpoint holds dense residuals but this run merges into the base (residual mode)")
+        self.residual = {}
+        for name, value in loaded.items():
+            device = self.layers[name].module.lora_A["default"].weight.device
+            self.residual[name] = value.to(device, torch.float32).clone()
+
+
+class KeptFactors:
+    """Low-rank pieces ``(B, A, s)`` per layer, kept beside the base instead of merged into it.
+
+    Args:
+        layers: from :func:`adapter_layers`.
+        live: add ``Σ_j s_j·B_j A_j x`` to each layer's output (forward hook), so the model in
+            memory computes with the kept pieces; False when they are also merged into the base.
+    """
+
+    def __init__(self, layers: dict[str, AdapterLayer], live: bool):
+        self.layers = layers
+        self.live = live
+        self.factors: dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
+        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.handles = []
+        if live:
+            for name, layer in layers.items():
+                self.handles.append(layer.module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def add_kept(module: Any, args: tuple, output: torch.Tensor) -> Optional[torch.Tensor]:
+            stacked = self._stacked.get(name)
+            if stacked is None:
+                return None
+            a_cat, b_cat = stacked
+            x = args[0].to(a_cat.dtype)
+            return output + F.linear(F.linear(x, a_cat), b_cat).to(output.dtype)
+
+        return add_kept
+
+    def _restack(self, name: str) -> None:
+        pieces = self.factors.get(name, [])
+        if not pieces:
+            self._stacked.pop(name, None)
+            return
+        self._stacked[name] = (torch.cat([a for _, a, _ in pieces], 0),
+                               torch.cat([b * s for b, _, s in pieces], 1))
+
+    def append(self, name: str, b: torch.Tensor, a: torch.Tensor, scale: float) -> None:
+        """Keep ``scale · b @ a`` as one more piece of layer ``name`` (copied, fp32)."""
+        layer = self.layers[name]
+        if b.shape[0] != layer.shape[0] or a.shape[1] != layer.shape[1] or b.shape[1] != a.shape[0]:
+            raise ValueError(f"{name}: factors {tuple(b.shape)} @ {tuple(a.shape)} do not make {layer.shape}")
+        device = layer.module.lora_A["default"].weight.device
+        self.factors.setdefault(name, []).append(
+            (b.detach().to(device, torch.float32).clone(), a.detach().to(device, torch.float32).clone(), float(scale)))
+        self._restack(name)
+
+    def as_dict(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]]:
+        """``{layer: [(B, A, scale), ...]}`` in the order they were kept (copies)."""
+        return {n: [(b.clone(), a.clone(), s) for b, a, s in pieces] for n, pieces in self.factors.items()}
+
+    def delta(self, name: str) -> torch.Tensor:
+        """``Σ_j s_j·B_j A_j`` of layer ``name`` (fp32; zeros when nothing is kept)."""
+        out = torch.zeros(self.layers[name].shape, dtype=torch.float32)
+        for b, a, s in self.factors.get(name, []):
+            out += (b.cpu() @ a.cpu()) * s
+        return out
+
+    def state_dict(self, prefix: str = "kept/") -> StateDict:
+        state: StateDict = {}
+        for name, pieces in self.factors.items():
+            for j, (b, a, s) in enumerate(pieces):
+                state[f"{prefix}{name}/{j}/B"] = b
+                state[f"{prefix}{name}/{j}/A"] = a
+                state[f"{prefix}{name}/{j}/scale"] = torch.tensor(s, dtype=torch.float64)
+        return state
+
+    def load_state_dict(self, state: StateDict, prefix: str = "kept/") -> None:
+        grouped: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        for key, value in state.items():
+            if not key.startswith(prefix):
+                continue
+            name, j, part = key[len(prefix):].rsplit("/", 2)
+            grouped.setdefault(name, {}).setdefault(int(j), {})[part] = value
+        unknown = sorted(set(grouped) - set(self.layers))
+        if unknown:
+            raise KeyError(f"kept factors of unknown layers: {unknown[:3]}")
+        self.factors, self._stacked = {}, {}
+        for name, pieces in grouped.items():
+            for j in sorted(pieces):
+                p = pieces[j]
+                self.append(name, p["B"], p["A"], float(p["scale"]))

@@ -1,0 +1,131 @@
+"""Helpers of the strategy tests: tiny models, fixture data, weights read through the model, fake rounds."""
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from fedllm.config import LoraConfig, ModelConfig, parse_recipe
+from fedllm.models import load_model, lora_layers, write_state
+from fedllm.strategies import ClientInfo, ClientUpdate, get_strategy
+
+SENTIMENT = [("the movie was wonderful", "positive"), ("a dull and boring film", "negative"),
+             ("i loved every minute", "positive"), ("the plot made no sense", "negative"),
+             ("great acting and a good story", "positive"), ("too long and too slow", "negative"),
+             ("a joy to watch", "positive"), ("the worst film of the year", "negative")]
+
+
+def arith_records(n: int, seed: int = 0) -> list[dict]:
+    """GSM8K-format one-step sums/products with a ``category`` column (for label-skewed splits)."""
+    rng = random.Random(seed)
+    ops = {"add": ("+", lambda a, b: a + b), "sub": ("-", lambda a, b: a - b), "mul": ("*", lambda a, b: a * b)}
+    out = []
+    for _ in range(n):
+        cat = rng.choice(sorted(ops))
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        sym, fn = ops[cat]
+        out.append({"question": f"What is {a} {sym} {b}?", "answer": f"{a} {sym} {b} = {fn(a, b)}\n#### {fn(a, b)}",
+                    "category": cat})
+    return out
+
+
+def sentiment_records(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [dict(zip(("text", "label"), rng.choice(SENTIMENT))) for _ in range(n)]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def make_raw(data_files, out_dir, strategy="fedavg", args=None, classification=False, **sections):
+    """A raw tiny recipe (3 clients, 2 per round, 2 rounds, 2 local steps) for ``strategy``."""
+    raw = {
+        "seed": 0, "output_dir": str(out_dir),
+        "model": {"name": "tiny-roberta" if classification else "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
+        "data": ({"path": str(data_files["sentiment"]), "format": "classification"} if classification else
+                 {"path": str(data_files["arith"]), "format": "instruction",
+                  "fields": {"instruction": "question", "output": "answer"}}),
+        "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 2, "partition": {"method": "iid"},
+                       "strategy": strategy, "strategy_args": dict(args or {})},
+        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 48},
+        "logging": {"progress": False, "quiet": True},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return raw
+
+
+def unit_recipe(**federation):
+    """A parsed recipe for strategies used without the round loop (seed, comm dtype, LoRA init)."""
+    return parse_recipe({"data": {"path": "unused.jsonl"}, "train": {"local_steps": 1},
+                         "federation": {"num_clients": 3, **federation}})
+
+
+def tiny(name="tiny-llama", r=4, alpha=8, seed=0, **model):
+    """A tiny PEFT model with LoRA ``r``/``alpha`` (and its tokenizer)."""
+    return load_model(ModelConfig(name=name, **model), LoraConfig(r=r, alpha=alpha), num_labels=2, seed=seed)
+
+
+def make_strategy(name, model, num_clients=3, recipe=None, **args):
+    strategy = get_strategy(name, **args)
+    strategy.recipe = recipe if recipe is not None else unit_recipe()
+    torch.manual_seed(1234)
+    strategy.setup(model, [ClientInfo(c, 10 + 5 * c) for c in range(num_clients)])
+    return strategy
+
+
+@torch.no_grad()
+def effective_weights(model) -> dict[str, torch.Tensor]:
+    """What each LoRA-wrapped layer computes, read by feeding it the identity: ``out × in`` fp32 matrices.
+
+    Independent of how a strategy stores its state (base weight, adapter, residual, kept factors,
+    hooks): ``layer(I) = I·W̃ᵀ + bias``.
+    """
+    was = model.training
+    model.eval()
+    out = {}
+    for name in lora_layers(model):
+        module = model.get_submodule(name)
+        eye = torch.eye(module.in_features)
+        y = module(eye).float()
+        bias = module.get_base_layer().bias
+        if bias is not None:
+            y = y - bias.float()
+        out[name] = y.T.contiguous()
+    model.train(was)
+    return out
+
+
+def base_weight_keys(model) -> dict[str, str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {name: names[id(layer.weight)] for name, layer in lora_layers(model).items()}
+
+
+def fake_round(strategy, model, global_state, rnd, sampled, noise=1e-2, sizes=None):
+    """One round without data: each sampled client loads its plan, moves every key it trains by seeded
+    noise (standing in for local training), and uploads; the server aggregates. Returns
+    ``(new_global_state, uploads)``."""
+    updates, uploads = [], {}
+    for cid in sampled:
+        plan = strategy.configure_client(rnd, cid, global_state)
+        write_state(model, {**plan.state, **plan.local})
+        keys = [k for phase in plan.phases for k in (phase.keys if phase.keys is not None else plan.state)]
+        gen = torch.Generator().manual_seed(1000 * rnd + cid)
+        params = dict(model.named_parameters())
+        trained = {k: v.clone() for k, v in {**plan.state, **plan.local}.items()}
+        for k in dict.fromkeys(keys):
+            trained[k] = params[k].detach() + noise * torch.randn(params[k].shape, generator=gen)
+        write_state(model, trained)
+        upload = strategy.client_upload(plan, trained, 1)
+        uploads[cid] = upload
+        updates.append(ClientUpdate(cid, upload, (sizes or {}).get(cid, 10), 0.0, 1))
+    global_state = strategy.aggregate(rnd, global_state, updates)
+    global_state = strategy.after_aggregate(rnd, model, global_state)
+    write_state(model, global_state)
+    return global_state, uploads

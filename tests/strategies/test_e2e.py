@@ -1,0 +1,210 @@
+"""The strategies through the real round loop on tiny models: resume, rank growth, lr = 0, equivalences."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from strategy_helpers import effective_weights, make_raw, tiny
+
+from fedllm import checkpoint as ckpt_io
+from fedllm.config import parse_recipe
+from fedllm.lowrank import numerical_rank
+from fedllm.server import RoundLoop, run
+from fedllm.strategies.fedloru import FedLoRU
+from fedllm.strategies.mfedloru import MFedLoRU
+
+CASES = {
+    "frlora": ("frlora", {}, {"train": {"optimizer_state": "per_client"}}),
+    "frlora_randomized": ("frlora", {"svd": "randomized", "niter": 2}, {}),
+    "frlora_v1": ("frlora_v1", {}, {}),
+    "frlora_v2": ("frlora_v2", {}, {}),
+    "frlora_v3": ("frlora_v3", {}, {}),
+    "fedloru": ("fedloru", {"tau": 1, "reinit": "momentum"}, {"train": {"optimizer_state": "per_client"}}),
+    "fedloru_keep": ("fedloru", {"tau": 1, "accumulate": "keep"}, {}),
+    "pfedloru": ("pfedloru", {"tau": 1, "personal_r": 2, "personal_steps": 1, "global_steps": 2},
+                 {"train": {"optimizer_state": "per_client"}}),
+    "mfedloru": ("mfedloru", {"tau": 1, "client_ranks": [4, 2, 1]}, {}),
+}
+FULL: dict = {}
+
+
+def full_run(case, data_files, tmp_path_factory):
+    """The uninterrupted 2-round run of ``case`` (checkpoint every round), run once per session."""
+    if case not in FULL:
+        strategy, args, sections = CASES[case]
+        raw = make_raw(data_files, tmp_path_factory.mktemp(f"full-{case}"), strategy, args,
+                       checkpoint={"every": 1}, **sections)
+        FULL[case] = run(parse_recipe(raw))
+    return FULL[case]
+
+
+def checkpoint_tensors(run_dir):
+    return {part: load_file(str(p)) for part in ("adapter", "base", "strategy", "optimizer")
+            if (p := run_dir / "final" / f"{part}.safetensors").is_file()}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resume_is_bit_exact(case, data_files, tmp_path_factory, tmp_path, monkeypatch):
+    full = full_run(case, data_files, tmp_path_factory)
+    strategy, args, sections = CASES[case]
+    recipe = parse_recipe(make_raw(data_files, tmp_path / "cut", strategy, args, checkpoint={"every": 1}, **sections))
+    original = RoundLoop.run_round
+
+    def crash_in_round_2(self, rnd, bar):
+        if rnd == 2:
+            raise RuntimeError("power cut")
+        return original(self, rnd, bar)
+
+    monkeypatch.setattr(RoundLoop, "run_round", crash_in_round_2)
+    with pytest.raises(RuntimeError, match="power cut"):
+        run(recipe)
+    assert ckpt_io.latest_checkpoint(tmp_path / "cut").name == "round-0001"
+    monkeypatch.setattr(RoundLoop, "run_round", original)
+    resumed = run(recipe, resume=True)
+    a, b = checkpoint_tensors(full.run_dir), checkpoint_tensors(resumed.run_dir)
+    assert a.keys() == b.keys() and "adapter" in a
+    for part in a:
+        assert a[part].keys() == b[part].keys(), part
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    # the models in memory agree as well (base, residuals, kept factors, hooks)
+    wa, wb = effective_weights(full.model), effective_weights(resumed.model)
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    full_lines = [json.loads(x) for x in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["client_loss"] for x in lines] == [x["client_loss"] for x in full_lines]
+    assert [x["bytes_down"] for x in lines] == [x["bytes_down"] for x in full_lines]
+
+
+def update_ranks(result):
+    """Numerical rank of W̃ − W0 per layer (W0: the same tiny model before any strategy touched it)."""
+    w0 = effective_weights(tiny().model)
+    final = effective_weights(result.model)
+    return {n: numerical_rank(final[n] - w0[n], rtol=1e-3) for n in w0}
+
+
+def test_the_rank_of_the_learned_update_exceeds_r_only_with_residuals(data_files, tmp_path_factory):
+    fedavg = run(parse_recipe(make_raw(data_files, tmp_path_factory.mktemp("fedavg"), "fedavg")))
+    assert max(update_ranks(fedavg).values()) <= 4  # FedAvg: W0 + s·BA, rank <= r (seed 001 App. D)
+    for case in ("frlora", "fedloru", "fedloru_keep"):
+        ranks = update_ranks(full_run(case, data_files, tmp_path_factory))
+        assert min(ranks.values()) > 4, (case, ranks)
+
+
+def test_fedloru_with_tau_beyond_the_rounds_is_fedavg_with_lora(data_files, tmp_path):
+    fedavg = run(parse_recipe(make_raw(data_files, tmp_path / "a", "fedavg")))
+    fedloru = run(parse_recipe(make_raw(data_files, tmp_path / "b", "fedloru", {"tau": 3})))
+    assert fedavg.global_state.keys() == fedloru.global_state.keys()
+    assert all(torch.equal(fedavg.global_state[k], fedloru.global_state[k]) for k in fedavg.global_state)
+    assert [h["bytes_down"] for h in fedavg.history] == [h["bytes_down"] for h in fedloru.history]
+
+
+@pytest.mark.parametrize("strategy", ["frlora", "frlora_v3"])
+def test_lr_zero_leaves_the_merged_weights_at_w0(strategy, data_files, tmp_path):
+    raw = make_raw(data_files, tmp_path / "run", strategy, train={"lr": 0.0, "local_steps": 1},
+                   federation={"clients_per_round": 3})
+    result = run(parse_recipe(raw))
+    w0 = effective_weights(tiny().model)
+    final = effective_weights(result.model)
+    for name in w0:
+        assert torch.allclose(final[name], w0[name], atol=1e-5)
+
+
+def test_frlora_bytes_include_the_sync_of_non_participants(data_files, tmp_path_factory):
+    result = full_run("frlora", data_files, tmp_path_factory)
+    lora = sum(v.numel() * 4 for v in result.global_state.values())
+    for h in result.history:  # Table 14: participants send and receive, the rest receive (B̄, Ā)
+        assert set(h["bytes_up"].values()) == {lora} and len(h["bytes_up"]) == 2
+        assert h["bytes_down"] == {str(c): lora for c in range(3)}
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["bytes_down_total"] == 2 * 3 * lora and summary["bytes_up_total"] == 2 * 2 * lora
+
+
+def test_pfedloru_uploads_only_the_global_adapter_through_the_loop(data_files, tmp_path, monkeypatch):
+    seen = []
+    original = FedLoRU.aggregate
+
+    def spy(self, rnd, global_state, updates):
+        seen.extend(updates)
+        return original(self, rnd, global_state, updates)
+
+    monkeypatch.setattr(FedLoRU, "aggregate", spy)
+    raw = make_raw(data_files, tmp_path / "run", "pfedloru", {"personal_r": 2, "personal_steps": 1, "global_steps": 2})
+    result = run(parse_recipe(raw))
+    global_keys = set(result.global_state)
+    assert seen and all(set(u.state) == global_keys for u in seen)
+    assert all(not any("pfedloru" in k for k in u.state) for u in seen)
+    assert all(u.steps == 3 for u in seen)  # E_per + E_global
+    trained = {c for h in result.history for c in h["clients"]}
+    assert set(result.strategy.private) == trained
+    lora = sum(v.numel() * 4 for v in result.global_state.values())
+    assert all(set(h["bytes_up"].values()) == {lora} for h in result.history)
+
+
+def test_mfedloru_training_keeps_the_nested_padding_at_zero(data_files, tmp_path, monkeypatch):
+    checked = []
+    original = MFedLoRU.client_upload
+
+    def spy(self, plan, trained, steps):
+        rank = self.ranks[plan.client_id]
+        if self.nested(plan.client_id):
+            for key in self.nested_keys:
+                value = trained[key]
+                pad = value[:, rank:] if key.endswith("down") else value[rank:]
+                active = value[:, :rank] if key.endswith("down") else value[:rank]
+                assert torch.count_nonzero(pad) == 0 and torch.count_nonzero(active) > 0
+            checked.append(plan.client_id)
+        return original(self, plan, trained, steps)
+
+    monkeypatch.setattr(MFedLoRU, "client_upload", spy)
+    raw = make_raw(data_files, tmp_path / "run", "mfedloru", {"client_ranks": [2, 1, 4]},
+                   federation={"clients_per_round": 3, "rounds": 1})
+    result = run(parse_recipe(raw))
+    assert sorted(checked) == [0, 1]
+    h = result.history[0]
+    assert h["bytes_up"]["0"] < h["bytes_up"]["2"] and h["bytes_up"]["1"] < h["bytes_up"]["0"]
+
+
+@pytest.mark.parametrize("case", ["frlora", "frlora_v3", "fedloru", "fedloru_keep", "pfedloru", "mfedloru"])
+def test_a_checkpoint_rebuilds_the_trained_model_for_inference(case, data_files, tmp_path_factory):
+    from fedllm.inference import model_from_checkpoint
+    from fedllm.models import read_state, write_state
+
+    full = full_run(case, data_files, tmp_path_factory)
+    model, _, _, _ = model_from_checkpoint(full.run_dir)
+    trained, rebuilt = effective_weights(full.model), effective_weights(model)
+    assert all(torch.equal(trained[n], rebuilt[n]) for n in trained)
+    if case == "pfedloru":  # a client's personal model: the global model plus its private factors
+        client = min(full.strategy.private)
+        personal_model, _, _, _ = model_from_checkpoint(full.run_dir, client=client)
+        private = full.strategy.personal_state(client)
+        saved = read_state(full.model, private.keys())
+        write_state(full.model, private)
+        try:
+            expected = effective_weights(full.model)
+        finally:
+            write_state(full.model, saved)
+        got = effective_weights(personal_model)
+        assert all(torch.equal(expected[n], got[n]) for n in expected)
+        assert any(not torch.equal(expected[n], trained[n]) for n in expected)
+
+
+def test_private_factors_reach_the_client_unrounded_under_a_bf16_wire(data_files, tmp_path, monkeypatch):
+    from fedllm import server
+
+    loaded = []
+    original = server.train_client
+
+    def spy(model, plan, strategy, *args, **kwargs):
+        if plan.client_id in strategy.private:  # trained before: it must get back exactly what it kept
+            stored_now = strategy.private[plan.client_id]
+            loaded.append(all(torch.equal(plan.local[k], stored_now[k]) for k in stored_now))
+        return original(model, plan, strategy, *args, **kwargs)
+
+    monkeypatch.setattr(server, "train_client", spy)
+    raw = make_raw(data_files, tmp_path / "run", "pfedloru", {"personal_r": 2, "personal_steps": 1},
+                   federation={"comm_dtype": "bf16", "clients_per_round": 3})
+    result = run(parse_recipe(raw))
+    assert loaded and all(loaded)
+    private = result.strategy.private[0]
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in private.values())

@@ -1,0 +1,40 @@
+"""The tiny, offline variants of the FRLoRA / FedLoRU recipes run end to end; their losses are pinned."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedllm.config import load_recipe
+from fedllm.server import run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Mean client training loss per round, on the fixture files written by conftest.data_files (1 thread).
+PINNED = {
+    "recipes/frlora/tiny-llama-arith-frlora.yaml": [6.317242, 6.179464, 6.132273],
+    "recipes/frlora/tiny-roberta-sentiment-frlora.yaml": [0.689339, 0.711351, 0.718133],
+    "recipes/fedloru/tiny-llama-arith-fedloru.yaml": [6.311686, 6.135612, 6.04489, 6.119181],
+    "recipes/fedloru/tiny-llama-arith-pfedloru.yaml": [6.30929, 6.137065, 6.100827, 6.085454],
+    "recipes/fedloru/tiny-llama-arith-mfedloru.yaml": [6.321018, 6.191361, 6.136873, 6.182478],
+}
+
+
+def test_every_tiny_recipe_is_pinned():
+    found = {str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("*/tiny-*.yaml")}
+    found = {f for f in found if f.startswith(("recipes/frlora/", "recipes/fedloru/"))}
+    assert found == set(PINNED)
+
+
+@pytest.mark.parametrize("rel", sorted(PINNED))
+def test_tiny_recipe_runs_offline_with_pinned_losses(rel, data_files, tmp_path):
+    data = data_files["sentiment" if "sentiment" in rel else "arith"]
+    recipe = load_recipe(ROOT / rel, [f"output_dir={tmp_path / 'run'}", f"data.path={data}", "logging.quiet=true"])
+    result = run(recipe)
+    assert [h["train_loss"] for h in result.history] == pytest.approx(PINNED[rel], rel=1e-3)
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["bytes_up_total"] > 0 and summary["bytes_down_total"] > 0
+    if recipe.eval.personal:  # pFedLoRU: every client's personal model scored on its own held-out split
+        personal = result.history[-1]["personal_eval"]
+        assert set(personal) == {str(c) for c in range(recipe.federation.num_clients)}
+        assert all("gsm8k/accuracy" in m for m in personal.values())
