@@ -1,0 +1,18 @@
+"""``fedllm export``: merged models and PEFT adapters that load without fedllm.
+
+- ``merged``: a transformers model directory (safetensors + config + tokenizer) whose weights
+  hold everything the run learned: LoRA, FRLoRA's merged residuals, FedLoRU's kept factors,
+  the trained classifier head.
+- ``adapter``: a PEFT LoRA directory for ``PeftModel.from_pretrained(original_base, DIR)``,
+  exact (stacked or SVD at numerical rank) or truncated to ``--rank`` with its error reported.
+
+Every export carries a model card (README.md) and ``export.json``; it is written into a
+temporary directory beside ``--out`` and renamed at the end, so a failure leaves nothing.
+"""
+
+from fedllm.export.api import FORMATS, ExportResult, export, export_command
+from fedllm.export.cli import add_export_arguments, run_export_command
+from fedllm.export.errors import ExportCheckError, ExportInputError
+
+__all__ = ["FORMATS", "ExportCheckError", "ExportInputError", "ExportResult", "add_export_arguments", "export",
+           "export_command", "run_export_command"]

@@ -1,0 +1,143 @@
+"""The model card (README.md) written into every export: provenance, results, the exact command."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from fedllm.export.source import PROBE_TEXT, Source
+
+
+def _hub_id(name: str) -> Optional[str]:
+    """``name`` when it looks like a hub id (``org/model``), for the card's ``base_model`` metadata."""
+    parts = name.split("/")
+    if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")) and not name.endswith(".gguf"):
+        return name
+    return None
+
+
+def _front_matter(fmt: str, source: Source) -> str:
+    lines = ["---", f"library_name: {'peft' if fmt == 'adapter' else 'transformers'}"]
+    hub = _hub_id(source.recipe.model.name)
+    if hub:
+        lines.append(f"base_model: {hub}")
+    lines += ["tags:", "- fedllm", "- federated-learning", "- lora", f"- {source.recipe.federation.strategy}", "---"]
+    return "\n".join(lines)
+
+
+def _auto_class(source: Source) -> str:
+    task = source.meta.get("task")
+    return "AutoModelForSequenceClassification" if task == "classification" else "AutoModelForCausalLM"
+
+
+def _usage(fmt: str, source: Source, info: dict[str, Any]) -> str:
+    auto = _auto_class(source)
+    if fmt == "merged":
+        return (f"```python\nfrom transformers import AutoTokenizer, {auto}\n\n"
+                f"model = {auto}.from_pretrained(\"path/to/this/dir\")\n"
+                "tokenizer = AutoTokenizer.from_pretrained(\"path/to/this/dir\")\n```")
+    name = source.recipe.model.name
+    base = "path/to/this/dir/base" if info.get("with_base") else name
+    note = ("The original base model is saved in `base/` (written with `--with-base`)." if info.get("with_base") else
+            f"`base_model_name_or_path` is the run's model `{name}`; load it as the run did (a hub id or local "
+            "directory loads directly; a fedllm preset needs `fedllm.models.load_base_model`, or export again "
+            "with `--with-base` to get a copy of the original base next to the adapter).")
+    return (f"```python\nfrom peft import PeftModel\nfrom transformers import AutoTokenizer, {auto}\n\n"
+            f"base = {auto}.from_pretrained(\"{base}\")\n"
+            "model = PeftModel.from_pretrained(base, \"path/to/this/dir\")\n"
+            "tokenizer = AutoTokenizer.from_pretrained(\"path/to/this/dir\")\n```\n\n" + note)
+
+
+def _training_table(source: Source) -> str:
+    r = source.recipe
+    fed, tr = r.federation, r.train
+    per_round = fed.clients_per_round if fed.clients_per_round is not None else (
+        f"fraction {fed.fraction}" if fed.fraction is not None else fed.num_clients)
+    local = f"{tr.local_steps} steps" if tr.local_steps is not None else f"{tr.local_epochs} epochs"
+    rows = [
+        ("strategy", f"`{fed.strategy}` {json.dumps(fed.strategy_args) if fed.strategy_args else ''}".rstrip()),
+        ("model", f"`{r.model.name}` ({r.model.dtype}, quantization {r.model.quantization})"),
+        ("LoRA", f"r={r.lora.r}, alpha={r.lora.alpha}, targets {r.lora.target_modules or 'family default'}"),
+        ("rounds", f"{source.round} of {fed.rounds}"),
+        ("clients", f"{fed.num_clients}, {per_round} per round"),
+        ("data", f"`{r.data.path}` ({r.data.format}), partition {fed.partition.method}"),
+        ("local training", f"{local}, batch {tr.batch_size} x {tr.grad_accum}, {tr.optimizer}, lr {tr.lr}"),
+        ("lr schedule", tr.lr_schedule),
+        ("seed", str(r.seed)),
+    ]
+    return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def _metric_lines(metrics: dict[str, Any]) -> list[str]:
+    return [f"  - {k}: {v:.6g}" if isinstance(v, (int, float)) else f"  - {k}: {v}" for k, v in metrics.items()]
+
+
+def _results(source: Source, client: Optional[int]) -> str:
+    m = source.metrics
+    if not m:
+        return "No metrics were found beside the checkpoint."
+    lines = []
+    if m.get("train_loss") is not None:
+        lines.append(f"- train loss (round {m['round']}): {m['train_loss']:.6g}")
+    if "bytes_up_total" in m:
+        lines.append(f"- communication: {m['bytes_up_total']} bytes up, {m['bytes_down_total']} bytes down")
+    if m.get("eval"):
+        lines.append(f"- evaluation of the global model after round {m['eval_round']}:")
+        lines += _metric_lines(m["eval"])
+    personal = (m.get("personal_eval") or {}).get(str(client)) if client is not None else None
+    if isinstance(personal, dict) and personal:
+        lines.append(f"- evaluation of client {client}'s model on its own data after round {m['personal_eval_round']}:")
+        lines += _metric_lines(personal)
+    summary = m.get("summary")
+    if summary:
+        lines.append(f"- summary.json: `{json.dumps(summary, sort_keys=True)}`")
+    return "\n".join(lines) or "No metrics were found beside the checkpoint."
+
+
+def _export_facts(fmt: str, info: dict[str, Any]) -> str:
+    lines = [f"- format: {fmt}, dtype {info['dtype']}"]
+    if info.get("client") is not None:
+        lines.append(f"- client {info['client']}'s personal model")
+    if fmt == "adapter":
+        rank = (f"{info['rank_min']}..{info['rank_max']}" if info["rank_min"] != info["rank_max"]
+                else str(info["rank_max"]))
+        lines.append(f"- LoRA rank {rank} (config r={info['r']}, lora_alpha={info['alpha']}), "
+                     f"{info['layers']} layers, built by {', '.join(f'{k} ({v})' for k, v in info['methods'].items())}")
+        if info["exact"]:
+            lines.append(f"- exact: every layer's learned change is represented in full "
+                         f"(largest relative error {info['rel_error_max']:.3g}, fp32 rounding)")
+        else:
+            lines.append(f"- truncated to rank {info['rank_max']} by SVD in {len(info['truncated_layers'])} of "
+                         f"{info['layers']} layers (the change needs rank up to {info['exact_rank_max']}); "
+                         f"relative error ||dW - s*B@A||_F / ||dW||_F: max {info['rel_error_max']:.6g} over layers")
+    else:
+        lines.append(f"- {info['layers']} LoRA-wrapped layers merged in float64/fp32"
+                     + (f" (base dequantized from {info['dequantized_from']})" if info.get("dequantized_from") else ""))
+    check = "checked" if info.get("checked") else "reported"
+    lines.append(f"- largest logit difference to the run's model on the probe text {PROBE_TEXT!r}: "
+                 f"{info['max_logit_diff']:.3g} ({check})")
+    return "\n".join(lines)
+
+
+def model_card(fmt: str, source: Source, info: dict[str, Any], command: str) -> str:
+    """README.md text of one export.
+
+    Args:
+        fmt: ``merged`` or ``adapter``.
+        source: The export source (recipe, checkpoint, metrics).
+        info: Facts returned by the writer, plus ``dtype``, ``client``, ``with_base``.
+        command: The exact ``fedllm export ...`` command line.
+    """
+    who = f" — client {info['client']}" if info.get("client") is not None else ""
+    title = "merged model" if fmt == "merged" else "LoRA adapter"
+    return "\n\n".join([
+        _front_matter(fmt, source),
+        f"# fedllm {title}: {source.recipe.federation.strategy} on {source.recipe.model.name}{who}",
+        f"Exported from the fedllm checkpoint `{source.checkpoint}` (round {source.round}).",
+        "## Usage", _usage(fmt, source, info),
+        "## Training", _training_table(source),
+        "## Results", _results(source, info.get("client")),
+        "## Export", _export_facts(fmt, info),
+        "## Command", f"```bash\n{command}\n```",
+        "## Recipe", f"```yaml\n{source.recipe_yaml.rstrip()}\n```",
+    ]) + "\n"

@@ -1,0 +1,78 @@
+"""Merged export: a plain transformers model directory with everything the run learned folded in.
+
+Each LoRA-wrapped weight becomes ``W + Σ s_i B_i A_i`` (current base, active adapters and the
+strategy's kept factors), computed in float64 from fp32 (or dequantized 4/8-bit) weights; the
+trained classifier head (PEFT ``modules_to_save``) replaces the original one. The result loads
+with ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification.from_pretrained(DIR)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedllm.export.errors import ExportCheckError
+from fedllm.export.source import Source, probe_inputs, probe_logits
+from fedllm.export.weights import dequantize_linears, read_layers, relative_name, wrapped_layers
+from fedllm.state import DTYPES
+
+EXACT_TOLERANCE = 1e-4
+"""Largest probe-logit difference (relative to the largest logit, at least 1) accepted for an fp32 export."""
+
+
+def check_probe(reference: torch.Tensor, got: torch.Tensor, what: str) -> float:
+    """The largest absolute logit difference; :class:`ExportCheckError` above :data:`EXACT_TOLERANCE`."""
+    diff = float((got - reference).abs().max())
+    bound = EXACT_TOLERANCE * max(1.0, float(reference.abs().max()))
+    if not diff <= bound:
+        raise ExportCheckError(f"{what}: the export does not reproduce the run's model on the probe input "
+                               f"(largest logit difference {diff:.3g} > {bound:.3g})")
+    return diff
+
+
+@torch.no_grad()
+def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out: Path, dtype: str) -> dict[str, Any]:
+    """Fold the run's learned change into its base model and save it (with the tokenizer) to ``out``.
+
+    Args:
+        model: The run's PEFT model (from :func:`fedllm.export.source.load_run_model`); consumed.
+        tokenizer: Its tokenizer.
+        strategy: The run's strategy (for kept factors).
+        source: The export source.
+        out: Directory to write into (exists, empty).
+        dtype: ``fp32``, ``bf16`` or ``fp16`` of the saved weights.
+
+    Returns:
+        Facts for the model card: merged layer count, probe logit difference, whether checked.
+
+    Raises:
+        ExportCheckError: the merged fp32 model does not reproduce the run's model.
+    """
+    layers = read_layers(model, strategy)  # before any probe forward: bitsandbytes repacks weights on CPU
+    fan_in_fan_out = {relative_name(n): bool(getattr(m, "fan_in_fan_out", False))
+                      for n, m in wrapped_layers(model).items()}
+    merged = {relative_name(n): state.effective().float() for n, state in layers.items()}
+    inputs = probe_inputs(tokenizer)
+    reference = probe_logits(model, inputs)
+    base = model.unload()  # drops the LoRA wrappers; the active classifier copy (modules_to_save) stays
+    quantized = dequantize_linears(base) > 0
+    base.float()
+    for name, weight in merged.items():
+        layer = base.get_submodule(name)
+        layer.weight.data = (weight.T if fan_in_fan_out[name] else weight).contiguous()
+    got = probe_logits(base, inputs)
+    if quantized:  # the run computed in its bitsandbytes compute dtype: report, do not hold to fp32 tolerance
+        diff = float((got - reference).abs().max())
+    else:
+        diff = check_probe(reference, got, str(source.checkpoint))
+    if source.label_names:
+        base.config.id2label = dict(enumerate(source.label_names))
+        base.config.label2id = {name: i for i, name in enumerate(source.label_names)}
+    base.to(DTYPES[dtype])
+    base.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return {"layers": len(merged), "observed_layers": sum(not s.explained for s in layers.values()),
+            "max_logit_diff": diff, "checked": not quantized,
+            "dequantized_from": source.recipe.model.quantization if quantized else None}
