@@ -24,7 +24,8 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append("logging.quiet=true")
     recipe = load_recipe(args.recipe, overrides)
     result = run(recipe, resume=args.resume, overwrite=args.overwrite)
-    print(result.run_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(result.run_dir)
     return 0
 
 
