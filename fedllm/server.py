@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -232,6 +233,7 @@ class RoundLoop:
         rounds = recipe.federation.rounds
         if self.start_round == 0 and eval_due(recipe.eval, 0, rounds):
             self.log_round({"round": 0, "eval": self.evaluate(0)})
+            self.say(f"before training: {_format_metrics(self.history[-1]['eval'])}")
         sizes = [len(ix) for ix in self.fed.data.clients]
         steps_round = sum(sorted((steps_per_round(recipe.train, n) for n in sizes), reverse=True)
                           [:recipe.sampled_per_round()])
@@ -240,11 +242,9 @@ class RoundLoop:
         for rnd in range(self.start_round + 1, rounds + 1):
             record = self.run_round(rnd, bar)
             self.log_round(record)
-            if not recipe.logging.quiet and self.dispatch.is_main:
-                evals = " ".join(f"{k}={v:.4g}" for k, v in record.get("eval", {}).items())
-                tqdm.write(f"round {rnd}/{rounds}  clients={record['clients']}  loss={record['train_loss']:.4f}  "
-                           f"up={record['bytes_up_total'] / 1e6:.2f}MB  down={record['bytes_down_total'] / 1e6:.2f}MB"
-                           f"  {record['seconds']:.1f}s {evals}".rstrip())
+            self.say(f"round {rnd}/{rounds}  clients={record['clients']}  loss={record['train_loss']:.4f}  "
+                     f"up={record['bytes_up_total'] / 1e6:.2f}MB  down={record['bytes_down_total'] / 1e6:.2f}MB  "
+                     f"{record['seconds']:.1f}s  {_format_metrics(record.get('eval', {}))}".rstrip())
             if recipe.checkpoint.every and rnd % recipe.checkpoint.every == 0 and rnd < rounds:
                 self.checkpoint(rnd, ckpt_io.round_dir(self.run_dir, rnd))
                 if self.dispatch.is_main:
@@ -252,11 +252,20 @@ class RoundLoop:
         bar.close()
         self.checkpoint(rounds, self.run_dir / "final")
         if self.dispatch.is_main:
-            self.write_summary()
+            summary = self.write_summary()
+            if summary["initial_eval"] and summary["final_eval"]:
+                self.say("eval before -> after: " + "  ".join(
+                    f"{k} {summary['initial_eval'][k]:.4g} -> {v:.4g}" for k, v in summary["final_eval"].items()
+                    if k in summary["initial_eval"]))
         return RunResult(self.run_dir, self.history, self.global_state, self.fed.strategy,
                          self.model, self.fed.loaded.tokenizer)
 
-    def write_summary(self) -> None:
+    def say(self, line: str) -> None:
+        """A one-line progress message (not with --quiet, only on rank 0)."""
+        if not self.recipe.logging.quiet and self.dispatch.is_main:
+            tqdm.write(line, file=sys.stderr)
+
+    def write_summary(self) -> dict[str, Any]:
         rounds = [h for h in self.history if h.get("round", 0) > 0]
         evals = [h for h in self.history if "eval" in h]
         summary = {
@@ -269,6 +278,11 @@ class RoundLoop:
             "seconds": round(sum(h.get("seconds", 0) for h in rounds), 3),
         }
         ckpt_io.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        return summary
+
+
+def _format_metrics(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
 
 
 def prepare_run_dir(recipe: Recipe, fed: Federation, resume: bool, overwrite: bool) -> Optional[Path]:

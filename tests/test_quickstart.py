@@ -22,8 +22,8 @@ def test_quickstart_recipe_trains_and_reports_accuracy_before_and_after(tmp_path
     assert capsys.readouterr().out.strip().endswith("run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     before, after = summary["initial_eval"]["gsm8k/accuracy"], summary["final_eval"]["gsm8k/accuracy"]
-    assert summary["rounds"] == 3
+    assert summary["rounds"] == 4
     assert after > before, (before, after)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["round"] for x in lines] == [0, 1, 2, 3]
+    assert [x["round"] for x in lines] == [0, 1, 2, 3, 4]
     assert lines[-1]["train_loss"] < lines[1]["train_loss"]
