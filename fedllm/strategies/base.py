@@ -80,6 +80,16 @@ class Strategy(abc.ABC):
             raise TypeError(f"{self.name} takes no argument(s) {sorted(kwargs)}")
         self.recipe: Any = None
 
+    @property
+    def seed(self) -> int:
+        """The run's seed (0 before a recipe is bound)."""
+        return self.recipe.seed if self.recipe is not None else 0
+
+    @property
+    def comm_dtype(self) -> str:
+        """The dtype tensors travel in (``federation.comm_dtype``)."""
+        return self.recipe.federation.comm_dtype if self.recipe is not None else "fp32"
+
     # ----- argument checking (used by recipe validation)
     @classmethod
     def check_args(cls, args: dict[str, Any]) -> list[tuple[str, Any, str]]:

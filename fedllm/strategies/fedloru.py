@@ -76,14 +76,6 @@ class FedLoRU(FedAvg):
                 problems.append((key, args[key], f"one of {', '.join(allowed)}"))
         return problems
 
-    @property
-    def seed(self) -> int:
-        return int(recipe_value(self.recipe, "seed", 0))
-
-    @property
-    def comm_dtype(self) -> str:
-        return recipe_value(self.recipe, "federation.comm_dtype", "fp32")
-
     def accumulates(self, rnd: int) -> bool:
         """True when round ``rnd`` ends with an accumulation."""
         return rnd % self.tau == 0

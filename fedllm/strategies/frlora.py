@@ -75,14 +75,6 @@ class FRLoRA(FedAvg):
         return problems
 
     # ----- helpers
-    @property
-    def seed(self) -> int:
-        return int(recipe_value(self.recipe, "seed", 0))
-
-    @property
-    def comm_dtype(self) -> str:
-        return recipe_value(self.recipe, "federation.comm_dtype", "fp32")
-
     def _wire(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return to_wire(t, self.comm_dtype, like)
 
