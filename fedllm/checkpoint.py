@@ -16,7 +16,6 @@ either the previous checkpoint or the new one, never a torn one.
 
 from __future__ import annotations
 
-from fedllm.errors import InputError
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from fedllm.errors import InputError
 from fedllm.state import StateDict
 
 FORMAT_VERSION = 1

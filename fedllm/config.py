@@ -8,7 +8,6 @@ dotted key, what was given and what is expected.
 
 from __future__ import annotations
 
-from fedllm.errors import InputError
 import dataclasses
 import re
 import types
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
+
+from fedllm.errors import InputError
 
 
 def doc(default: Any, text: str) -> Any:

@@ -9,7 +9,6 @@ project's own small tokenizer (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma``,
 
 from __future__ import annotations
 
-from fedllm.errors import InputError
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
 from fedllm.config import LoraConfig, ModelConfig, RecipeError
+from fedllm.errors import InputError
 from fedllm.registry import model_presets, register_model_preset
 from fedllm.state import DTYPES
 

@@ -8,7 +8,6 @@ atomic, and ``resume=True`` continues bit-exactly from the newest one.
 
 from __future__ import annotations
 
-from fedllm.errors import InputError
 import json
 import logging
 import math
@@ -28,8 +27,9 @@ from fedllm.client import derived_seed, steps_per_round, train_client
 from fedllm.config import Recipe, dump_recipe
 from fedllm.data import FederatedData, build_federated_data, collate
 from fedllm.distributed import Dispatch
+from fedllm.errors import InputError
 from fedllm.evaluation.runner import eval_due
-from fedllm.models import LoadedModel, lora_layers, load_model, load_tokenizer, read_state, resolve_task, write_state
+from fedllm.models import LoadedModel, load_model, load_tokenizer, lora_layers, read_state, resolve_task, write_state
 from fedllm.state import StateDict, cast, num_bytes
 from fedllm.strategies import ClientInfo, ClientUpdate, Strategy, get_strategy
 

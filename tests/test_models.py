@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from fedllm.config import LoraConfig, ModelConfig, RecipeError
-from fedllm.models import (ModelError, load_base_model, load_model, load_tokenizer, lora_layers,
-                           trainable_state_keys)
+from fedllm.models import ModelError, load_base_model, load_model, load_tokenizer, lora_layers, trainable_state_keys
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma"])

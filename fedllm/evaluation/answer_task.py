@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Optional
 
 from fedllm.evaluation.context import EvalContext
@@ -18,17 +19,17 @@ class AnswerTask(Task):
     and optionally few-shot exemplars (:meth:`exemplars`).
     """
 
+    @abc.abstractmethod
     def gold(self, record: dict) -> Optional[str]:
         """The reference final answer of a raw record."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def extract(self, text: str) -> Optional[str]:
         """The final answer in a generated text."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def equal(self, predicted: Optional[str], gold: Optional[str]) -> bool:
         """Whether a predicted answer matches the reference."""
-        raise NotImplementedError
 
     def exemplars(self, ctx: EvalContext) -> list[tuple[str, str]]:
         """Few-shot ``(question, worked answer)`` pairs put before each question."""

@@ -9,13 +9,19 @@ prompts, which show the judge the whole conversation.
 
 from __future__ import annotations
 
+import abc
 import json
 from pathlib import Path
 from typing import Optional
 
 from fedllm.evaluation.context import EvalContext
-from fedllm.evaluation.judge_prompts import (NEED_REF_CATEGORIES, grading_messages, load_judge_prompts, parse_rating,
-                                             prompt_name)
+from fedllm.evaluation.judge_prompts import (
+    NEED_REF_CATEGORIES,
+    grading_messages,
+    load_judge_prompts,
+    parse_rating,
+    prompt_name,
+)
 from fedllm.evaluation.metrics import mean_rating
 from fedllm.evaluation.mtbench_assets import find_judge_prompts
 from fedllm.evaluation.results import ResultFile
@@ -32,13 +38,13 @@ class JudgedTask(Task):
 
     always_reference: bool = False
 
+    @abc.abstractmethod
     def examples(self, ctx: EvalContext) -> list[dict]:
         """``{"id", "category", "turns": [...], "references": [...] or None}`` per example.
 
         An example may also hold ``instruction`` and ``input`` (its first turn split the
         Alpaca way, used by the ``alpaca`` prompt style).
         """
-        raise NotImplementedError
 
     def summarize(self, ratings: list[list[float]]) -> dict[str, float]:
         """Metrics from the ratings of every example (one list of per-turn ratings each)."""

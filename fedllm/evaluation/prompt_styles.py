@@ -16,6 +16,7 @@ Styles (registry names):
 
 from __future__ import annotations
 
+import abc
 from typing import Optional
 
 from fedllm.errors import InputError
@@ -26,7 +27,7 @@ Message = dict
 prompt_styles: Registry = Registry("prompt style")
 
 
-class PromptStyle:
+class PromptStyle(abc.ABC):
     """Renders conversations for one model.
 
     Attributes:
@@ -40,9 +41,9 @@ class PromptStyle:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
+    @abc.abstractmethod
     def render(self, messages: list[Message]) -> str:
         """The prompt text for ``messages`` (ending where the assistant's reply begins)."""
-        raise NotImplementedError
 
 
 def _pairs(messages: list[Message]) -> tuple[Optional[str], list[tuple[Message, Optional[Message]]]]:

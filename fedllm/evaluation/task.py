@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Optional
 
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.sources import DataSourceError, HubSource, read_hub, read_records
 
 
-class Task:
+class Task(abc.ABC):
     """One evaluation task (registered with :func:`fedllm.registry.register_task`).
 
     Attributes:
@@ -21,9 +22,9 @@ class Task:
     hub: Optional[HubSource] = None
     uses_records: bool = False
 
+    @abc.abstractmethod
     def run(self, ctx: EvalContext) -> dict[str, float]:
         """Evaluate ``ctx.model``; write the result file; return the task's metrics (unprefixed)."""
-        raise NotImplementedError
 
     def raw_records(self, ctx: EvalContext) -> list[dict]:
         """The task's raw records: ``eval.data[name]``, else held-out training records, else the hub default.

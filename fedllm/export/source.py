@@ -7,6 +7,7 @@ foreign directory fails with a clear :class:`ExportInputError` and nothing is wr
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -155,8 +156,8 @@ def run_metrics(source: Source) -> dict[str, Any]:
     if source.checkpoint.name == "final" and summary.is_file():
         try:
             out["summary"] = json.loads(summary.read_text())
-        except ValueError:
-            pass
+        except ValueError as e:  # a damaged summary does not stop an export; the card says less
+            logging.getLogger("fedllm").warning("%s: unreadable (%s); model card without the run summary", summary, e)
     return out
 
 

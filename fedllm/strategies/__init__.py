@@ -1,8 +1,13 @@
 """Federated strategies, one per file, picked by registry name."""
 
 from fedllm.registry import strategies
-from fedllm.strategies import fedavg  # noqa: F401
-from fedllm.strategies import fedloru, frlora, mfedloru, pfedloru  # noqa: F401
+from fedllm.strategies import (  # noqa: F401
+    fedavg,  # noqa: F401
+    fedloru,
+    frlora,
+    mfedloru,
+    pfedloru,
+)
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate, Phase, Strategy
 
 

@@ -6,8 +6,8 @@ import pytest
 from evalkit import ASSETS
 
 from fedllm.config import EvalConfig
-from fedllm.evaluation import evaluate
 from fedllm.data.errors import DataError
+from fedllm.evaluation import evaluate
 from fedllm.evaluation.sources import read_records
 from fedllm.evaluation.tasks.gsm8k_exemplars import GSM8K_COT_EXEMPLARS
 
