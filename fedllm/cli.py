@@ -79,10 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedllm", description="Federated fine-tuning of LLMs with LoRA")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
-        try:
-            add(sub)
-        except ImportError as e:  # a command whose optional module is missing stays unavailable
-            logging.getLogger("fedllm").debug("command unavailable: %s", e)
+        add(sub)
     return parser
 
 
