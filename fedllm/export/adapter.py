@@ -21,7 +21,7 @@ import torch
 from fedllm.export.errors import ExportInputError
 from fedllm.export.factors import LayerFactors, layer_factors
 from fedllm.export.merged import check_probe
-from fedllm.export.source import Source, load_original_base, probe_inputs, probe_logits
+from fedllm.export.source import Source, load_original_base, probe_inputs, probe_logits, to_fp32
 from fedllm.export.weights import PEFT_PREFIX, oriented, read_layers, relative_name, wrapped_layers
 from fedllm.lowrank import dense_weight
 from fedllm.state import DTYPES
@@ -128,7 +128,7 @@ def write_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source, out
         original.save_pretrained(str(out / "base"))
         tokenizer.save_pretrained(str(out / "base"))
     if source.recipe.model.quantization == "none":
-        original.float()
+        to_fp32(original)
     factors = compute_factors(model, strategy, original, rank)
     exported = get_peft_model(original, adapter_config(model, factors)).eval()
     exported.peft_config["default"].base_model_name_or_path = source.recipe.model.name

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fedllm.export.errors import ExportCheckError
-from fedllm.export.source import Source, probe_inputs, probe_logits
+from fedllm.export.source import Source, probe_inputs, probe_logits, to_fp32
 from fedllm.export.weights import dequantize_linears, read_layers, relative_name, wrapped_layers
 from fedllm.state import DTYPES
 
@@ -58,7 +58,7 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
     reference = probe_logits(model, inputs)
     base = model.unload()  # drops the LoRA wrappers; the active classifier copy (modules_to_save) stays
     quantized = dequantize_linears(base) > 0
-    base.float()
+    to_fp32(base)
     for name, weight in merged.items():
         layer = base.get_submodule(name)
         layer.weight.data = (weight.T if fan_in_fan_out[name] else weight).contiguous()

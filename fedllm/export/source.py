@@ -185,8 +185,20 @@ def load_run_model(source: Source, client: Optional[int]) -> tuple[Any, Any, Any
             raise
         raise ExportInputError(f"{source.checkpoint}: does not fit its recipe's model ({e})") from None
     if source.recipe.model.quantization == "none":
-        model.float()
+        to_fp32(model)
     return model, tok, strategy
+
+
+def to_fp32(model: Any) -> Any:
+    """Cast floating parameters to fp32 for the merge maths.
+
+    Models read from GGUF files count as quantized to transformers, whose ``.float()``
+    then refuses, although their weights are already dequantized to plain tensors; they
+    (and any model already in fp32) are left as they are.
+    """
+    if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
+        return model
+    return model.float()
 
 
 def load_original_base(source: Source, tokenizer: Any) -> Any:
