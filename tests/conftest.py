@@ -58,3 +58,26 @@ def tiny_recipe(tmp_path, arith_file):
         return raw
 
     return make
+
+
+@pytest.fixture
+def crash_at_round(monkeypatch):
+    """``crash_at_round(n)`` makes the round loop raise ``RuntimeError('power cut')`` in round ``n``;
+    ``crash_at_round(None)`` restores it (for the resume that follows)."""
+    from fedllm.server import RoundLoop
+
+    original = RoundLoop.run_round
+
+    def arm(rnd):
+        if rnd is None:
+            monkeypatch.setattr(RoundLoop, "run_round", original)
+            return
+
+        def crash(self, r, bar):
+            if r == rnd:
+                raise RuntimeError("power cut")
+            return original(self, r, bar)
+
+        monkeypatch.setattr(RoundLoop, "run_round", crash)
+
+    return arm

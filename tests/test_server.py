@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from fedllm import checkpoint as ckpt_io
 from fedllm.cli import main
 from fedllm.config import parse_recipe
-from fedllm.server import RoundLoop, round_lr, run, sample_clients
+from fedllm.server import round_lr, run, sample_clients
 
 
 def test_one_round_changes_the_weights_and_writes_the_run_dir(tiny_recipe):
@@ -56,23 +56,16 @@ def _final_state(run_dir):
     return load_file(str(run_dir / "final" / "adapter.safetensors"))
 
 
-def test_resume_is_bit_exact(tiny_recipe, tmp_path, monkeypatch):
+def test_resume_is_bit_exact(tiny_recipe, tmp_path, crash_at_round):
     full = run(parse_recipe(tiny_recipe(output_dir=str(tmp_path / "full"), federation={"rounds": 3},
                                         checkpoint={"every": 1})))
     recipe = parse_recipe(tiny_recipe(output_dir=str(tmp_path / "cut"), federation={"rounds": 3},
                                       checkpoint={"every": 1}))
-    original = RoundLoop.run_round
-
-    def crash_in_round_2(self, rnd, bar):
-        if rnd == 2:
-            raise RuntimeError("power cut")
-        return original(self, rnd, bar)
-
-    monkeypatch.setattr(RoundLoop, "run_round", crash_in_round_2)
+    crash_at_round(2)
     with pytest.raises(RuntimeError, match="power cut"):
         run(recipe)
     assert ckpt_io.latest_checkpoint(tmp_path / "cut").name == "round-0001"
-    monkeypatch.setattr(RoundLoop, "run_round", original)
+    crash_at_round(None)
     resumed = run(recipe, resume=True)
     a, b = _final_state(full.run_dir), _final_state(resumed.run_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -10,7 +10,7 @@ from strategy_helpers import effective_weights, make_raw, tiny
 from fedllm import checkpoint as ckpt_io
 from fedllm.config import parse_recipe
 from fedllm.lowrank import numerical_rank
-from fedllm.server import RoundLoop, run
+from fedllm.server import run
 from fedllm.strategies.fedloru import FedLoRU
 from fedllm.strategies.mfedloru import MFedLoRU
 
@@ -45,22 +45,15 @@ def checkpoint_tensors(run_dir):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_resume_is_bit_exact(case, data_files, tmp_path_factory, tmp_path, monkeypatch):
+def test_resume_is_bit_exact(case, data_files, tmp_path_factory, tmp_path, crash_at_round):
     full = full_run(case, data_files, tmp_path_factory)
     strategy, args, sections = CASES[case]
     recipe = parse_recipe(make_raw(data_files, tmp_path / "cut", strategy, args, checkpoint={"every": 1}, **sections))
-    original = RoundLoop.run_round
-
-    def crash_in_round_2(self, rnd, bar):
-        if rnd == 2:
-            raise RuntimeError("power cut")
-        return original(self, rnd, bar)
-
-    monkeypatch.setattr(RoundLoop, "run_round", crash_in_round_2)
+    crash_at_round(2)
     with pytest.raises(RuntimeError, match="power cut"):
         run(recipe)
     assert ckpt_io.latest_checkpoint(tmp_path / "cut").name == "round-0001"
-    monkeypatch.setattr(RoundLoop, "run_round", original)
+    crash_at_round(None)
     resumed = run(recipe, resume=True)
     a, b = checkpoint_tensors(full.run_dir), checkpoint_tensors(resumed.run_dir)
     assert a.keys() == b.keys() and "adapter" in a
