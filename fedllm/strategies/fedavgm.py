@@ -9,7 +9,7 @@ from fedllm.strategies.fedopt import ServerOptimizer
 
 @register_strategy("fedavgm")
 class FedAvgM(ServerOptimizer):
-    """FedAvgM: ``v ← β·v + Δ; θ ← θ + η·v`` with ``Δ = θ̄ − θ`` (the negated pseudo-gradient of Flower).
+    """FedAvgM: ``v ← β·v + Δ; θ ← θ + η·v`` with ``Δ = θ̄ − θ_sent`` (the negated pseudo-gradient of Flower).
 
     With Flower's defaults (``server_learning_rate: 1``, ``server_momentum: 0``) there is no server
     optimisation and the result is FedAvg's mean, bit for bit.

@@ -15,6 +15,17 @@ steps on τ with σ frozen, then ``E_global`` steps on σ with τ frozen; ``simu
 together for ``E_lora + E_global`` steps (seed 002's Table 3 ablation = pFedLoRA(2), eq. 86). It
 sends σ only. ``E_lora = 0`` is FedAvg of σ; ``E_global = 0`` is local training of τ.
 
+Step budget (seed 002 §3.4: "We set E_lora + E_global = E, where E is the total number of local update
+epochs in one round"): the two phases share ONE budget ``E`` = the recipe's ``train.local_steps`` (or
+``local_epochs``), so a round trains as many steps as every other strategy's. By default
+``E_lora = ⌊lora_share·E + ½⌋`` (``lora_share`` 0.5: the paper sweeps ``E_lora ∈ [0, E]`` in Fig. 4 and
+states no single value for its tables, so the even split is fedllm's choice) and ``E_global = E − E_lora``;
+giving only ``e_lora`` (or only ``e_global``) takes the rest of ``E`` for the other phase, as the paper's
+sweep does; giving both uses the two counts as they are (an explicit per-phase budget).
+
+Aggregation: eq. 8 is the plain mean ``σ̄ = (1/N) Σ_i σ_i`` over the round's clients, the default here
+(``weighting: uniform``); ``weighting: examples`` weights clients by their example counts as FedAvg does.
+
 τ is the per-client private adapter of :mod:`fedllm.strategies.private_adapter` (parameters
 ``<layer>.fedlora.L`` / ``.U``): per-client state in the client store, zero in the global model,
 loaded by ``personal_state`` for a client's own model ``σ̄ + τ_i``.
@@ -49,19 +60,20 @@ def _is_count(value, integer: bool) -> bool:
 
 @register_strategy("fedlora_pfl")
 class FedLoRAPFL(PrivateFactors, FedAvg):
-    """FedLoRA (seed 002, Alg. 1): ``θ_i = σ + τ_i``; ``E_lora`` steps on τ_i, then ``E_global`` on σ; ``σ̄ ← Σ_i p_i σ_i`` (eq. 8), τ_i never sent.
+    """FedLoRA (seed 002, Alg. 1): ``θ_i = σ + τ_i``; ``E_lora`` steps on τ_i, then ``E_global = E − E_lora`` on σ; ``σ̄ ← (1/N) Σ_i σ_i`` (eq. 8), τ_i never sent.
 
     Args:
         shared: ``full`` (σ = the target modules' full weights) or ``lora`` (σ = a shared LoRA adapter).
         schedule: ``alternating`` (τ then σ: pFedLoRA(1)) or ``simultaneous`` (both at once: pFedLoRA(2)).
-        e_lora: ``E_lora``: steps (or epochs, see ``unit``) on τ per round; default one round's worth
-            (``train.local_steps`` / ``local_epochs``); 0 turns FedLoRA into FedAvg of σ.
-        e_global: ``E_global``: the same for σ; 0 is local training of τ.
+        e_lora: ``E_lora``: steps (or epochs, see ``unit``) on τ per round; default ``lora_share`` of the
+            round's budget ``E`` (``train.local_steps`` / ``local_epochs``); 0 turns FedLoRA into FedAvg of σ.
+        e_global: ``E_global``: the same for σ; default ``E − E_lora``; 0 is local training of τ.
+        lora_share: the share of ``E`` given to τ when ``e_lora`` and ``e_global`` are not set (default 0.5).
         unit: ``steps`` (optimizer steps) or ``epochs`` (passes over the client's data).
         rank: rank of τ in every layer (default ``lora.r``); or give ``rank_ratio``.
         rank_ratio: the paper's ``R_l``: rank of τ = ``max(1, round(R_l · min(in, out)))`` per layer.
         alpha: scaling ``s_τ = alpha / rank``; default none (``s_τ = 1``: τ = B A as in eq. 3).
-        weighting: ``examples`` or ``uniform`` (eq. 8's plain mean).
+        weighting: ``uniform`` (eq. 8's plain mean, the default) or ``examples``.
     """
 
     name = "fedlora_pfl"
@@ -71,11 +83,11 @@ class FedLoRAPFL(PrivateFactors, FedAvg):
 
     def __init__(self, shared: str = "full", schedule: str = "alternating", e_lora: Optional[float] = None,
                  e_global: Optional[float] = None, unit: str = "steps", rank: Optional[int] = None,
-                 rank_ratio: Optional[float] = None, alpha: Optional[float] = None, weighting: str = "examples",
-                 **kwargs):
+                 rank_ratio: Optional[float] = None, alpha: Optional[float] = None, weighting: str = "uniform",
+                 lora_share: float = 0.5, **kwargs):
         super().__init__(weighting=weighting, **kwargs)
         self.shared, self.schedule, self.unit = shared, schedule, unit
-        self.e_lora, self.e_global = e_lora, e_global
+        self.e_lora, self.e_global, self.lora_share = e_lora, e_global, lora_share
         self.rank, self.rank_ratio, self.alpha = rank, rank_ratio, alpha
         self.modifies_base = shared == "full"
 
@@ -90,6 +102,9 @@ class FedLoRAPFL(PrivateFactors, FedAvg):
             v = args.get(key)
             if v is not None and not _is_count(v, integer):
                 problems.append((key, v, "an integer >= 0 (unit: steps)" if integer else "a number >= 0 (unit: epochs)"))
+        share = args.get("lora_share", 0.5)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            problems.append(("lora_share", share, "a number in [0, 1] (E_lora's share of the round's budget E)"))
         if args.get("e_lora") == 0 and args.get("e_global") == 0:
             problems.append(("e_global", 0, "e_lora or e_global above 0: something must train"))
         rank, ratio = args.get("rank"), args.get("rank_ratio")
@@ -141,21 +156,34 @@ class FedLoRAPFL(PrivateFactors, FedAvg):
         return bases + [n for n in trainable if n not in adapter]
 
     # ----- rounds
-    def local_steps(self, value: Optional[float], client_id: int) -> int:
-        """Optimizer steps of ``E_lora`` / ``E_global`` = ``value`` for client ``client_id``."""
-        from fedllm.client import steps_per_round
-
-        train = recipe_value(self.recipe, "train", None)
-        if value is None:
-            return steps_per_round(train, self.sizes[client_id]) if train is not None else 1
+    def local_steps(self, value: float, client_id: int) -> int:
+        """Optimizer steps of ``E_lora`` / ``E_global`` = ``value`` (in ``unit``) for client ``client_id``."""
         if self.unit == "steps":
             return int(value)
+        train = recipe_value(self.recipe, "train", None)
         per_step = train.batch_size * train.grad_accum if train is not None else 1
         return math.ceil(value * self.sizes[client_id] / per_step) if value > 0 else 0
 
+    def phase_steps(self, client_id: int) -> tuple[int, int]:
+        """``(E_lora, E_global)`` in optimizer steps for client ``client_id``: one budget ``E`` split (see the
+        module docstring) unless both are given."""
+        from fedllm.client import steps_per_round
+
+        train = recipe_value(self.recipe, "train", None)
+        budget = steps_per_round(train, self.sizes[client_id]) if train is not None else 1
+        e_lora = None if self.e_lora is None else self.local_steps(self.e_lora, client_id)
+        e_global = None if self.e_global is None else self.local_steps(self.e_global, client_id)
+        if e_lora is None and e_global is None:
+            e_lora = math.floor(self.lora_share * budget + 0.5)
+        if e_global is None:
+            e_global = max(budget - e_lora, 0)
+        if e_lora is None:
+            e_lora = max(budget - e_global, 0)
+        return e_lora, e_global
+
     def configure_client(self, rnd: int, client_id: int, global_state: StateDict) -> ClientPlan:
         tau, sigma = list(self.private_keys), list(global_state)
-        e_lora, e_global = self.local_steps(self.e_lora, client_id), self.local_steps(self.e_global, client_id)
+        e_lora, e_global = self.phase_steps(client_id)
         if self.schedule == "simultaneous":
             phases = [Phase(keys=tau + sigma, steps=e_lora + e_global, name="joint")]
         else:

@@ -62,6 +62,38 @@ def test_schedules_make_the_papers_phases():
     assert set(plan.phases[0].keys) == set(sim.private_keys) | set(state)
 
 
+@pytest.mark.parametrize("args, phases", [
+    ({}, [("personal", 3), ("global", 3)]),  # E = 6 split evenly
+    ({"lora_share": 0.25}, [("personal", 2), ("global", 4)]),  # ⌊0.25·6 + ½⌋ = 2
+    ({"e_lora": 4}, [("personal", 4), ("global", 2)]),  # E_global = E − E_lora (the paper's sweep)
+    ({"e_global": 5}, [("personal", 1), ("global", 5)]),
+    ({"e_lora": 0}, [("global", 6)]),  # FedAvg of σ at the same budget
+    ({"e_lora": 4, "e_global": 7}, [("personal", 4), ("global", 7)]),  # explicit per-phase counts
+    ({"schedule": "simultaneous"}, [("joint", 6)]),
+])
+def test_the_phases_share_one_budget(args, phases):
+    """Seed 002 §3.4: ``E_lora + E_global = E``, E = the recipe's local steps (issue #23.2)."""
+    from fedllm.config import parse_recipe as parse
+
+    model = tiny().model
+    recipe = parse({"data": {"path": "unused.jsonl"}, "train": {"local_steps": 6},
+                    "federation": {"num_clients": 3}})
+    strategy = make_strategy("fedlora_pfl", model, recipe=recipe, **args)
+    plan = strategy.configure_client(1, 0, read_state(model, strategy.global_keys(model)))
+    assert [(p.name, p.steps) for p in plan.phases] == phases
+
+
+def test_a_round_trains_the_recipes_budget(data_files, tmp_path):
+    """With the defaults every client of a round takes ``train.local_steps`` optimizer steps in all, as under
+    FedAvg (before #23.2 each phase took the whole budget: 2× the steps)."""
+    result = run(parse_recipe(make_raw(data_files, tmp_path / "run", "fedlora_pfl", train={"local_steps": 4},
+                                       federation={"rounds": 1})))
+    fedavg = run(parse_recipe(make_raw(data_files, tmp_path / "avg", "fedavg", train={"local_steps": 4},
+                                       federation={"rounds": 1})))
+    assert result.history[0]["client_steps"] == fedavg.history[0]["client_steps"]
+    assert set(result.history[0]["client_steps"].values()) == {4}
+
+
 def test_epochs_are_passes_over_the_clients_data():
     model = tiny().model
     strategy = make_strategy("fedlora_pfl", model, unit="epochs", e_lora=1, e_global=0.5)
@@ -101,17 +133,20 @@ def test_alternating_phases_leave_the_other_part_bit_identical(data_files, tmp_p
 
 
 def test_e_lora_zero_with_a_shared_adapter_is_fedavg(data_files, tmp_path):
-    fedavg = run(parse_recipe(make_raw(data_files, tmp_path / "a", "fedavg")))
+    fedavg = run(parse_recipe(make_raw(data_files, tmp_path / "a", "fedavg", {"weighting": "uniform"})))
     fedlora = run(parse_recipe(make_raw(data_files, tmp_path / "b", "fedlora_pfl", {"shared": "lora", "e_lora": 0})))
     assert fedavg.global_state.keys() == fedlora.global_state.keys()
     assert all(torch.equal(fedavg.global_state[k], fedlora.global_state[k]) for k in fedavg.global_state)
     assert [h["client_loss"] for h in fedavg.history] == [h["client_loss"] for h in fedlora.history]
 
 
-def test_e_lora_zero_with_full_weights_is_fedavg_of_sigma(data_files, tmp_path):
-    """One SGD step per client: σ̄ = σ⁰ − lr · Σ_k p_k ∇f_k(σ⁰), the gradient taken by plain autograd on W."""
+@pytest.mark.parametrize("weighting", ["uniform", "examples"])
+def test_e_lora_zero_with_full_weights_is_fedavg_of_sigma(weighting, data_files, tmp_path):
+    """One SGD step per client: σ̄ = σ⁰ − lr · Σ_k p_k ∇f_k(σ⁰), the gradient taken by plain autograd on W;
+    ``p_k = 1/N`` by default (eq. 8's plain mean), ``n_k / Σ n`` with ``weighting: examples``."""
     lr = 0.05
-    raw = make_raw(data_files, tmp_path / "run", "fedlora_pfl", {"e_lora": 0},
+    args = {"e_lora": 0} if weighting == "uniform" else {"e_lora": 0, "weighting": weighting}
+    raw = make_raw(data_files, tmp_path / "run", "fedlora_pfl", args,
                    federation={"rounds": 1}, train={"optimizer": "sgd", "local_steps": 1, "lr": lr})
     recipe = parse_recipe(raw)
     result = run(recipe)
@@ -131,7 +166,8 @@ def test_e_lora_zero_with_full_weights_is_fedavg_of_sigma(data_files, tmp_path):
             params[k].requires_grad_(True)
         grads = torch.autograd.grad(model(**batch).loss, [params[k] for k in sigma0])
         for k, g in zip(sigma0, grads, strict=True):
-            expected[k] -= lr * sizes[cid] / sum(sizes.values()) * g
+            p = 1 / len(clients) if weighting == "uniform" else sizes[cid] / sum(sizes.values())
+            expected[k] -= lr * p * g
     for k in expected:
         assert torch.allclose(result.global_state[k], expected[k], atol=1e-6), k
         assert not torch.equal(result.global_state[k], sigma0[k])

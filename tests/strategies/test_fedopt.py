@@ -123,3 +123,44 @@ def test_bad_strategy_arguments_name_the_key(strategy, args, key):
            "federation": {"num_clients": 3, "strategy": strategy, "strategy_args": args}}
     with pytest.raises(InputError, match=f"strategy_args.{key}"):
         parse_recipe(raw)
+
+
+@pytest.mark.parametrize("name, args", [
+    ("fedavgm", {"server_momentum": 0.9}),
+    ("fedadagrad", {"eta": 1e-2, "tau": 1e-6}),
+    ("fedyogi", {"eta": 1e-2, "tau": 1e-6}),
+    ("fedadam", {"eta": 1e-2, "tau": 1e-6}),
+])
+def test_compressed_transport_is_not_progress(name, args, data_files, tmp_path):
+    """With bf16 transport and lr = 0 no client learns anything, so the server optimiser must not move θ:
+    Δ is measured against θ as the clients received it (rounded), not the unrounded θ (issue #23.1;
+    before the fix FedAdam with τ = 1e-6 moved θ by 0.032 over 4 rounds and kept growing)."""
+    from strategy_helpers import make_raw
+
+    from fedllm.models import read_state
+    from fedllm.server import build_federation, run
+
+    raw = make_raw(data_files, tmp_path / "run", name, args, federation={"comm_dtype": "bf16", "rounds": 4},
+                   train={"lr": 0.0})
+    fed = build_federation(parse_recipe(raw))
+    initial = read_state(fed.loaded.model, fed.global_keys)
+    final = run(parse_recipe(raw)).global_state
+    assert set(final) == set(initial)
+    for k, v in initial.items():
+        # every client uploads exactly the bf16-rounded θ, so the mean is that value up to fp32 rounding of
+        # the weighted mean; the server adds a zero step to its own θ
+        assert torch.allclose(final[k], v, rtol=0, atol=1e-6), (k, (final[k] - v).abs().max().item())
+
+
+def test_pseudo_gradient_is_taken_against_the_broadcast():
+    """Unit check with hand-made uploads: Δ = θ̄ − bf16(θ) exactly (FedAvgM in its first round returns θ + η·Δ, η = 1)."""
+    theta = {"w": torch.tensor([1.0001, -2.0003, 0.33333])}
+    strategy = get_strategy("fedavgm", server_momentum=0.5)  # round 1: v = Δ, step = η·Δ = Δ
+    strategy.recipe = parse_recipe({"data": {"path": "unused.jsonl"}, "train": {"local_steps": 1},
+                                    "federation": {"num_clients": 2, "comm_dtype": "bf16"}})
+    sent = theta["w"].to(torch.bfloat16).float()
+    ups = [ClientUpdate(client_id=0, state={"w": sent + 0.5}, num_examples=1, loss=0.0, steps=1),
+           ClientUpdate(client_id=1, state={"w": sent + 1.5}, num_examples=1, loss=0.0, steps=1)]
+    out = strategy.aggregate(1, theta, ups)
+    assert (sent - theta["w"]).abs().max() > 1e-4  # the rounding is visible at this tolerance
+    assert torch.allclose(out["w"], theta["w"] + 1.0, rtol=0, atol=1e-6)  # θ + Δ, Δ = mean progress = 1

@@ -110,3 +110,26 @@ def test_the_upload_layout_is_known_before_training(data_files, tmp_path):
     expected = expected_upload(fed.strategy, plan, fed.loaded.model)
     assert expected == {**{k: (tuple(v.shape), torch.float32) for k, v in state.items()},
                         **{DELTA_C + k: (tuple(v.shape), torch.float32) for k, v in state.items()}}
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "examples"])
+def test_server_mean_follows_the_chosen_weighting(weighting, data_files, tmp_path, monkeypatch):
+    """The paper's server step with η_g = 1: ``x ← x + (1/|S|)·Σ_S (y_i − x) = (1/|S|)·Σ_S y_i`` (``uniform``,
+    issue #23.3); ``examples`` weights ``y_i`` by the clients' example counts (OpenFedLLM's aggregation, which
+    the FRLoRA baselines use). ``c ← c + (1/N)·Σ_S Δc_i`` either way. Computed by hand from the uploads."""
+    seen = record_updates(monkeypatch, Scaffold)
+    raw = make_raw(data_files, tmp_path / "run", "scaffold", {"weighting": weighting}, federation={"rounds": 1},
+                   data={"path": str(data_files["arith"]), "format": "instruction", "max_examples": 40,
+                         "fields": {"instruction": "question", "output": "answer"}})
+    result = run(parse_recipe(raw))
+    assert len(seen) == 2 and seen[0].num_examples != seen[1].num_examples  # the weightings differ here
+    keys = list(result.global_state)
+    n = [u.num_examples for u in seen]
+    p = [0.5, 0.5] if weighting == "uniform" else [n[0] / sum(n), n[1] / sum(n)]
+    for k in keys:
+        expected = p[0] * seen[0].state[k].double() + p[1] * seen[1].state[k].double()
+        torch.testing.assert_close(result.global_state[k].double(), expected, rtol=0, atol=1e-6)
+    c = result.strategy.c
+    for k in keys:
+        expected = (seen[0].state[DELTA_C + k] + seen[1].state[DELTA_C + k]) / 3  # N = 3 clients
+        torch.testing.assert_close(c[k], expected, rtol=0, atol=1e-6)
