@@ -116,6 +116,8 @@ class FederationConfig:
     on_client_error: Literal["skip", "fail"] = doc("skip", "a client that raises or sends a non-finite/malformed update: drop it from the round, or stop the run")
     min_clients_per_round: int = doc(1, "fewest valid updates a round aggregates; fewer: retry the round with a fresh sample")
     round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint)")
+    max_update_norm: Optional[float] = doc(None, "drop an update whose norm ||u - global|| is above this (null: no absolute bound)")
+    update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (null: off)")
 
 
 @dataclass
@@ -469,6 +471,9 @@ def _semantic_problems(r: Recipe, check_files: bool = False) -> list[tuple[str, 
     if fed.min_clients_per_round < 1 or fed.min_clients_per_round > r.sampled_per_round():
         p.append(("federation.min_clients_per_round", fed.min_clients_per_round,
                   f"an integer in 1..clients sampled per round ({r.sampled_per_round()})"))
+    for key in ("max_update_norm", "update_outlier_factor"):
+        if getattr(fed, key) is not None and not getattr(fed, key) > 0:
+            p.append((f"federation.{key}", getattr(fed, key), "a positive number, or null"))
     if fed.round_retries < 0:
         p.append(("federation.round_retries", fed.round_retries, "an integer >= 0"))
     if not r.data.path and not r.federation.partition.path:

@@ -27,6 +27,7 @@ SAFE_KEYS = frozenset({
     # fault policy: changes nothing in a round without faults (e.g. resume a run stopped by
     # on_client_error=fail with skip)
     "federation.on_client_error", "federation.min_clients_per_round", "federation.round_retries",
+    "federation.max_update_norm", "federation.update_outlier_factor",
 })
 """Single keys that may change on ``--resume``."""
 

@@ -235,6 +235,7 @@ class RoundLoop:
         self.start_round = 0
         self.tracking = Tracking([])  # logging.report_to back-ends, started by run() on rank 0
         self.startup: dict[str, Any] = {}  # start-up seconds and what the tokenized-data cache did (summary.json)
+        self.accepted_norms: list[float] = []  # update norms of the last round (outlier reference)
         self.final_written = False  # resumed from final/ (stopped before summary.json): only the summary is left
 
     # ----- persistence
@@ -306,9 +307,35 @@ class RoundLoop:
         """The round's aggregation: ``aggregate`` then ``after_aggregate``; returns what ``aggregate`` gave."""
         strategy = self.fed.strategy
         aggregated = strategy.aggregate(rnd, self.global_state, updates)
+        self.refuse_non_finite(rnd, aggregated)
         self.global_state = strategy.after_aggregate(rnd, self.model, aggregated)
+        self.refuse_non_finite(rnd, self.global_state)
         write_state(self.model, self.global_state)
         return aggregated
+
+    def refuse_non_finite(self, rnd: int, state: StateDict) -> None:
+        """Stop the run (no checkpoint of this round) when the aggregated ``state`` holds a nan/inf."""
+        key = client_faults.non_finite_key(state)
+        if key is not None:
+            raise client_faults.RoundStopped(
+                f"round {rnd}: the aggregate is not finite ({key}); nothing of round {rnd} is checkpointed, the "
+                "newest checkpoint holds an earlier round (fix the cause, then --resume)")
+
+    def screen_updates(self, rnd: int, updates: list[ClientUpdate], dropped: dict[int, str],
+                       before: dict[int, StateDict]) -> list[ClientUpdate]:
+        """Drop the updates whose norm is out of bounds (:func:`client_faults.norm_outliers`) into ``dropped``;
+        their clients keep the per-client state they had before the round."""
+        fed = self.recipe.federation
+        norms = {u.client_id: client_faults.update_norm(u.state, self.global_state) for u in updates}
+        outliers = client_faults.norm_outliers(norms, fed.max_update_norm, fed.update_outlier_factor,
+                                               self.accepted_norms)
+        for cid, why in outliers.items():
+            log.warning("round %d: client %d dropped: %s", rnd, cid, why)
+            self.store.put(cid, before[cid])
+            dropped[cid] = why
+        kept = [u for u in updates if u.client_id not in outliers]
+        self.accepted_norms = [norms[u.client_id] for u in kept] or self.accepted_norms
+        return kept
 
     def stop(self, rnd: int, why: str) -> None:
         """End the run in round ``rnd`` without aggregating: checkpoint the state after round ``rnd - 1``."""
@@ -330,6 +357,7 @@ class RoundLoop:
                                      frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
             updates, down, dropped = self.executor.train(self, rnd, sampled, lr, bar)
+            updates = self.screen_updates(rnd, updates, dropped, before)
             if len(updates) >= fed.min_clients_per_round and not (dropped and fed.on_client_error == "fail"):
                 break
             self.store.update(before)  # nothing of this sample is kept
