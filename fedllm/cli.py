@@ -101,7 +101,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         hint = (f"; resume with: {resume_command(argv)}" if args.command == "train" and not
                 getattr(args, "dry_run", False) else "")
-        print(f"fedllm {args.command}: interrupted{hint}", file=sys.stderr)
+        masked = redact_text(hint)
+        if masked != hint:
+            masked += " (credentials masked: give them again)"
+        print(f"fedllm {args.command}: interrupted{masked}", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 — a runtime failure, reported with its type
         print(f"fedllm {args.command}: failed: {type(e).__name__}: {redact_text(str(e))}", file=sys.stderr)

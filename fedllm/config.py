@@ -95,7 +95,8 @@ class DataConfig:
     client_eval_fraction: float = doc(0.0, "fraction of each client's records held out as its personal test split")
     cache: bool = doc(True, "reuse tokenized examples from earlier runs (keyed by data file hash, tokenizer, options, max_length)")
     cache_dir: Optional[str] = doc(None, "tokenized-data cache; default $FEDLLM_CACHE_DIR or ~/.cache/fedllm (tokenized/ inside)")
-    on_bad_record: Literal["error", "drop"] = doc("drop", "records with an empty text or nothing trainable within max_length: stop with exit 2, or drop and count them")
+    on_bad_record: Literal["error", "drop"] = doc("drop", "records with an empty text, more text than max_record_chars or nothing trainable within max_length: stop with exit 2, or drop and count them")
+    max_record_chars: Optional[int] = doc(4_000_000, "a record with more characters of text is a bad record (too_large), found before tokenizing; null: no limit")
 
     def __post_init__(self) -> None:
         if self.template is None:
@@ -115,6 +116,8 @@ class FederationConfig:
     on_client_error: Literal["skip", "fail"] = doc("skip", "a client that raises or sends a non-finite/malformed update: drop it from the round, or stop the run")
     min_clients_per_round: int = doc(1, "fewest valid updates a round aggregates; fewer: retry the round with a fresh sample")
     round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint)")
+    max_update_norm: Optional[float] = doc(None, "drop an update whose norm ||u - global|| is above this (null: no absolute bound)")
+    update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (null: off)")
 
 
 @dataclass
@@ -219,8 +222,31 @@ FINITE = "a finite number"
 """What a nan/inf value is told it should be (a value problem: the other checks still run)."""
 
 
+MAX_YAML_NODES = 100_000
+"""Most values a recipe may expand to (aliases counted at each use): refuses alias bombs ("billion laughs")."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and lists a recipe may have."""
+MAX_SEED = 2**63 - 1
+"""Largest seed (64-bit, non-negative: torch, numpy and Python generators all accept it)."""
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-3`` / ``2E5`` as floats (YAML 1.2), as users write learning rates."""
+    """SafeLoader that also reads ``1e-3`` / ``2E5`` as floats (YAML 1.2), as users write learning rates,
+    and refuses duplicate keys (YAML says a key is unique; PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {key_node.start_mark.line + 1}; first given on line "
+                    f"{first})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -235,8 +261,28 @@ _Loader.add_implicit_resolver(
 
 
 def read_yaml(text: str) -> Any:
-    """Parse YAML text with :class:`_Loader`."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 — a SafeLoader subclass
+    """Parse YAML text with :class:`_Loader`; a :class:`yaml.YAMLError` for duplicate keys, nesting deeper than
+    :data:`MAX_YAML_DEPTH` or more than :data:`MAX_YAML_NODES` values once aliases are expanded."""
+    try:
+        value = yaml.load(text, Loader=_Loader)  # noqa: S506 — a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError(f"nested deeper than {MAX_YAML_DEPTH} levels") from None
+    _expanded_size(value, 0, {})
+    return value
+
+
+def _expanded_size(value: Any, depth: int, memo: dict[int, int]) -> int:
+    """Values in ``value`` with every alias expanded (memoised per object: linear in the YAML's own size)."""
+    if not isinstance(value, (dict, list)):
+        return 1
+    if depth > MAX_YAML_DEPTH:
+        raise yaml.YAMLError(f"nested deeper than {MAX_YAML_DEPTH} levels")
+    if id(value) not in memo:
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        memo[id(value)] = 1 + sum(_expanded_size(v, depth + 1, memo) for v in items)
+        if memo[id(value)] > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"more than {MAX_YAML_NODES:,} values once aliases are expanded (an alias bomb?)")
+    return memo[id(value)]
 
 
 def _type_name(tp: Any) -> str:
@@ -293,6 +339,9 @@ def _coerce(value: Any, tp: Any, key: str, problems: list) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) <= MAX_SEED:
+                return value
+            problems.append((key, value, "an integer within 64 bits"))
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -350,7 +399,12 @@ def apply_overrides(raw: dict, overrides: list[str], problems: list) -> None:
             problems.append((item, item, "an override of the form dotted.key=value"))
             continue
         key, text = item.split("=", 1)
-        _set_dotted(raw, key.strip(), read_yaml(text) if text.strip() else "")
+        try:
+            value = read_yaml(text) if text.strip() else ""
+        except yaml.YAMLError as e:
+            problems.append((key.strip(), text, f"a YAML value ({str(e).splitlines()[0]})"))
+            continue
+        _set_dotted(raw, key.strip(), value)
 
 
 # --------------------------------------------------------------------------- validation
@@ -372,6 +426,9 @@ def _semantic_problems(r: Recipe, check_files: bool = False) -> list[tuple[str, 
     fed, tr = r.federation, r.train
     if r.lora.r <= 0:
         p.append(("lora.r", r.lora.r, "a positive integer"))
+    for key, seed in (("seed", r.seed), ("eval.seed", r.eval.seed)):
+        if not 0 <= seed <= MAX_SEED:
+            p.append((key, seed, f"an integer in 0..{MAX_SEED}"))
     if r.model.device_map is not None and r.model.device_map not in ("auto", "balanced", "sequential") and not \
             r.model.device_map.split(":")[0] in ("cpu", "cuda", "mps", "xpu"):
         p.append(("model.device_map", r.model.device_map, "null, auto, balanced, sequential or a device (cuda:0)"))
@@ -414,10 +471,15 @@ def _semantic_problems(r: Recipe, check_files: bool = False) -> list[tuple[str, 
     if fed.min_clients_per_round < 1 or fed.min_clients_per_round > r.sampled_per_round():
         p.append(("federation.min_clients_per_round", fed.min_clients_per_round,
                   f"an integer in 1..clients sampled per round ({r.sampled_per_round()})"))
+    for key in ("max_update_norm", "update_outlier_factor"):
+        if getattr(fed, key) is not None and not getattr(fed, key) > 0:
+            p.append((f"federation.{key}", getattr(fed, key), "a positive number, or null"))
     if fed.round_retries < 0:
         p.append(("federation.round_retries", fed.round_retries, "an integer >= 0"))
     if not r.data.path and not r.federation.partition.path:
         p.append(("data.path", r.data.path, "a hub id or a local data file"))
+    if r.data.max_record_chars is not None and r.data.max_record_chars < 1:
+        p.append(("data.max_record_chars", r.data.max_record_chars, "an integer >= 1, or null for no limit"))
     for key in ("eval_fraction", "client_eval_fraction"):
         v = getattr(r.data, key)
         if not 0 <= v < 1:
@@ -501,6 +563,7 @@ def parse_recipe(raw: Any, source: str = "<recipe>", overrides: Optional[list[st
         raise RecipeError(source, [("<top level>", type(raw).__name__, "a mapping of recipe sections")])
     apply_overrides(raw, list(overrides or []), problems)
     recipe = _build(Recipe, raw, "", problems)
+    _expand_home(recipe)
     if all(expected == FINITE for _, _, expected in problems):  # the types are right: check the values
         reported = {key for key, _, _ in problems}
         problems.extend(x for x in _semantic_problems(recipe, check_files) if x[0] not in reported)
@@ -510,13 +573,38 @@ def parse_recipe(raw: Any, source: str = "<recipe>", overrides: Optional[list[st
     return recipe
 
 
+def _expand_home(recipe: Recipe) -> None:
+    """``~`` and ``~user`` at the start of a path key become the home directory (never a literal ``./~``)."""
+    import os
+
+    for section, key in (("", "output_dir"), ("model", "name"), ("data", "path"), ("data", "eval_path"),
+                         ("data", "cache_dir"), ("federation.partition", "path")):
+        owner = recipe
+        for part in filter(None, section.split(".")):
+            owner = getattr(owner, part)
+        value = getattr(owner, key, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(owner, key, os.path.expanduser(value))
+    if isinstance(recipe.eval.data, dict):
+        recipe.eval.data = {t: os.path.expanduser(v) if isinstance(v, str) and v.startswith("~") else v
+                            for t, v in recipe.eval.data.items()}
+
+
 def load_recipe(path: str | Path, overrides: Optional[list[str]] = None, check_files: bool = False) -> Recipe:
-    """Load ``path`` (YAML), apply dotted ``overrides`` and validate."""
-    path = Path(path)
+    """Load ``path`` (UTF-8 YAML, a byte-order mark allowed; ``~`` expanded), apply dotted ``overrides`` and
+    validate."""
+    path = Path(path).expanduser()
     if not path.is_file():
         raise RecipeError(str(path), [("<file>", str(path), "an existing recipe YAML file")])
+    data = path.read_bytes()
     try:
-        raw = read_yaml(path.read_text())
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise RecipeError(str(path), [("<file>", f"byte 0x{data[e.start]:02x} on line {line}", "UTF-8 text")]) \
+            from None
+    try:
+        raw = read_yaml(text)
     except yaml.YAMLError as e:
         raise RecipeError(str(path), [("<yaml>", str(e).splitlines()[0], "valid YAML")]) from None
     return parse_recipe(raw, str(path), overrides, check_files)

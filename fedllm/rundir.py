@@ -18,6 +18,7 @@ from typing import Optional
 from fedllm import checkpoint as ckpt_io
 from fedllm.config import Recipe
 from fedllm.errors import InputError
+from fedllm.resume_check import check_resume_recipe
 
 log = logging.getLogger("fedllm")
 
@@ -65,6 +66,49 @@ def protected_reason(run_dir: Path, inputs: list[tuple[str, str]]) -> Optional[s
     return None
 
 
+TEMPORARIES = (".final.tmp-*", ".final.old-*", "checkpoints/.round-*", ".metrics.jsonl.*", ".summary.json.*",
+               ".recipe.yaml.*", ".partition.json.*", f".{RUN_MARKER}.*")
+"""Names of the temporaries fedllm's atomic writes leave when killed mid-write (removed on the next start)."""
+
+
+def clean_temporaries(run_dir: Path) -> None:
+    """Remove what an interrupted atomic write left in ``run_dir`` (only fedllm's own temporary names;
+    call with the run's lock held, so that no other writer's temporary goes)."""
+    for pattern in TEMPORARIES:
+        for stale in Path(run_dir).glob(pattern):
+            log.info("removing %s, left by an interrupted write", stale)
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``; a torn last line (a write cut off by a crash) is left out with a
+    warning (the caller rewrites the file without it).
+
+    Raises:
+        InputError: a line other than the last is not a JSON object (the file is damaged); names file and line.
+    """
+    lines = [(i, x) for i, x in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if x.strip()]
+    records = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, RecursionError) as e:
+            if n == len(lines) - 1:
+                log.warning("%s:%d: torn last line (%s) left out; the run continues from its checkpoint", path, i,
+                            type(e).__name__)
+                break
+            raise InputError(f"{path}:{i}: not a JSON record ({e}); the file is damaged (only its last line may be "
+                             "torn by a crash)") from None
+        records.append(record)
+    return records
+
+
 def _start_clean(run_dir: Path, why: str, is_main: bool) -> None:
     """``--resume`` without a usable checkpoint: start at round 0, dropping the old metrics."""
     log.warning("%s: %s; starting from round 0 (metrics.jsonl of the interrupted run is truncated)", run_dir, why)
@@ -89,9 +133,14 @@ def check_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> None:
         if not is_run_dir(run_dir):
             raise RunDirError(f"output_dir={str(run_dir)!r} is not a fedllm run directory (no {RUN_MARKER}); "
                               "nothing to resume there")
-        if (run_dir / "final").is_dir() and _intact(run_dir / "final"):
-            raise RunDirError(f"{run_dir}: the run already finished (final/ exists); nothing to resume")
+        check_resume_recipe(run_dir, recipe)
+        if finished(run_dir):
+            raise RunDirError(f"{run_dir}: the run already finished (final/ and summary.json exist); nothing to "
+                              "resume")
         return
+    if overwrite and run_dir.is_symlink():
+        raise RunDirError(f"--overwrite refuses output_dir={str(run_dir)!r}: it is a symbolic link (to "
+                          f"{run_dir.resolve()}); give the directory itself")
     if not overwrite and not is_run_dir(run_dir):
         raise RunDirError(f"output_dir={str(run_dir)!r} already exists, is not empty and is not a fedllm run; "
                           "pick another output_dir")
@@ -104,6 +153,12 @@ def check_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> None:
     if not is_run_dir(run_dir):
         raise RunDirError(f"--overwrite refuses output_dir={str(run_dir)!r}: it is not a fedllm run directory "
                           f"(no {RUN_MARKER}) and fedllm deletes only what it created; pick another output_dir")
+
+
+def finished(run_dir: Path) -> bool:
+    """True when the run wrote an intact ``final/`` and its ``summary.json`` (a kill between the two leaves
+    a run that ``--resume`` completes)."""
+    return (run_dir / "summary.json").is_file() and (run_dir / "final").is_dir() and _intact(run_dir / "final")
 
 
 def _intact(checkpoint: Path) -> bool:
@@ -137,6 +192,12 @@ def prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool, is_main: bool
         if not exists:
             log.warning("%s: no run to resume; starting from round 0", run_dir)
             return None
+        if is_main:
+            clean_temporaries(run_dir)
+        if (run_dir / "final").is_dir() and _intact(run_dir / "final"):
+            log.warning("%s: final/ was written but not summary.json (the run was stopped in between); completing "
+                        "the summary and plot", run_dir)
+            return run_dir / "final"
         start, damaged = ckpt_io.newest_intact(run_dir)
         for path, why in damaged:
             log.warning("skipping damaged checkpoint %s: %s", path, why)

@@ -40,7 +40,9 @@ DEFAULT_MAX_QUEUE = 8
 DEFAULT_REQUEST_TIMEOUT = 120.0
 """Seconds a request may wait for its turn (then 503) and may generate (then it ends early)."""
 MAX_BODY_BYTES = 8 << 20
-"""Largest request body read (8 MiB); larger ones answer 413 before they are parsed."""
+"""Largest request body read (8 MiB; chunked bodies too); larger ones answer 413 before they are parsed."""
+MAX_SEED = 2**63 - 1
+"""Largest ``seed`` a request may give (torch seeds are 64-bit)."""
 
 
 class TextPart(BaseModel):
@@ -70,7 +72,7 @@ class ChatRequest(BaseModel):
     stop: Union[StrictStr, list[StrictStr], None] = Field(None, max_length=4)
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False
-    seed: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = Field(None, ge=0, le=MAX_SEED)
 
 
 def _text(content: Union[str, list[TextPart], None]) -> str:
@@ -90,6 +92,66 @@ def context_window(model: Any, tokenizer: Any) -> Optional[int]:
             return value
     value = getattr(tokenizer, "model_max_length", None)
     return value if isinstance(value, int) and 0 < value < 10**7 else None
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the longest vocabulary entry (a prompt longer than window x this cannot fit); 64 if unknown."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 — a tokenizer without a vocabulary listing
+        return 64
+    return max((len(t) for t in vocab), default=64) or 64
+
+
+def not_utf8(messages: list[dict], stop: list[str]) -> Optional[str]:
+    """Why a request's text cannot be encoded (a lone surrogate such as ``\\ud800``), or None."""
+    texts = [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)]
+    texts += [(f"stop[{i}]", t) for i, t in enumerate(stop)]
+    for where, text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{where}: not valid Unicode text (a lone surrogate {text[e.start]!r} at character {e.start})"
+    return None
+
+
+class BodyLimit:
+    """ASGI middleware: read at most ``limit`` bytes of any request body (``Content-Length`` or chunked);
+    more answer 413 before the body is parsed (and before the rest is read)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        size = dict(scope.get("headers") or []).get(b"content-length")
+        if size is not None and (not size.isdigit() or int(size) > self.limit):
+            return await self.refuse(scope, receive, send, size.decode("latin-1"))
+        body, more = [], True
+        read = 0
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, receive, send)  # the client went away
+            body.append(message.get("body", b""))
+            read += len(body[-1])
+            more = message.get("more_body", False)
+            if read > self.limit:
+                return await self.refuse(scope, receive, send, f"more than {self.limit}")
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope: dict, receive: Any, send: Any, size: str) -> None:
+        await _error(413, f"request body of {size} bytes; at most {self.limit} are read")(scope, receive, send)
 
 
 def _set_time_limit(model: Any, seconds: float) -> None:
@@ -157,6 +219,7 @@ def build_app(model, tokenizer, model_name: str, chat_template: Optional[str] = 
     check_limits(max_new_tokens_limit, max_queue, request_timeout)
     style = make_prompt_style("chat", tokenizer, chat_template)
     window = context_length or context_window(model, tokenizer)
+    longest = longest_token_chars(tokenizer)
     _set_time_limit(model, request_timeout)
     lock = threading.Lock()
     admitted = threading.BoundedSemaphore(max_queue + 1)  # the one generating + those waiting
@@ -175,12 +238,7 @@ def build_app(model, tokenizer, model_name: str, chat_template: Optional[str] = 
               file=sys.stderr, flush=True)
         return response
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Any:
-        size = request.headers.get("content-length", "0")
-        if not size.isdigit() or int(size) > MAX_BODY_BYTES:
-            return _error(413, f"request body of {size} bytes; at most {MAX_BODY_BYTES} are read")
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -203,24 +261,32 @@ def build_app(model, tokenizer, model_name: str, chat_template: Optional[str] = 
             return _error(400, "only n=1 is supported")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                     for m in req.messages]
-        try:
-            prompt = style.render(messages)
-        except (ValueError, ImportError) as e:
-            return _error(400, str(e))
-        limit = min(req.max_completion_tokens or req.max_tokens or max_new_tokens_limit, max_new_tokens_limit)
-        if window is not None:
-            prompt_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-            if prompt_tokens >= window:
-                return _error(400, f"the prompt is {prompt_tokens} tokens; this model's context window is {window} "
-                                   "tokens (prompt + completion); shorten the conversation", "context_length_exceeded")
-            limit = min(limit, window - prompt_tokens)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if not admitted.acquire(blocking=False):
+        bad = not_utf8(messages, stop)
+        if bad:
+            return _error(400, bad)
+        if not admitted.acquire(blocking=False):  # before any tokenizing: at most max_queue + 1 prompts in memory
             app.state.rejected += 1
             return _error(429, f"server busy: {max_queue} request(s) already waiting; retry later",
                           "rate_limit_error")
         app.state.admitted += 1
         try:
+            try:
+                prompt = style.render(messages)
+            except (ValueError, ImportError) as e:
+                return _error(400, str(e))
+            limit = min(req.max_completion_tokens or req.max_tokens or max_new_tokens_limit, max_new_tokens_limit)
+            if window is not None:
+                if len(prompt) > window * longest:  # cannot fit whatever the tokenizer does: not tokenized
+                    return _error(400, f"the prompt is {len(prompt)} characters; this model's context window is "
+                                       f"{window} tokens (at most {window * longest} characters fit); shorten the "
+                                       "conversation", "context_length_exceeded")
+                prompt_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                if prompt_tokens >= window:
+                    return _error(400, f"the prompt is {prompt_tokens} tokens; this model's context window is "
+                                       f"{window} tokens (prompt + completion); shorten the conversation",
+                                  "context_length_exceeded")
+                limit = min(limit, window - prompt_tokens)
             if not lock.acquire(timeout=request_timeout):
                 return _error(503, f"server busy: no turn within {request_timeout:g} s; retry later", "server_error")
             try:

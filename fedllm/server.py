@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fedllm import checkpoint as ckpt_io
-from fedllm import client_faults, rundir, strict_json, threads
+from fedllm import client_faults, rundir, runlock, strict_json, threads
 from fedllm.batched_clients import client_passes, run_clients
 from fedllm.client import derived_seed, run_client, steps_per_round
 from fedllm.client_store import ClientStore
@@ -35,6 +35,7 @@ from fedllm.evaluation.runner import eval_due
 from fedllm.models import LoadedModel, load_model, load_tokenizer, lora_layers, read_state, resolve_task, write_state
 from fedllm.state import StateDict, cast, num_bytes
 from fedllm.redact import redact
+from fedllm.resume_check import check_resume_recipe
 from fedllm.rundir import RunDirError  # noqa: F401  (re-exported: raised by prepare_run_dir)
 from fedllm.strategies import ClientInfo, ClientUpdate, Strategy, get_strategy
 from fedllm.tracking import Tracking
@@ -234,6 +235,8 @@ class RoundLoop:
         self.start_round = 0
         self.tracking = Tracking([])  # logging.report_to back-ends, started by run() on rank 0
         self.startup: dict[str, Any] = {}  # start-up seconds and what the tokenized-data cache did (summary.json)
+        self.accepted_norms: list[float] = []  # update norms of the last round (outlier reference)
+        self.final_written = False  # resumed from final/ (stopped before summary.json): only the summary is left
 
     # ----- persistence
     def checkpoint(self, rnd: int, directory: Path) -> None:
@@ -258,8 +261,8 @@ class RoundLoop:
         self.executor.load_state(ck.meta.get("executor", {}))
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
-            lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-            self.history = [x for x in lines if x.get("round", 0) <= ck.round]
+            lines = rundir.read_metrics(metrics)
+            self.history = [x for x in lines if x.get("round", x.get("resumed_after_round", 0)) <= ck.round]
             if self.executor.is_main:
                 ckpt_io.atomic_write_text(metrics, "".join(strict_json.dumps(x) + "\n" for x in self.history))
 
@@ -304,9 +307,35 @@ class RoundLoop:
         """The round's aggregation: ``aggregate`` then ``after_aggregate``; returns what ``aggregate`` gave."""
         strategy = self.fed.strategy
         aggregated = strategy.aggregate(rnd, self.global_state, updates)
+        self.refuse_non_finite(rnd, aggregated)
         self.global_state = strategy.after_aggregate(rnd, self.model, aggregated)
+        self.refuse_non_finite(rnd, self.global_state)
         write_state(self.model, self.global_state)
         return aggregated
+
+    def refuse_non_finite(self, rnd: int, state: StateDict) -> None:
+        """Stop the run (no checkpoint of this round) when the aggregated ``state`` holds a nan/inf."""
+        key = client_faults.non_finite_key(state)
+        if key is not None:
+            raise client_faults.RoundStopped(
+                f"round {rnd}: the aggregate is not finite ({key}); nothing of round {rnd} is checkpointed, the "
+                "newest checkpoint holds an earlier round (fix the cause, then --resume)")
+
+    def screen_updates(self, rnd: int, updates: list[ClientUpdate], dropped: dict[int, str],
+                       before: dict[int, StateDict]) -> list[ClientUpdate]:
+        """Drop the updates whose norm is out of bounds (:func:`client_faults.norm_outliers`) into ``dropped``;
+        their clients keep the per-client state they had before the round."""
+        fed = self.recipe.federation
+        norms = {u.client_id: client_faults.update_norm(u.state, self.global_state) for u in updates}
+        outliers = client_faults.norm_outliers(norms, fed.max_update_norm, fed.update_outlier_factor,
+                                               self.accepted_norms)
+        for cid, why in outliers.items():
+            log.warning("round %d: client %d dropped: %s", rnd, cid, why)
+            self.store.put(cid, before[cid])
+            dropped[cid] = why
+        kept = [u for u in updates if u.client_id not in outliers]
+        self.accepted_norms = [norms[u.client_id] for u in kept] or self.accepted_norms
+        return kept
 
     def stop(self, rnd: int, why: str) -> None:
         """End the run in round ``rnd`` without aggregating: checkpoint the state after round ``rnd - 1``."""
@@ -328,6 +357,7 @@ class RoundLoop:
                                      frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
             updates, down, dropped = self.executor.train(self, rnd, sampled, lr, bar)
+            updates = self.screen_updates(rnd, updates, dropped, before)
             if len(updates) >= fed.min_clients_per_round and not (dropped and fed.on_client_error == "fail"):
                 break
             self.store.update(before)  # nothing of this sample is kept
@@ -403,7 +433,8 @@ class RoundLoop:
                 if self.executor.is_main:
                     ckpt_io.prune(self.run_dir, recipe.checkpoint.keep_last)
         bar.close()
-        self.checkpoint(rounds, self.run_dir / "final")
+        if self.start_round < rounds or not self.final_written:
+            self.checkpoint(rounds, self.run_dir / "final")
         if self.executor.is_main:
             summary = self.write_summary()
             write_run_plot(self.run_dir)
@@ -477,14 +508,25 @@ def run(recipe: Recipe, resume: bool = False, overwrite: bool = False, progress:
         executor: Any = None) -> RunResult:
     """Run a federated recipe end to end and return its :class:`RunResult`.
 
-    ``executor`` trains each round's clients (default: :class:`LocalExecutor`, in this job).
+    ``executor`` trains each round's clients (default: :class:`LocalExecutor`, in this job). The run
+    directory's lock (:mod:`fedllm.runlock`) is held throughout: a second writer is refused.
     """
+    with runlock.hold(recipe.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+        return _run_locked(recipe, resume, overwrite, progress, executor)
+
+
+def _run_locked(recipe: Recipe, resume: bool, overwrite: bool, progress: bool, executor: Any) -> RunResult:
     if recipe.train.threads is not None or threads.chosen() is not None:  # else: the caller's torch settings
         threads.apply(recipe.train.threads)
     t0 = time.perf_counter()
     rundir.check_run_dir(recipe, resume, overwrite)  # refuse at once, before the model is built
     fed = build_federation(recipe)
     start_from = prepare_run_dir(recipe, fed, resume, overwrite)
+    changed = check_resume_recipe(Path(recipe.output_dir), recipe) if start_from is not None else {}
+    done = json.loads((start_from / ckpt_io.META).read_text())["round"] if start_from is not None else 0
+    if done > recipe.federation.rounds:
+        raise RunDirError(f"{recipe.source}: federation.rounds={recipe.federation.rounds}, but {start_from} is of "
+                          f"round {done}; give federation.rounds >= {done}")
     loop = RoundLoop(fed, Path(recipe.output_dir), progress, executor)
     if loop.executor.is_main:
         rundir.mark_run_dir(loop.run_dir)
@@ -492,7 +534,12 @@ def run(recipe: Recipe, resume: bool = False, overwrite: bool = False, progress:
         ckpt_io.atomic_write_text(loop.run_dir / "partition.json", json.dumps(redact(fed.data.manifest), indent=1))
     if start_from is not None:
         loop.restore(start_from)
+        loop.final_written = start_from.name == "final"
         log.info("resuming %s from round %d", loop.run_dir, loop.start_round)
+        if changed:
+            log.warning("resuming with changed keys (allowed: they do not change what a round computes): %s",
+                        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+            loop.log_round({"resumed_after_round": loop.start_round, "changed": changed})
     loop.startup = {"seconds": round(time.perf_counter() - t0, 3), **fed.timings,
                     "tokenized_cache": fed.data.cache_info}
     return loop.run()

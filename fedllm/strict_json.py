@@ -1,4 +1,5 @@
-"""Strict JSON for the files fedllm writes: a non-finite float becomes ``null``, never a bare ``NaN``."""
+"""Strict JSON for the files fedllm writes: a non-finite float becomes ``null``, never a bare ``NaN``; credentials
+are masked (:mod:`fedllm.redact`)."""
 
 from __future__ import annotations
 
@@ -19,5 +20,8 @@ def finite_or_none(value: Any) -> Any:
 
 
 def dumps(value: Any, **kwargs: Any) -> str:
-    """``json.dumps`` that writes standard JSON only (``allow_nan=False`` after :func:`finite_or_none`)."""
-    return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
+    """``json.dumps`` that writes standard JSON only (``allow_nan=False`` after :func:`finite_or_none`), with
+    credentials masked by :func:`fedllm.redact.redact`."""
+    from fedllm.redact import redact
+
+    return json.dumps(redact(finite_or_none(value)), allow_nan=False, **kwargs)

@@ -194,7 +194,8 @@ def _encode_all(encode: Encoder, records: list[dict], what: str, max_length: int
             kind = "too_long"
         if kind is not None:
             if data_cfg.on_bad_record == "error":
-                raise DataError(f"{source}: record {rid + 1} ({what}): {_BAD_TEXT[kind].format(max_length=max_length)} "
+                raise DataError(f"{source}: record {rid + 1} ({what}): "
+                                f"{_BAD_TEXT[kind].format(max_length=max_length, chars=data_cfg.max_record_chars)} "
                                 "(data.on_bad_record: error; set it to drop to drop and count such records)")
             bad[kind] += 1
             continue
@@ -203,10 +204,11 @@ def _encode_all(encode: Encoder, records: list[dict], what: str, max_length: int
     if records and not examples:
         raise DataError(f"{source}: {what}: none of its {len(records)} records is usable "
                         f"({bad['empty']} empty, {bad['too_long']} with no trainable token within "
-                        f"max_length={max_length})")
+                        f"max_length={max_length}, {bad['too_large']} larger than data.max_record_chars)")
     if any(bad.values()):
-        log.warning("%s: %s: dropped %d empty record(s) and %d with no trainable token within max_length=%d, "
-                    "of %d (data.on_bad_record: drop)", source, what, bad["empty"], bad["too_long"], max_length,
+        log.warning("%s: %s: dropped %d empty record(s), %d with no trainable token within max_length=%d and %d "
+                    "larger than data.max_record_chars=%s, of %d (data.on_bad_record: drop)", source, what,
+                    bad["empty"], bad["too_long"], max_length, bad["too_large"], data_cfg.max_record_chars,
                     len(records))
     if truncated:
         log.info("%s: %s: %d kept record(s) reach max_length=%d tokens and are truncated", source, what, truncated,
@@ -216,7 +218,8 @@ def _encode_all(encode: Encoder, records: list[dict], what: str, max_length: int
 
 
 _BAD_TEXT = {"empty": "a required text is empty",
-             "too_long": "no trainable token is left within max_length={max_length}"}
+             "too_long": "no trainable token is left within max_length={max_length}",
+             "too_large": "more than data.max_record_chars={chars} characters of text (not tokenized)"}
 
 
 def _load_eval_records(data_cfg: DataConfig, source_path: str) -> list[dict]:

@@ -32,6 +32,8 @@ def _read_json(path: Path, split: str) -> list[Any]:
         obj = json.loads(decode_utf8(path.read_bytes(), str(path)))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise DataError(f"{path}: nested too deeply to read (JSON arrays/objects inside each other)") from None
     if isinstance(obj, list):
         return obj
     if isinstance(obj, dict):
@@ -53,6 +55,9 @@ def _read_jsonl(path: Path, split: str) -> list[Any]:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not a valid JSON line ({e})") from None
+        except RecursionError:
+            raise DataError(f"{path}:{lineno}: nested too deeply to read (JSON arrays/objects inside each "
+                            "other)") from None
     return rows
 
 
@@ -63,7 +68,8 @@ def _read_with_datasets(builder: str) -> Callable[[Path, str], list[Any]]:
         if builder == "csv":
             decode_utf8(path.read_bytes(), str(path))  # name the line of a non-UTF-8 byte
         try:
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+            extra = {"encoding": "utf-8-sig"} if builder == "csv" else {}  # a byte-order mark is not a column name
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", **extra)
         except Exception as e:  # noqa: BLE001  (pyarrow/pandas raise many types)
             raise DataError(f"{path}: could not be read as {builder} ({type(e).__name__}: {e})") from None
         return ds.to_list()
@@ -86,7 +92,7 @@ def _checked(rows: list[Any], source: str) -> list[dict]:
         raise DataError(f"{source}: holds no records")
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise DataError(f"{source}: record {i} is a {type(row).__name__}, expected an object (dict)")
+            raise DataError(f"{source}: record {i + 1} is a {type(row).__name__}, expected an object (dict)")
     return rows
 
 

@@ -75,7 +75,7 @@ def resolve_column(records: list[dict], column: Optional[str]) -> str:
     for i, r in enumerate(records):
         if column not in r:
             raise PartitionError(
-                f"partition column {column!r} is missing from record {i} (its columns are {sorted(r)}); "
+                f"partition column {column!r} is missing from record {i + 1} (its columns are {sorted(r)}); "
                 "set federation.partition.column"
             )
     return column
@@ -91,7 +91,7 @@ def _groups(records: list[dict], column: str) -> dict[Any, list[int]]:
         try:
             groups[r[column]].append(i)
         except TypeError:
-            raise PartitionError(f"record {i}: value of {column!r} is not a label ({r[column]!r})") from None
+            raise PartitionError(f"record {i + 1}: value of {column!r} is not a label ({r[column]!r})") from None
     return dict(sorted(groups.items(), key=lambda kv: _value_key(kv[0])))
 
 

@@ -6,7 +6,8 @@ Three kinds of problems, each named by file, record number (1-based, in file ord
 * a missing required field, or a value of the wrong type where text (or a label) is expected
   (:func:`check_records`): always exit 2, since the recipe's ``data.fields`` or the data is wrong;
 * *bad records* (:func:`bad_record_kind` and the encoders): ``empty`` (a required text is empty
-  or whitespace) and ``too_long`` (nothing trainable is left within ``train.max_length``).
+  or whitespace), ``too_large`` (more than ``data.max_record_chars`` characters of text, found before
+  tokenizing) and ``too_long`` (nothing trainable is left within ``train.max_length``).
   ``data.on_bad_record: error`` stops with exit 2 naming the first one; ``drop`` drops them and
   counts them per client in ``partition.json`` (``bad_records``) and in the log.
   Records longer than ``max_length`` that keep a trainable token are truncated (see
@@ -21,7 +22,7 @@ from fedllm.config import DataConfig
 from fedllm.data.errors import DataError
 from fedllm.data.templates import field_name
 
-BAD_KINDS = ("empty", "too_long")
+BAD_KINDS = ("empty", "too_long", "too_large")
 """Kinds of bad records counted in ``partition.json``."""
 
 #: Text fields of each format: ``(canonical name, required)``.
@@ -35,7 +36,7 @@ TEXT_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
 def decode_utf8(data: bytes, source: str) -> str:
     """``data`` as text; :class:`DataError` naming the line and column of the first non-UTF-8 byte."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a leading byte-order mark is allowed (and dropped)
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
@@ -117,8 +118,22 @@ def check_records(records: list[dict], data_cfg: DataConfig, source: str) -> Non
         raise DataError(f"{source}: record {i + 1}: {problem}{more}")
 
 
+def text_size(value: Any) -> int:
+    """Characters of every string inside ``value`` (dicts and lists walked)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_size(v) for v in value)
+    return 0
+
+
 def bad_record_kind(record: dict, data_cfg: DataConfig) -> Optional[str]:
-    """``"empty"`` when a required text of ``record`` is empty or whitespace, else None."""
+    """``"too_large"`` when ``record`` holds more than ``data.max_record_chars`` characters of text (checked
+    before anything tokenizes it), ``"empty"`` when a required text is empty or whitespace, else None."""
+    if data_cfg.max_record_chars is not None and text_size(record) > data_cfg.max_record_chars:
+        return "too_large"
     if data_cfg.format == "chat":
         from fedllm.data.chat import record_messages
 

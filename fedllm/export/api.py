@@ -187,9 +187,17 @@ def export(source: str | Path, fmt: str, out: str | Path, dtype: str = "auto", r
         ExportInputError: a torn or foreign source, a bad option, a rank above a layer's size, an existing out.
         ExportCheckError: an exact export does not reproduce the run's model (nothing is written).
     """
+    from fedllm import runlock
+
     _check_options(fmt, dtype, rank, with_base)
     src = open_source(source)
     out = Path(out)
+    with runlock.hold(out, what="--out"):  # one writer: a run or another export of the same directory is refused
+        return _export_locked(src, source, fmt, out, dtype, rank, client, with_base, overwrite)
+
+
+def _export_locked(src: Source, source: str | Path, fmt: str, out: Path, dtype: str, rank: Optional[int],
+                   client: ClientChoice, with_base: bool, overwrite: bool) -> ExportResult:
     _check_out(out, src, overwrite)
     clients = _clients(src, client)
     command = export_command(source, fmt, out, dtype, rank, client, with_base, overwrite)

@@ -8,7 +8,7 @@ from fedllm.export.formats import DTYPE_CHOICES, FORMATS
 
 
 def _client(text: str) -> str:
-    if text in ("all", "global") or text.isdigit():
+    if text in ("all", "global") or (text.isascii() and text.isdigit()):
         return text
     raise argparse.ArgumentTypeError(f"expected a client id, 'all' or 'global', got {text!r}")
 

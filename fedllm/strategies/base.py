@@ -17,6 +17,10 @@ import torch
 from fedllm.state import StateDict, num_bytes
 
 
+MAX_COUNT = 10**6
+"""Largest integer a strategy argument (iterations, ranks, steps, periods) may hold; seeds are exempt."""
+
+
 @dataclass
 class Phase:
     """One stretch of local training: which parameters train, for how many steps."""
@@ -135,6 +139,10 @@ class Strategy(abc.ABC):
                 problems.append((key, value, "a number"))
             elif isinstance(default, str) and not isinstance(value, str):
                 problems.append((key, value, "a string"))
+            elif "seed" not in key and any(isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_COUNT
+                                           for v in (value if isinstance(value, list) else [value])):
+                problems.append((key, value, f"counts of at most {MAX_COUNT:,} (a sane bound: more would run "
+                                             "for ever or exhaust memory)"))
         problems.extend(cls.check_values(args))
         return problems
 

@@ -50,6 +50,10 @@ from fedllm.strategies.residual import (
 )
 
 
+MAX_NITER = 100
+"""Most subspace iterations of the randomized SVD a recipe may ask for."""
+
+
 @register_strategy("frlora")
 class FRLoRA(FedAvg):
     """FRLoRA (Yan et al., ICLR 2025, Alg. 1): ``Ŵ^t = Ŵ^{t−1} + s·(B̄^t Ā^t − B0A0)`` on every client, then all restart from the principal ``(B0, A0)``.
@@ -83,6 +87,9 @@ class FRLoRA(FedAvg):
             v = args.get(key, 0)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 problems.append((key, v, "an integer >= 0"))
+        niter = args.get("niter", 0)
+        if isinstance(niter, int) and niter > MAX_NITER:
+            problems.append(("niter", niter, f"an integer in 0..{MAX_NITER} (subspace iterations; 2 to 10 are usual)"))
         if args.get("residual", "auto") not in RESIDUAL_MODES:
             problems.append(("residual", args["residual"], f"one of {', '.join(RESIDUAL_MODES)}"))
         return problems

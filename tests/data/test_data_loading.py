@@ -82,7 +82,7 @@ def test_bad_contents(tmp_path):
         load_records(str(tmp_path / "empty.jsonl"))
     with pytest.raises(DataError, match="expected a JSON list"):
         load_records(str(tmp_path / "scalar.json"))
-    with pytest.raises(DataError, match="record 0 is a str"):
+    with pytest.raises(DataError, match="record 1 is a str"):
         load_records(str(tmp_path / "strings.json"))
     with pytest.raises(DataError, match="unsupported file type"):
         load_records(str(tmp_path / "d.xml"))

@@ -90,7 +90,7 @@ def test_missing_column():
     for method in ("dirichlet", "natural"):
         with pytest.raises(PartitionError, match="federation.partition.column"):
             partition_records(recs, 2, 0, PartitionConfig(method))
-    with pytest.raises(PartitionError, match="'topic' is missing from record 1"):
+    with pytest.raises(PartitionError, match="'topic' is missing from record 2"):
         partition_records([{"topic": 1}, {"text": "y"}], 2, 0, PartitionConfig("dirichlet", column="topic"))
 
 

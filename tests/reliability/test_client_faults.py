@@ -139,3 +139,65 @@ def test_a_round_that_never_gets_enough_updates_stops_cleanly_and_resumes(tiny_r
     assert [r["round"] for r in _rounds(resumed.run_dir)] == [1, 2]
     clean = server.run(parse_recipe({**raw, "output_dir": str(resumed.run_dir) + "-clean"}))
     assert all(torch.equal(clean.global_state[k], resumed.global_state[k]) for k in clean.global_state)
+
+
+def test_a_finite_but_huge_update_is_dropped_and_the_global_state_is_the_mean_of_the_others(tiny_recipe, capture,
+                                                                                             caplog):
+    from safetensors.torch import load_file
+
+    seen, poison = capture
+    first = {}  # round 1's updates (the capture keeps the last round's)
+
+    def keep(update):
+        if update.client_id not in first:
+            first[update.client_id] = update
+            if update.client_id == 1:  # a finite update x 1e30, in round 1 only
+                for v in update.state.values():
+                    v.mul_(1e30)
+
+    poison.update({0: keep, 1: keep, 2: keep})
+    with caplog.at_level("WARNING", logger="fedllm"):
+        result = server.run(parse_recipe(tiny_recipe(federation={**ALL_THREE, "rounds": 2}, checkpoint={"every": 1})))
+    assert "round 1: client 1 dropped: update norm" in caplog.text
+    assert "federation.update_outlier_factor=1000 times the median of the others" in caplog.text
+    one, two = _rounds(result.run_dir)
+    assert set(one["dropped"]) == {"1"} and set(one["client_loss"]) == {"0", "2"}
+    assert "dropped" not in two and all(math.isfinite(x) for x in two["client_loss"].values())  # a sane round 2
+    expected = _weighted_mean([first[0], first[2]])
+    state = load_file(str(result.run_dir / "checkpoints" / "round-0001" / "adapter.safetensors"))
+    for k, v in state.items():
+        torch.testing.assert_close(v.double(), expected[k], rtol=1e-6, atol=1e-7)
+
+
+def test_norm_outliers_by_hand():
+    from fedllm.client_faults import norm_outliers, update_norm
+
+    g = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([3.0])}
+    assert update_norm({"a": torch.tensor([4.0, 5.0]), "c": torch.tensor([12.0])}, g) == pytest.approx(13.0)
+    norms = {0: 1.0, 1: 2.0, 2: 5000.0}
+    assert set(norm_outliers(norms, None, 1000.0, [])) == {2}  # 5000 > 1000 x median(1, 2)
+    assert norm_outliers({0: 1.0, 1: 900.0}, None, 1000.0, []) == {}  # two clients: each judged by the other
+    assert set(norm_outliers({0: 1.0, 1: 1e30}, None, 1000.0, [])) == {1}
+    assert set(norm_outliers({0: 1e30, 1: 1e30}, None, 1000.0, [0.5, 0.7])) == {0, 1}  # last round's norms count
+    assert set(norm_outliers(norms, 3.0, None, [])) == {2}
+    assert "above federation.max_update_norm=3" in norm_outliers(norms, 3.0, None, [])[2]
+    assert norm_outliers({0: 0.0, 1: 0.0, 2: 1.0}, None, 10.0, []) == {}  # a median of 0 judges nothing
+
+
+def test_a_non_finite_aggregate_is_never_checkpointed(tiny_recipe, monkeypatch):
+    original = FedAvg.aggregate
+
+    def broken(self, rnd, global_state, updates):
+        out = original(self, rnd, global_state, updates)
+        if rnd == 2:
+            next(iter(out.values())).view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(FedAvg, "aggregate", broken)
+    recipe = parse_recipe(tiny_recipe(federation={"rounds": 3}, checkpoint={"every": 1}))
+    with pytest.raises(RoundStopped, match="round 2: the aggregate is not finite"):
+        server.run(recipe)
+    run_dir = recipe.output_dir
+    assert [p.name for p in ckpt_io.round_checkpoints(run_dir)] == ["round-0001"]
+    assert not (ckpt_io.Path(run_dir) / "final").exists()
+    assert ckpt_io.newest_intact(run_dir)[0].name == "round-0001"

@@ -93,7 +93,7 @@ def test_empty_records_are_dropped_and_counted_per_client(tiny_recipe, tmp_path,
     owners = {int(c): entry["examples"] for c, entry in part["clients"].items()}
     for c in range(3):
         expected_empty = sum(i in owners[c] for i in (3, 10))
-        assert counts[f"client {c}"] == {"empty": expected_empty, "too_long": 0,
+        assert counts[f"client {c}"] == {"empty": expected_empty, "too_long": 0, "too_large": 0,
                                          "kept": len(owners[c]) - expected_empty, "truncated": 0}
     assert "dropped 1 empty record(s)" in caplog.text or "dropped 2 empty record(s)" in caplog.text
 

@@ -17,7 +17,20 @@ SECRET = "s3cretPa55"
 @pytest.mark.parametrize("given,expected", [
     (f"https://me:{SECRET}@judge.example/v1", "https://***@judge.example/v1"),
     (f"http://{SECRET}@127.0.0.1:8000/v1", "http://***@127.0.0.1:8000/v1"),
-    (f"https://h.example/v1?api_key={SECRET}&model=x", "https://h.example/v1?api_key=***&model=x"),
+    (f"https://h.example/v1?api_key={SECRET}&model=x", "https://h.example/v1?api_key=***&model=***"),
+    # by rule: every query value and the fragment, whatever the parameter is called
+    (f"https://gitlab.example/api/v4/projects?private_token={SECRET}", "https://gitlab.example/api/v4/projects?private_token=***"),
+    (f"https://s3.example/b/o?access_key={SECRET}&expires=9", "https://s3.example/b/o?access_key=***&expires=***"),
+    (f"https://storage.googleapis.com/b/o?X-Goog-Signature={SECRET}", "https://storage.googleapis.com/b/o?X-Goog-Signature=***"),
+    (f"https://idp.example/cb?code={SECRET}&state=1", "https://idp.example/cb?code=***&state=***"),
+    (f"https://app.example/cb#access_token={SECRET}&t=bearer", "https://app.example/cb#***"),
+    (f"https://h.example:8443/v1/?{SECRET}", "https://h.example:8443/v1/?***"),
+    # secret-named keys outside URLs (headers, key=value, JSON); tokenizer names are not secrets
+    (f"Authorization: Bearer {SECRET}", "Authorization: ***"),
+    (f"X-Api-Key: {SECRET}", "X-Api-Key: ***"),
+    (f'{{"password": "{SECRET}", "pad_token": "<eos>"}}', '{"password": "***", "pad_token": "<eos>"}'),
+    (f"private_token={SECRET} secret_key={SECRET} sort_key=a", "private_token=*** secret_key=*** sort_key=a"),
+    ("api_key_env: OPENAI_API_KEY; max_new_tokens: 5; dotted.key=value", "api_key_env: OPENAI_API_KEY; max_new_tokens: 5; dotted.key=value"),
     (f"s3://bucket/data.jsonl?X-Amz-Signature={SECRET}", "s3://bucket/data.jsonl?X-Amz-Signature=***"),
     (f"see https://a:{SECRET}@x.example and https://b:{SECRET}@y.example", "see https://***@x.example and https://***@y.example"),
     ("https://judge.example/v1", "https://judge.example/v1"),
@@ -32,7 +45,7 @@ def _files(root):
 
 
 def test_no_file_of_a_run_or_its_export_holds_the_password(tiny_recipe, tmp_path):
-    url = f"https://me:{SECRET}@judge.example/v1"
+    url = f"https://me:{SECRET}@judge.example/v1?private_token={SECRET}&code={SECRET}#access_token={SECRET}"
     raw = tiny_recipe(federation={"rounds": 2}, checkpoint={"every": 1}, eval={"judge": {"base_url": url}},
                       logging={"report_to": ["tensorboard", "mlflow"]})
     recipe = parse_recipe(raw)
@@ -44,7 +57,7 @@ def test_no_file_of_a_run_or_its_export_holds_the_password(tiny_recipe, tmp_path
     for path in written:
         assert SECRET.encode() not in path.read_bytes(), path
     assert yaml.safe_load((result.run_dir / "recipe.yaml").read_text())["eval"]["judge"]["base_url"] == \
-        "https://***@judge.example/v1"
+        "https://***@judge.example/v1?private_token=***&code=***#***"
     out = tmp_path / "export"
     assert main(["export", str(result.run_dir), "--format", "adapter", "--out", str(out)]) == 0
     assert (out / "README.md").is_file()
@@ -72,3 +85,19 @@ def test_log_lines_are_redacted():
     finally:
         logger.removeHandler(handler)
     assert stream.getvalue() == "judge at https://***@judge.example/v1 did not answer\n"
+
+
+def test_the_interrupt_hint_masks_credentials_given_on_the_command_line(tiny_recipe, tmp_path, monkeypatch, capsys):
+    import fedllm.server
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fedllm.server, "run", interrupted)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe()))
+    assert main(["train", str(recipe), f"eval.judge.base_url=https://me:{SECRET}@judge.example/v1?token={SECRET}"]) == 130
+    err = capsys.readouterr().err
+    assert SECRET not in err
+    assert "resume with: fedllm train" in err and "https://***@judge.example/v1?token=***" in err
+    assert "credentials masked: give them again" in err
