@@ -52,7 +52,8 @@ def test_eval_prints_a_table_and_writes_results(load_scripted, tmp_path, capsys)
     assert code == 0
     printed = capsys.readouterr().out
     assert "| task | metric | value |" in printed and "| gsm8k | accuracy | 0.7500 |" in printed
-    assert json.loads((out / "summary.json").read_text()) == {"gsm8k/accuracy": 0.75}
+    assert json.loads((out / "summary.json").read_text()) == {"metrics": {"gsm8k/accuracy": 0.75},
+                                                              "protocols": {"gsm8k": "fedllm"}}
     assert load_scripted.loaded == {"path": "HuggingFaceTB/some-model", "dtype": "bf16", "client": None}
 
 
