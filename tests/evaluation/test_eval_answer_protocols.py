@@ -180,3 +180,21 @@ def test_summary_merges_tasks_across_calls(scripted_lm, tokenizer, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["protocols"] == {"gsm8k": "metamath", "math": "fedllm"}
     assert summary["metrics"] == {"math/accuracy": 0.0, "gsm8k/accuracy": pytest.approx(2 / 3)}
+
+
+def test_recipes_name_the_data_their_tasks_need():
+    from fedllm.config import RecipeError, parse_recipe
+
+    base = {"data": {"path": "x.jsonl"}, "train": {"local_steps": 1}}
+    with pytest.raises(RecipeError) as err:
+        parse_recipe({**base, "eval": {"tasks": ["vicuna", "ref_gpt4", "lm_eval:arc_easy", "nope"]}})
+    message = str(err.value)
+    assert "eval.data.vicuna" in message and "vicuna_bench question.jsonl" in message
+    assert "eval.data.ref_gpt4" in message and "data.eval_fraction" in message
+    assert "nope" in message and "arc_easy" not in message
+    recipe = parse_recipe({"data": {"path": "x.jsonl", "eval_fraction": 0.1}, "train": {"local_steps": 1},
+                           "eval": {"tasks": ["vicuna", "ref_gpt4"], "data": {"vicuna": "q.jsonl"},
+                                    "answer_protocol": "metamath"}})
+    assert recipe.eval.answer_protocol == "metamath"
+    with pytest.raises(RecipeError, match="eval.answer_protocol"):
+        parse_recipe({**base, "eval": {"answer_protocol": "paper"}})
