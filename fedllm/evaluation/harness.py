@@ -7,9 +7,10 @@ re-implements none of it. Data:
 
 - the task's own ``dataset_path`` (the hub, or the local datasets cache when offline);
 - ``eval.data.<name>`` (``<name>`` is ``lm_eval:<task>``, or ``gsm8k``/``math``/``math500``
-  under the ``lm_eval`` protocol): a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file used
-  for every split the task reads (test, and few-shot exemplars unless a ``train`` file exists),
-  a directory of ``<split>.<ext>`` files, or a hub id ``owner/name[:config]``;
+  under the ``lm_eval`` protocol): a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file (the
+  test split), a directory of ``<split>.<ext>`` files (``test.jsonl``, ``train.jsonl``, ...), or a
+  hub id ``owner/name[:config]``. Without a file for the task's few-shot split, exemplars are
+  drawn from the test file, never the question itself (the harness excludes it);
 - ``eval.data.lm_eval``: a directory of harness task YAML files (the harness's
   ``--include_path``), for tasks the harness does not ship.
 
@@ -113,16 +114,19 @@ def task_spec(task_manager, task: str, data_spec: Optional[str]) -> Any:
     cfg = load_yaml(entry.yaml_path, resolve_func=True)
     if Path(data_spec).expanduser().exists():
         loader, files = _data_files(data_spec)
-        splits = {cfg.get(k) for k in ("test_split", "validation_split", "training_split", "fewshot_split")} - {None}
+        test = cfg.get("test_split")
         if "*" in files:
-            files = {split: files["*"] for split in splits}
-        else:
-            missing = splits - set(files)
-            if cfg.get("test_split") in missing:
-                raise InputError(f"{data_spec}: no {cfg['test_split']} file for {task}")
-            for split in missing:  # exemplars come from the test file when no file of their split is given
-                files[split] = files[cfg.get("test_split")]
-        return {**cfg, "dataset_path": loader, "dataset_name": None, "dataset_kwargs": {"data_files": files}}
+            files = {test: files["*"]}
+        elif test not in files:
+            raise InputError(f"{data_spec}: no {test} file for {task}")
+        override = {"dataset_path": loader, "dataset_name": None}
+        for key in ("training_split", "validation_split"):
+            if cfg.get(key) and cfg[key] not in files:
+                override[key] = None
+        shots_from = cfg.get("fewshot_split") or cfg.get("training_split")
+        if shots_from and shots_from not in files:
+            override["fewshot_split"] = test  # exemplars from the test file: the harness then skips the question
+        return {**cfg, **override, "dataset_kwargs": {"data_files": files}}
     hub, _, config = data_spec.partition("@")[0].partition(":")
     return {**cfg, "dataset_path": hub, "dataset_name": config or None}
 
@@ -207,3 +211,27 @@ def _clean(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, bool)):
         return value
     return re.sub(r" at 0x[0-9a-f]+", "", str(value))
+
+
+def gsm8k_verdicts(output: str, gold_solution: str) -> dict[str, bool]:
+    """lm-evaluation-harness's ``gsm8k`` verdicts on one generation, per filter (``strict-match``,
+    ``flexible-extract``): the filters and ``exact_match`` settings read from the harness's own
+    ``gsm8k.yaml``, applied with its ``RegexFilter`` and ``exact_match`` metric (to re-score outputs
+    another protocol generated)."""
+    import yaml
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+
+    lm_eval = _import_harness()[0]
+    cfg = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml").read_text())
+    metric = cfg["metric_list"][0]
+    out = {}
+    for flt in cfg["filter_list"]:
+        regex = flt["filter"][0]
+        picked = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0)).apply(
+            [[output]], [{}])[0][0]
+        score = exact_match_hf_evaluate([picked], [gold_solution], regexes_to_ignore=metric["regexes_to_ignore"],
+                                        ignore_case=metric["ignore_case"],
+                                        ignore_punctuation=metric["ignore_punctuation"])["exact_match"]
+        out[flt["name"]] = bool(score)
+    return out

@@ -10,6 +10,7 @@ from evalkit import ASSETS
 from fedllm.config import EvalConfig
 from fedllm.errors import InputError
 from fedllm.evaluation import evaluate
+from fedllm.evaluation.harness import gsm8k_verdicts
 from fedllm.evaluation.hendrycks_equiv import is_equiv
 from fedllm.evaluation.sources import read_records
 from fedllm.evaluation.tasks.gsm8k import GSM8K
@@ -20,29 +21,6 @@ GSM8K_DATA = ASSETS / "gsm8k_tiny.jsonl"
 # MetaMath's eval_gsm8k.py / eval_math.py, `problem_prompt`, typed here from the scripts
 METAMATH_PROMPT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
                    "the request.\n\n### Instruction:\n{q}\n\n### Response: Let's think step by step.")
-
-
-def lm_eval_gsm8k_verdicts(output: str, gold_solution: str) -> dict[str, bool]:
-    """lm-evaluation-harness's own gsm8k scoring of one output: its YAML's filters and exact_match settings."""
-    from pathlib import Path
-
-    import lm_eval
-    import yaml
-    from lm_eval.api.metrics import exact_match_hf_evaluate
-    from lm_eval.filters.extraction import RegexFilter
-
-    cfg = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml").read_text())
-    metric = cfg["metric_list"][0]
-    out = {}
-    for flt in cfg["filter_list"]:
-        regex = flt["filter"][0]
-        picked = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0)).apply(
-            [[output]], [{}])[0][0]
-        score = exact_match_hf_evaluate([picked], [gold_solution], regexes_to_ignore=metric["regexes_to_ignore"],
-                                        ignore_case=metric["ignore_case"],
-                                        ignore_punctuation=metric["ignore_punctuation"])["exact_match"]
-        out[flt["name"]] = bool(score)
-    return out
 
 
 # output, gold, fedllm, metamath, lm_eval strict-match, lm_eval flexible-extract
@@ -65,7 +43,7 @@ def test_gsm8k_verdicts_of_each_protocol(output, gold, fedllm, metamath, strict,
     task, rules = GSM8K(), GSM8K().rules("metamath")
     assert task.equal(task.extract(output), task.gold(record)) is fedllm
     assert rules.equal(rules.extract(output), rules.gold(record)) is metamath
-    assert lm_eval_gsm8k_verdicts(output, record["answer"]) == {"strict-match": strict, "flexible-extract": flexible}
+    assert gsm8k_verdicts(output, record["answer"]) == {"strict-match": strict, "flexible-extract": flexible}
 
 
 def test_metamath_gsm8k_numbers():
