@@ -452,6 +452,14 @@ def _semantic_problems(r: Recipe, check_files: bool = False) -> list[tuple[str, 
             p.append((f"logging.report_to[{i}]", name, f"one of {', '.join(TRACKERS)}{did_you_mean(name, TRACKERS)}"))
     from fedllm.registry import partitioners, strategies, tasks
 
+    from fedllm.evaluation.task_names import known_task, task_data_problems
+
+    for t in r.eval.tasks:
+        if not known_task(t):
+            p.append(("eval.tasks", t, f"one of {', '.join(tasks.names())} or lm_eval:<harness task>"
+                      f"{did_you_mean(t, tasks.names())}"))
+    p.extend(task_data_problems(r.eval, r.data))
+
     if fed.partition.method not in partitioners:
         p.append(("federation.partition.method", fed.partition.method, f"one of {', '.join(partitioners.names())}"
                   f"{did_you_mean(fed.partition.method, partitioners.names())}"))
@@ -465,13 +473,6 @@ def _semantic_problems(r: Recipe, check_files: bool = False) -> list[tuple[str, 
             p.append((f"federation.strategy_args.{key}", given, expected))
     if tr.clients_per_pass > 1:
         p.extend(_client_batching_problems(r, with_strategy=not p or "torch" in sys.modules))
-    from fedllm.evaluation.task_names import known_task, task_data_problems
-
-    for t in r.eval.tasks:
-        if not known_task(t):
-            p.append(("eval.tasks", t, f"one of {', '.join(tasks.names())} or lm_eval:<harness task>"
-                      f"{did_you_mean(t, tasks.names())}"))
-    p.extend(task_data_problems(r.eval, r.data))
     return p
 
 

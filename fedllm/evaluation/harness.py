@@ -132,11 +132,12 @@ def task_spec(task_manager, task: str, data_spec: Optional[str]) -> Any:
 
 
 def _metric_name(key: str) -> Optional[str]:
-    """``"exact_match,strict-match"`` -> ``"exact_match.strict-match"``; None for stderr and labels."""
-    metric, _, filt = key.partition(",")
-    if metric.endswith("_stderr") or metric == "alias" or not filt and metric in ("name", "sample_len"):
+    """``"exact_match,strict-match"`` -> ``"exact_match.strict-match"``, ``"acc,none"`` -> ``"acc"``; None for
+    stderr entries and keys without a filter (``alias``)."""
+    metric, sep, filt = key.partition(",")
+    if not sep or metric.endswith("_stderr"):
         return None
-    return metric if filt in ("", "none") else f"{metric}.{filt}"
+    return metric if filt == "none" else f"{metric}.{filt}"
 
 
 def harness_metrics(results: dict, task: str) -> dict[str, float]:

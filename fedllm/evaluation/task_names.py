@@ -44,6 +44,9 @@ def task_data_problems(eval_cfg: Any, data_cfg: Any) -> list[tuple[str, Any, str
     """
     held_out = bool(data_cfg.eval_fraction > 0 or data_cfg.eval_path or data_cfg.eval_split)
     problems = []
+    if eval_cfg.answer_protocol == "metamath" and eval_cfg.shots and "gsm8k" in eval_cfg.tasks:
+        problems.append(("eval.shots", eval_cfg.shots, "0 under eval.answer_protocol: metamath (MetaMath's "
+                                                       "evaluation is zero-shot), or answer_protocol: fedllm"))
     for task in eval_cfg.tasks:
         if task in NEEDS_DATA and not eval_cfg.data.get(task):
             problems.append((f"eval.data.{task}", None, NEEDS_DATA[task]))

@@ -176,3 +176,5 @@ def test_recipes_name_the_data_their_tasks_need():
     assert recipe.eval.answer_protocol == "metamath"
     with pytest.raises(RecipeError, match="eval.answer_protocol"):
         parse_recipe({**base, "eval": {"answer_protocol": "paper"}})
+    with pytest.raises(RecipeError, match="eval.shots"):
+        parse_recipe({**base, "eval": {"tasks": ["gsm8k"], "answer_protocol": "metamath", "shots": 4}})
