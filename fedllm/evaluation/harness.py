@@ -23,6 +23,7 @@ written to ``<out>/<name>.json``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import re
@@ -177,7 +178,8 @@ def run_harness_task(ctx: EvalContext, name: str, task: str, data_spec: Optional
     include = ctx.data_spec(INCLUDE_KEY)
     manager = task_manager_for(task, str(Path(include).expanduser().resolve()) if include else None)
     spec = task_spec(manager, task, data_spec)
-    lm = HFLM(pretrained=ctx.model, tokenizer=ctx.tokenizer, batch_size=ctx.cfg.batch_size)
+    # a copy: the harness sets a pad token (or adds one) on the tokenizer it is given
+    lm = HFLM(pretrained=ctx.model, tokenizer=copy.deepcopy(ctx.tokenizer), batch_size=ctx.cfg.batch_size)
     seed = ctx.cfg.seed
     with _eval_mode(ctx.model):
         results = lm_eval.simple_evaluate(model=lm, tasks=[spec], limit=ctx.cfg.limit, task_manager=manager,

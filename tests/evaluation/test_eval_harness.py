@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from evalkit import tiny_llama_config
+from evalkit import ASSETS, tiny_llama_config
 
 from fedllm.config import EvalConfig
 from fedllm.errors import InputError
@@ -132,6 +132,17 @@ def test_the_harness_cli_scores_the_export_as_fedllm_does(tokenizer, tmp_path, h
     with pytest.raises(InputError, match="not a task of lm-evaluation-harness"):
         evaluate(model, tokenizer, EvalConfig(tasks=["lm_eval:no_such_task_here"],
                                               data={"lm_eval": str(harness_dir / "tasks")}), None, progress=False)
+    # gsm8k under the lm_eval answer protocol: the harness's own task over a local file, 5 shots from it
+    gsm8k = ASSETS / "gsm8k_tiny.jsonl"
+    cfg = EvalConfig(tasks=["gsm8k"], data={"gsm8k": str(gsm8k)}, answer_protocol="lm_eval", limit=2)
+    metrics = evaluate(model, tokenizer, cfg, tmp_path / "gsm8k", progress=False)
+    assert set(metrics) == {"gsm8k/exact_match.strict-match", "gsm8k/exact_match.flexible-extract"}
+    samples = json.loads((tmp_path / "gsm8k" / "gsm8k.json").read_text())["examples"]["gsm8k"]
+    for sample in samples:
+        prompt = sample["arguments"]["gen_args_0"]["arg_0"] if isinstance(sample["arguments"], dict) \
+            else sample["arguments"][0][0]
+        assert prompt.count("Question: ") == 6 and prompt.endswith(f"Question: {sample['doc']['question']}\nAnswer:")
+        assert prompt.count(sample["doc"]["question"]) == 1                   # never its own exemplar
     name = "lm_eval:fedllm_tiny_mc"
     ours = evaluate(model, tokenizer, EvalConfig(tasks=[name], data={"lm_eval": str(harness_dir / "tasks")}),
                     None, progress=False)
