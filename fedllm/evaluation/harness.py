@@ -115,7 +115,7 @@ def task_spec(task_manager, task: str, data_spec: Optional[str]) -> Any:
     cfg = load_yaml(entry.yaml_path, resolve_func=True)
     if Path(data_spec).expanduser().exists():
         loader, files = _data_files(data_spec)
-        test = cfg.get("test_split")
+        test = cfg.get("test_split") or cfg.get("validation_split")  # the split the harness evaluates
         if "*" in files:
             files = {test: files["*"]}
         elif test not in files:
