@@ -151,6 +151,7 @@ class JudgeConfig:
     concurrency: int = doc(4, "parallel judge requests")
     max_retries: int = doc(5, "retries with exponential backoff")
     protocol: Literal["openfedllm", "fastchat"] = doc("openfedllm", "Vicuna grading: OpenFedLLM's (FRLoRA's numbers) or FastChat's vicuna_bench")
+    ratings: Literal["reference", "minus_one", "in_range"] = doc("reference", "means over parsed ratings as the references keep them; minus_one: unparsed count -1 (OpenFedLLM's Vicuna); in_range: ratings outside 1-10 count as unparsed")
 
 
 @dataclass
@@ -164,6 +165,8 @@ class EvalConfig:
     decoding: Literal["protocol", "greedy"] = doc("protocol", "judged tasks: sample as the benchmark did (seeded), or greedy")
     seed: int = doc(0, "seed of sampled answers and of the sample a limited judged run takes")
     shots: int = doc(0, "few-shot exemplars (GSM8K)")
+    answer_protocol: Literal["fedllm", "metamath", "lm_eval"] = doc("fedllm", "gsm8k/math/math500 prompt, decoding and scoring: fedllm's lenient scorer, MetaMath's scripts, or lm-evaluation-harness (eval/README.md)")
+    judged_prompts: Literal["reference", "training"] = doc("reference", "judged tasks of Alpaca-style runs: prompts as the reference scripts wrote them, or the run's training prompt for every turn")
     data: dict[str, str] = doc({}, "task -> local file or hub id of its data")
     chat_template: Optional[str] = doc(None, "FastChat template name; default: the tokenizer's chat template")
     personal: bool = doc(False, "personalized strategies: also evaluate each client's model on its own split")
@@ -511,6 +514,14 @@ def _semantic_problems(r: Recipe, check_files: bool = False) -> list[tuple[str, 
             p.append((f"logging.report_to[{i}]", name, f"one of {', '.join(TRACKERS)}{did_you_mean(name, TRACKERS)}"))
     from fedllm.registry import partitioners, strategies, tasks
 
+    from fedllm.evaluation.task_names import known_task, task_data_problems
+
+    for t in r.eval.tasks:
+        if not known_task(t):
+            p.append(("eval.tasks", t, f"one of {', '.join(tasks.names())} or lm_eval:<harness task>"
+                      f"{did_you_mean(t, tasks.names())}"))
+    p.extend(task_data_problems(r.eval, r.data))
+
     if fed.partition.method not in partitioners:
         p.append(("federation.partition.method", fed.partition.method, f"one of {', '.join(partitioners.names())}"
                   f"{did_you_mean(fed.partition.method, partitioners.names())}"))
@@ -524,9 +535,6 @@ def _semantic_problems(r: Recipe, check_files: bool = False) -> list[tuple[str, 
             p.append((f"federation.strategy_args.{key}", given, expected))
     if tr.clients_per_pass > 1:
         p.extend(_client_batching_problems(r, with_strategy=not p or "torch" in sys.modules))
-    for t in r.eval.tasks:
-        if t not in tasks:
-            p.append(("eval.tasks", t, f"one of {', '.join(tasks.names())}{did_you_mean(t, tasks.names())}"))
     return p
 
 

@@ -1,8 +1,9 @@
 """Evaluation: task registry, batched generation, scoring and the LLM judge.
 
 Tasks are registered in ``fedllm.registry.tasks`` (``gsm8k``, ``math``, ``math500``, ``mt_bench``,
-``vicuna``, ``ref_gpt4``, ``rte``, ``cola``, ``qnli``, ``20ng``); their modules, and
-torch, load on first use, so that listing tasks and checking a recipe stay light.
+``vicuna``, ``ref_gpt4``, ``rte``, ``cola``, ``qnli``, ``20ng``), and ``lm_eval:<task>`` runs any
+lm-evaluation-harness task (:mod:`~fedllm.evaluation.harness`); their modules, and torch, load on
+first use, so that listing tasks and checking a recipe stay light.
 """
 
 from fedllm.lazy import lazy_attributes

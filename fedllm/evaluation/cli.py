@@ -42,6 +42,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="judged tasks: sample answers as the benchmark's protocol does (default), or greedy")
     parser.add_argument("--seed", type=int, default=None, help="seed of sampled answers and of a --limit sample")
     parser.add_argument("--shots", type=int, default=None, help="few-shot exemplars (gsm8k, 0-8)")
+    parser.add_argument("--answer-protocol", choices=["fedllm", "metamath", "lm_eval"], default=None,
+                        help="gsm8k/math/math500: fedllm's lenient scorer, MetaMath's eval scripts, or "
+                             "lm-evaluation-harness (default: the run's eval.answer_protocol, else fedllm)")
+    parser.add_argument("--judged-prompts", choices=["reference", "training"], default=None,
+                        help="judged tasks of Alpaca-style runs: the reference scripts' prompts (default) or "
+                             "the run's training prompt for every turn")
     parser.add_argument("--prompt-style", choices=prompt_styles.names(), default=None,
                         help="alpaca, chat or plain (default: as the run was trained, else chat if the "
                              "tokenizer has a chat template, else plain)")
@@ -57,15 +63,21 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--judge-concurrency", type=int, default=None, help="parallel judge requests")
     parser.add_argument("--judge-protocol", choices=["openfedllm", "fastchat"], default=None,
                         help="Vicuna grading protocol (default openfedllm, as the FRLoRA paper)")
+    parser.add_argument("--judge-ratings", choices=["reference", "minus_one", "in_range"], default=None,
+                        help="rating means as the references keep them (default), unparsed counted as -1 "
+                             "(OpenFedLLM's Vicuna), or ratings outside 1-10 counted as unparsed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def parse_task_list(text: Optional[str]) -> list[str]:
     """``"gsm8k, mt_bench"`` -> ``["gsm8k", "mt_bench"]``; InputError naming unknown tasks."""
     names = [t.strip() for t in (text or "").split(",") if t.strip()]
-    unknown = [t for t in names if t not in tasks]
+    from fedllm.evaluation.task_names import known_task
+
+    unknown = [t for t in names if not known_task(t)]
     if unknown:
-        raise InputError(f"--tasks: unknown task(s) {', '.join(unknown)}; known: {', '.join(tasks.names())}")
+        raise InputError(f"--tasks: unknown task(s) {', '.join(unknown)}; known: {', '.join(tasks.names())} "
+                         f"and lm_eval:<lm-evaluation-harness task>")
     return names
 
 
@@ -121,10 +133,12 @@ def build_eval_config(args: argparse.Namespace, base: EvalConfig) -> EvalConfig:
         raise InputError(f"no tasks to evaluate: pass --tasks (known: {', '.join(tasks.names())})")
     judge = base.judge
     judge_flags = {"base_url": args.judge_base_url, "model": args.judge_model, "api_key_env": args.judge_api_key_env,
-                   "concurrency": args.judge_concurrency, "protocol": args.judge_protocol}
+                   "concurrency": args.judge_concurrency, "protocol": args.judge_protocol,
+                   "ratings": args.judge_ratings}
     judge = dataclasses.replace(judge, **{k: v for k, v in judge_flags.items() if v is not None})
     flags = {"limit": args.limit, "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
-             "shots": args.shots, "chat_template": args.chat_template, "decoding": args.decoding, "seed": args.seed}
+             "shots": args.shots, "chat_template": args.chat_template, "decoding": args.decoding, "seed": args.seed,
+             "answer_protocol": args.answer_protocol, "judged_prompts": args.judged_prompts}
     for key in ("limit", "batch_size", "max_new_tokens"):
         if flags[key] is not None and flags[key] < 1:
             raise InputError(f"--{key.replace('_', '-')}: expected a positive integer, got {flags[key]}")
@@ -150,7 +164,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if args.client is not None:
         return _eval_clients(args, cfg, out_dir, prompt_style)
     records = None
-    if recipe is not None and any(tasks.get(t).uses_records and t not in cfg.data for t in cfg.tasks):
+    if recipe is not None and any(t in tasks and tasks.get(t).uses_records and t not in cfg.data
+                                for t in cfg.tasks):
         records = heldout_records(recipe)
     model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype)
     metrics = evaluate(model, tokenizer, cfg, out_dir, records=records,

@@ -125,15 +125,17 @@ class EvalContext:
 
     def generate(self, prompts: list[str], max_new_tokens: int,
                  on_batch: Optional[Callable[[list[int], list[str]], None]] = None,
-                 desc: str = "generate", temperature: float = 0.0, top_p: float = 1.0) -> list[str]:
-        """Batched generation of ``prompts`` with the style's stop strings.
+                 desc: str = "generate", temperature: float = 0.0, top_p: Optional[float] = 1.0,
+                 stop: Optional[list[str]] = None, seed_each: bool = False) -> list[str]:
+        """Batched generation of ``prompts`` with ``stop`` (None: the prompt style's stop strings).
 
-        Greedy at ``temperature`` 0, else sampled with ``eval.seed`` (reruns are identical).
+        Greedy at ``temperature`` 0, else sampled with ``eval.seed`` (reruns are identical); ``top_p``
+        None takes the model's generation config; ``seed_each`` seeds every prompt's draw alone.
         """
         return generation.generate(self.model, self.tokenizer, prompts, max_new_tokens, self.cfg.batch_size,
-                                   progress=self.progress, stop=self.style.stop, on_batch=on_batch, desc=desc,
-                                   temperature=temperature, top_p=top_p,
-                                   seed=self.cfg.seed if temperature > 0 else None)
+                                   progress=self.progress, stop=self.style.stop if stop is None else stop,
+                                   on_batch=on_batch, desc=desc, temperature=temperature, top_p=top_p,
+                                   seed=self.cfg.seed if temperature > 0 else None, seed_each=seed_each)
 
     def judge_client(self) -> JudgeClient:
         """The judge, built on first use (its cache lives in ``out_dir``)."""

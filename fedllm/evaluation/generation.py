@@ -122,6 +122,7 @@ def generate_completions(
     desc: str = "generate",
     top_k: Optional[int] = 0,
     seed: Optional[int] = None,
+    seed_each: bool = False,
 ) -> list[Completion]:
     """Generate a continuation of every prompt (greedy unless ``temperature`` > 0).
 
@@ -134,7 +135,8 @@ def generate_completions(
         progress: show a progress bar over prompts.
         stop: strings that end a generation (removed with what follows).
         temperature: 0 for greedy decoding, else the sampling temperature.
-        top_p: nucleus sampling mass when sampling.
+        top_p: nucleus sampling mass when sampling (None: the model's generation config, as a plain
+            ``model.generate(do_sample=True)`` call in FastChat uses).
         on_batch: called after each batch with the prompt indices and their completions
             (lets callers save partial results).
         desc: progress bar label.
@@ -143,12 +145,17 @@ def generate_completions(
         seed: when sampling, each batch draws from ``torch.manual_seed(seed + index of its
             first prompt in length order)`` (the global RNG state is restored afterwards), so
             the same prompts, batch size and seed give the same texts.
+        seed_each: when sampling, generate every prompt alone after ``torch.manual_seed(seed)``
+            (FastChat seeds each question so), so a prompt's text depends on nothing else.
 
     Returns:
         One :class:`Completion` per prompt, in the order of ``prompts``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    seed_each = seed_each and seed is not None and temperature > 0
+    if seed_each:
+        batch_size = 1
     stop = [s for s in (stop or []) if s]
     encoded = [_encode(tokenizer, p) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
@@ -170,14 +177,17 @@ def generate_completions(
                 eos_token_id=eos or None,
             )
             if temperature > 0:
-                kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
+                kwargs.update(do_sample=True, temperature=temperature)
+                if top_p is not None:
+                    kwargs["top_p"] = top_p
                 if top_k is not None:
                     kwargs["top_k"] = top_k
             else:
                 kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
             if stop:
                 kwargs["stopping_criteria"] = [_StopOnStrings(tokenizer, stop, prompt_len)]
-            with _seeded(seed + start if seed is not None and temperature > 0 else None, device):
+            draw_seed = seed if seed_each else seed + start if seed is not None and temperature > 0 else None
+            with _seeded(draw_seed, device):
                 out = model.generate(input_ids=input_ids, **kwargs)
             done = []
             for row, i in enumerate(idx):
@@ -202,7 +212,7 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batc
              progress: bool = True, stop: Optional[Sequence[str]] = None,
              on_batch: Optional[Callable[[list[int], list[str]], None]] = None,
              desc: str = "generate", temperature: float = 0.0, seed: Optional[int] = None,
-             top_p: float = 1.0) -> list[str]:
+             top_p: Optional[float] = 1.0, seed_each: bool = False) -> list[str]:
     """Batched generation (greedy unless ``temperature`` > 0); returns the decoded new text of every prompt.
 
     Args:
@@ -218,7 +228,8 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batc
         temperature: 0 for greedy decoding, else sample at this temperature (top-k from the
             model's generation config, as the reference evaluation scripts do).
         seed: seed of the sampled draws (see :func:`generate_completions`).
-        top_p: nucleus mass when sampling.
+        top_p: nucleus mass when sampling (None: the model's generation config).
+        seed_each: seed every prompt's draw alone (see :func:`generate_completions`).
 
     Returns:
         The generated texts, in the order of ``prompts``.
@@ -229,5 +240,5 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batc
             on_batch(indices, [c.text for c in comps])
     comps = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress,
                                  stop=stop, on_batch=hook, desc=desc, temperature=temperature, top_p=top_p,
-                                 top_k=None, seed=seed)
+                                 top_k=None, seed=seed, seed_each=seed_each)
     return [c.text for c in comps]

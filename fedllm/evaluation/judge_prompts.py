@@ -67,22 +67,24 @@ def grading_messages(prompt: dict, questions: list[str], answers: list[str],
     return [{"role": "system", "content": prompt["system_prompt"]}, {"role": "user", "content": user}]
 
 
-def parse_rating(judgment: str, context: str = "") -> float:
-    """The 1-10 rating of a judgment: ``[[x]]``, else ``[x]``; -1 with a warning if none.
+def parse_rating(judgment: str, context: str = "", in_range: bool = False) -> float:
+    """The rating of a judgment: ``[[x]]``, else ``[x]``; -1 with a warning if none.
 
-    The two patterns are FastChat's (``one_score_pattern`` and its backup), which OpenFedLLM
-    and FedLLM-Bench use too. A rating outside 1-10 (which the prompts do not allow) also
-    counts as unparsed here; the references would keep it.
+    The two patterns are FastChat's (``one_score_pattern`` and its backup in
+    ``common.py``/``show_result.py``), which OpenFedLLM's ``show_results_vicuna.py`` and
+    FedLLM-Bench's ``show_results_bench.py`` use too; like them, any number found is kept, even
+    outside the 1-10 the prompts ask for (``[[0]]``, ``[[11]]``).
 
     Args:
         judgment: the judge's reply.
         context: what was judged, for the warning.
+        in_range: count a rating outside 1-10 as unparsed (``eval.judge.ratings: in_range``).
     """
     for pattern in _PATTERNS:
         match = pattern.search(judgment)
         if match:
             rating = float(match.group(1))
-            if 1 <= rating <= 10:
+            if not in_range or 1 <= rating <= 10:
                 return rating
             break
     log.warning("unparseable judge rating%s: %r", f" ({context})" if context else "", judgment[:200])

@@ -24,6 +24,7 @@ All three parse ``[[x]]``, else ``[x]`` from the judge's reply
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 FASTCHAT_TEMPERATURES = {
     "writing": 0.7, "roleplay": 0.7, "extraction": 0.0, "math": 0.0, "coding": 0.0, "reasoning": 0.0,
@@ -40,21 +41,32 @@ class AnswerSampling:
         default_temperature: temperature of a category not in ``temperatures``.
         max_new_tokens: generation limit.
         temperatures: per-category temperatures (0: greedy).
-        top_p: nucleus mass when sampling.
+        top_p: nucleus mass when sampling; None: the model's generation config (FastChat passes none).
     """
 
     default_temperature: float
     max_new_tokens: int
     temperatures: dict[str, float] = field(default_factory=dict)
-    top_p: float = 1.0
+    top_p: Optional[float] = 1.0
 
     def temperature(self, category: str) -> float:
         """The answer temperature of a question of ``category``."""
         return self.temperatures.get(category, self.default_temperature)
 
 
-FASTCHAT_SAMPLING = AnswerSampling(0.7, 1024, FASTCHAT_TEMPERATURES)
-"""FastChat's ``gen_model_answer.py`` (MT-Bench, ``vicuna_bench``)."""
+FASTCHAT_SAMPLING = AnswerSampling(0.7, 1024, FASTCHAT_TEMPERATURES, top_p=None)
+"""FastChat's ``gen_model_answer.py`` (MT-Bench, ``vicuna_bench``; OpenFedLLM's ``gen_model_answer_mt.py``):
+``model.generate(do_sample=..., temperature=..., max_new_tokens=...)``, top-p and top-k from the model's
+generation config, ``torch.manual_seed(0)`` before each question."""
+
+OPENFEDLLM_ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction} \n\n### Response:"
+)
+"""The answer prompt of OpenFedLLM's ``gen_model_answer.py`` (Vicuna) and FedLLM-Bench's
+``gen_answer_bench.py`` (Ref-GPT4): their ``utils/template.py`` ``alpaca_template`` formatted with the
+instruction and two empty strings, its last character (a space) cut off -- note the space after the
+instruction. Generation stops only at the end-of-sequence token (no stop string)."""
 
 OPENFEDLLM_VICUNA_SAMPLING = AnswerSampling(0.7, 2048)
 """OpenFedLLM's ``gen_model_answer.py`` for Vicuna."""

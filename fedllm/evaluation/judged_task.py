@@ -38,6 +38,7 @@ from fedllm.evaluation.judge_protocols import (
 )
 from fedllm.evaluation.metrics import mean_rating
 from fedllm.evaluation.mtbench_assets import find_judge_prompts
+from fedllm.evaluation.prompt_styles import PromptStyle
 from fedllm.evaluation.results import ResultFile
 from fedllm.evaluation.task import Task
 
@@ -57,6 +58,30 @@ class JudgedTask(Task):
         """The protocol's own single-answer prompt, or None for FastChat's prompts (the default)."""
         return None
 
+    reference: str = "fastchat"
+    """Whose protocol the task follows (recorded in ``summary.json``)."""
+
+    def protocol(self, ctx: EvalContext) -> Optional[str]:
+        return self.reference
+
+    def reference_style(self, ctx: EvalContext) -> Optional[PromptStyle]:
+        """The answer prompt the reference scripts used for a run trained in ``ctx``'s prompt style, or
+        None to prompt in the run's style (default: None)."""
+        return None
+
+    def answer_style(self, ctx: EvalContext) -> tuple[str, PromptStyle]:
+        """``(name, style)`` answers are prompted in: :meth:`reference_style` under ``eval.judged_prompts:
+        reference`` when the task has one for this run, else the run's own prompt style."""
+        if ctx.cfg.judged_prompts == "reference":
+            style = self.reference_style(ctx)
+            if style is not None:
+                return getattr(style, "name", None) or f"chat:{style.chat_template}", style
+        return ctx.prompt_style_name, ctx.style
+
+    def mean(self, ctx: EvalContext, ratings: list[float]) -> float:
+        """Mean rating under ``eval.judge.ratings`` (``minus_one`` averages unparsed ones in as -1)."""
+        return mean_rating(ratings, unparsed_as_minus_one=ctx.cfg.judge.ratings == "minus_one")
+
     def temperature(self, ctx: EvalContext, category: str) -> float:
         """The answer temperature of a question (0 under ``eval.decoding: greedy``)."""
         return 0.0 if ctx.cfg.decoding == "greedy" else self.sampling(ctx).temperature(category)
@@ -69,15 +94,15 @@ class JudgedTask(Task):
         Alpaca way, used by the ``alpaca`` prompt style).
         """
 
-    def summarize(self, ratings: list[list[float]]) -> dict[str, float]:
+    def summarize(self, ctx: EvalContext, ratings: list[list[float]]) -> dict[str, float]:
         """Metrics from the ratings of every example (one list of per-turn ratings each)."""
         flat = [r for per_example in ratings for r in per_example]
-        return {"rating": mean_rating(flat), "unparsed": float(sum(r < 0 for r in flat))}
+        return {"rating": self.mean(ctx, flat), "unparsed": float(sum(r < 0 for r in flat))}
 
     # ----------------------------------------------------------------- generation
 
     def _generate_turns(self, ctx: EvalContext, examples: list[dict], results: ResultFile,
-                        max_new_tokens: int) -> None:
+                        max_new_tokens: int, style: PromptStyle) -> None:
         ids = [ex["id"] for ex in examples]
         entries = {ex["id"]: {"id": ex["id"], "category": ex["category"], "turns": ex["turns"],
                               "temperature": self.temperature(ctx, ex["category"]), "prompts": [], "outputs": []}
@@ -96,7 +121,7 @@ class JudgedTask(Task):
                 if turn == 0 and "instruction" in ex:
                     user.update(instruction=ex["instruction"], input=ex.get("input", ""))
                 messages.append(user)
-                prompt = ctx.style.render(messages)
+                prompt = style.render(messages)
                 stored = results.get(ex["id"])
                 if (stored and len(stored.get("prompts", [])) > turn and stored["prompts"][turn] == prompt
                         and stored.get("turns") == ex["turns"] and stored.get("temperature") == entry["temperature"]):
@@ -122,7 +147,8 @@ class JudgedTask(Task):
                     store([members[b] for b in batch], outputs)
 
                 ctx.generate([prompts[j] for j in members], max_new_tokens, on_batch=store_group,
-                             desc=f"{self.name} turn {turn + 1}", temperature=temperature, top_p=top_p)
+                             desc=f"{self.name} turn {turn + 1}", temperature=temperature, top_p=top_p,
+                             stop=style.stop, seed_each=True)
         for entry in entries.values():
             stored = results.get(entry["id"])
             results.put({**(stored or {}), **entry})
@@ -162,7 +188,8 @@ class JudgedTask(Task):
         replies = judge.judge_many(requests, desc=f"{self.name} judge", temperature=temperature)
         ratings: dict = {}
         for (entry, turn, name), msgs, reply in zip(where, requests, replies, strict=True):
-            rating = parse_rating(reply, f"{self.name} example {entry['id']} turn {turn + 1}")
+            rating = parse_rating(reply, f"{self.name} example {entry['id']} turn {turn + 1}",
+                                  in_range=ctx.cfg.judge.ratings == "in_range")
             judgments = entry.setdefault("judgments", [])
             del judgments[turn:]
             judgments.append({"judge_model": judge.model, "prompt_name": name, "judge_temperature": temperature,
@@ -174,15 +201,18 @@ class JudgedTask(Task):
         examples = self.examples(ctx)
         sampling = self.sampling(ctx)
         max_new_tokens = ctx.max_new_tokens(sampling.max_new_tokens)
-        settings = {**ctx.generation_settings(max_new_tokens), "decoding": ctx.cfg.decoding, "seed": ctx.cfg.seed,
+        style_name, style = self.answer_style(ctx)
+        settings = {**ctx.generation_settings(max_new_tokens), "prompt_style": style_name,
+                    "judged_prompts": ctx.cfg.judged_prompts, "stop": style.stop, "decoding": ctx.cfg.decoding,
+                    "seed": ctx.cfg.seed, "seed_per_question": True,
                     "temperatures": {"default": sampling.default_temperature, **sampling.temperatures},
-                    "top_p": sampling.top_p, "batch_size": ctx.cfg.batch_size}
+                    "top_p": sampling.top_p if sampling.top_p is not None else "generation_config"}
         results = ctx.result_file(self.name, settings)
         ids = [ex["id"] for ex in examples]
-        self._generate_turns(ctx, examples, results, max_new_tokens)
+        self._generate_turns(ctx, examples, results, max_new_tokens, style)
         results.save(ids)
         ratings = self._judge(ctx, examples, results)
-        results.metrics = self.summarize(ratings)
+        results.metrics = self.summarize(ctx, ratings)
         results.save(ids)
         return dict(results.metrics)
 

@@ -17,7 +17,11 @@ def matthews_corrcoef(labels: Sequence[int], predictions: Sequence[int]) -> floa
     return float(mcc(list(labels), list(predictions)))
 
 
-def mean_rating(ratings: Sequence[float]) -> float:
-    """Mean of the valid judge ratings (``-1`` marks an unparseable judgment); NaN if none is valid."""
-    valid = [r for r in ratings if r >= 0]
+def mean_rating(ratings: Sequence[float], unparsed_as_minus_one: bool = False) -> float:
+    """Mean of the valid judge ratings (``-1`` marks an unparseable judgment); NaN if none is valid.
+
+    ``unparsed_as_minus_one``: average the unparsed ones in as -1 (OpenFedLLM's ``show_results_vicuna.py``:
+    ``np.mean`` over every score, -1 included); NaN only for no ratings at all.
+    """
+    valid = list(ratings) if unparsed_as_minus_one else [r for r in ratings if r >= 0]
     return sum(valid) / len(valid) if valid else float("nan")

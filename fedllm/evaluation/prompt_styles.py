@@ -132,6 +132,26 @@ class PlainStyle(PromptStyle):
         return head + "\n\n".join(blocks)
 
 
+class ReferenceTemplateStyle(PromptStyle):
+    """One fixed single-turn template with ``{instruction}`` (a reference script's prompt), no stop string.
+
+    Used by the judged tasks under ``eval.judged_prompts: reference`` (not a ``--prompt-style``).
+    """
+
+    def __init__(self, tokenizer, template: str, name: str):
+        super().__init__(tokenizer)
+        self.template = template
+        self.name = name
+        self.stop = []
+
+    def render(self, messages: list[Message]) -> str:
+        _, pairs = _pairs(messages)
+        if len(pairs) != 1:
+            raise ValueError(f"the {self.name} template has one turn, got {len(pairs)}")
+        user = pairs[0][0]
+        return self.template.format(instruction=user.get("instruction") or user["content"])
+
+
 def make_prompt_style(name: str, tokenizer, chat_template: Optional[str] = None) -> PromptStyle:
     """The registered prompt style ``name`` for ``tokenizer``."""
     return prompt_styles.get(name)(tokenizer, chat_template)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -9,7 +11,11 @@ from fedllm.config import DataConfig, EvalConfig
 from fedllm.evaluation.context import EvalContext, file_suffix
 from fedllm.evaluation.judge_client import Complete, JudgeClient
 from fedllm.evaluation.results import write_json_atomic
+from fedllm.evaluation.task import Task
+from fedllm.evaluation.task_names import harness_task
 from fedllm.registry import tasks
+
+log = logging.getLogger(__name__)
 
 
 def evaluate(
@@ -32,7 +38,8 @@ def evaluate(
         tokenizer: its tokenizer.
         eval_cfg: the recipe's eval section (tasks, limits, data, judge).
         out_dir: directory of the per-task result files (``<task>[.<tag>].json``), the judge
-            cache and ``summary[.<tag>].json``; existing files are resumed. None: nothing written.
+            cache and ``summary[.<tag>].json`` (the metrics and protocol of every task evaluated into
+            it, by this call or earlier ones); existing files are resumed. None: nothing written.
         records: held-out raw training records (gsm8k without a data file; ref_gpt4).
         eval_examples: held-out tokenized classification examples (``input_ids``, ``label``).
         tag: suffix of the file names (e.g. ``client-3`` for a personal model); metric keys
@@ -51,13 +58,43 @@ def evaluate(
                       out_dir=Path(out_dir) if out_dir is not None else None, tag=tag, records=records,
                       eval_examples=eval_examples, prompt_style_name=prompt_style, judge=judge, progress=progress)
     metrics: dict[str, float] = {}
+    protocols: dict[str, Optional[str]] = {}
     for name in eval_cfg.tasks:
-        task = tasks.get(name)()
+        task = make_task(name)
         for key, value in task.run(ctx).items():
             metrics[f"{name}/{key}"] = value
+        protocols[name] = task.protocol(ctx)
     if ctx.out_dir is not None:
-        write_json_atomic(ctx.out_dir / f"summary{file_suffix(tag)}.json", metrics)
+        merge_summary(ctx.out_dir / f"summary{file_suffix(tag)}.json", metrics, protocols)
     return metrics
+
+
+def make_task(name: str) -> Task:
+    """The task called ``name``: a registered one, or ``lm_eval:<task>`` run by lm-evaluation-harness."""
+    if harness_task(name):
+        from fedllm.evaluation.harness import HarnessTask
+
+        return HarnessTask(name)
+    return tasks.get(name)()
+
+
+def merge_summary(path: Path, metrics: dict[str, float], protocols: dict[str, Optional[str]]) -> None:
+    """Write ``{"metrics": ..., "protocols": ...}`` to ``path``, keeping the tasks of earlier calls.
+
+    The tasks in ``protocols`` replace their earlier metrics; other tasks' entries stay, so two
+    ``fedllm eval`` calls into one directory leave both calls' numbers.
+    """
+    old: dict = {}
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            log.warning("%s: unreadable (%s); written afresh", path, e)
+    old_metrics = old.get("metrics", {}) if isinstance(old.get("metrics"), dict) else {}
+    kept = {k: v for k, v in old_metrics.items() if k.partition("/")[0] not in protocols}
+    kept_protocols = {k: v for k, v in old.get("protocols", {}).items() if k not in protocols} \
+        if isinstance(old.get("protocols"), dict) else {}
+    write_json_atomic(path, {"metrics": {**kept, **metrics}, "protocols": {**kept_protocols, **protocols}})
 
 
 def prompt_style_for_data(data_cfg: DataConfig) -> Optional[str]:

@@ -26,6 +26,10 @@ class Task(abc.ABC):
     def run(self, ctx: EvalContext) -> dict[str, float]:
         """Evaluate ``ctx.model``; write the result file; return the task's metrics (unprefixed)."""
 
+    def protocol(self, ctx: EvalContext) -> Optional[str]:
+        """The scoring protocol in force, recorded in ``summary.json`` (None: the task has one way)."""
+        return None
+
     def raw_records(self, ctx: EvalContext) -> list[dict]:
         """The task's raw records: ``eval.data[name]``, else held-out training records, else the hub default.
 

@@ -37,6 +37,7 @@ def load_scripted(monkeypatch, scripted_lm, tokenizer):
 
 def test_parsers():
     assert parse_task_list(" gsm8k, mt_bench ,") == ["gsm8k", "mt_bench"]
+    assert parse_task_list("lm_eval:arc_easy,gsm8k") == ["lm_eval:arc_easy", "gsm8k"]    # the harness's names
     with pytest.raises(InputError, match="unknown task"):
         parse_task_list("gsm8k,nope")
     assert parse_data_specs(["gsm8k=a/b.jsonl", "mt_bench = x=y"]) == {"gsm8k": "a/b.jsonl", "mt_bench": "x=y"}
@@ -52,8 +53,21 @@ def test_eval_prints_a_table_and_writes_results(load_scripted, tmp_path, capsys)
     assert code == 0
     printed = capsys.readouterr().out
     assert "| task | metric | value |" in printed and "| gsm8k | accuracy | 0.7500 |" in printed
-    assert json.loads((out / "summary.json").read_text()) == {"gsm8k/accuracy": 0.75}
+    assert json.loads((out / "summary.json").read_text()) == {"metrics": {"gsm8k/accuracy": 0.75},
+                                                              "protocols": {"gsm8k": "fedllm"}}
     assert load_scripted.loaded == {"path": "HuggingFaceTB/some-model", "dtype": "bf16", "client": None}
+
+
+def test_answer_protocol_flag(load_scripted, tmp_path, capsys):
+    load_scripted({**SCRIPT, "Mia earns": "The answer is: 50"})
+    out = tmp_path / "out"
+    assert main(["eval", "m", "--tasks", "gsm8k", "--data", f"gsm8k={DATA}", "--limit", "3", "--out", str(out),
+                 "--answer-protocol", "metamath", "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text()) == {"metrics": {"gsm8k/accuracy": pytest.approx(1 / 3)},
+                                                              "protocols": {"gsm8k": "metamath"}}
+    with pytest.raises(SystemExit) as exited:                                  # argparse's usage error
+        main(["eval", "m", "--tasks", "gsm8k", "--answer-protocol", "nope"])
+    assert exited.value.code == 2
 
 
 def test_usage_errors_exit_2(load_scripted, tmp_path, capsys):

@@ -39,7 +39,8 @@ def test_scripted_accuracy_and_result_file(scripted_lm, tokenizer, tmp_path):
     assert [r["prediction"] for r in rows] == ["7", "2400", "50.00", "4", "-3", None]
     assert [r["correct"] for r in rows] == [True, True, True, False, True, False]
     assert rows[0]["prompt"] == "Question: " + read_records(str(DATA))[0]["question"] + "\nAnswer:"
-    assert json.loads((tmp_path / "summary.json").read_text()) == metrics
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"metrics": metrics, "protocols": {"gsm8k": "fedllm"}}
+    assert data["settings"]["answer_protocol"] == "fedllm"
 
 
 def test_resume_regenerates_only_what_is_missing(scripted_lm, tokenizer, tmp_path):

@@ -19,8 +19,8 @@ from fedllm.evaluation.mtbench_assets import find_judge_prompts, find_mt_bench, 
     ("Rating: [[10]]", 10.0),
     ("The score is [6] out of 10", 6.0),            # FastChat's backup pattern
     ("Rating: 3", -1.0),                             # no brackets: FastChat finds no rating either
-    ("Rating: [[0]]", -1.0),                         # outside 1-10
-    ("Rating: [[11]]", -1.0),
+    ("Rating: [[0]]", 0.0),                          # outside 1-10: kept, as FastChat/OpenFedLLM keep it
+    ("Rating: [[11]]", 11.0),
     ("no verdict at all", -1.0),
     ("", -1.0),
 ])
@@ -28,6 +28,8 @@ def test_parse_rating(reply, rating, caplog):
     with caplog.at_level(logging.WARNING):
         assert parse_rating(reply, "q1") == rating
     assert ("unparseable judge rating" in caplog.text) == (rating == -1)
+    in_range = rating if 1 <= rating <= 10 else -1.0                 # eval.judge.ratings: in_range
+    assert parse_rating(reply, "q1", in_range=True) == in_range
 
 
 def messages(i):

@@ -109,8 +109,8 @@ def test_mt_bench_scores_and_fastchat_settings_over_http(scripted_lm, tokenizer,
     assert names == {81: ["single-v1", "single-v1-multi-turn"], 131: ["single-v1", "single-v1-multi-turn"],
                      101: ["single-math-v1", "single-math-v1-multi-turn"],
                      111: ["single-math-v1", "single-math-v1-multi-turn"]}
-    # FastChat's per-category temperatures, up to 1,024 new tokens, both turns
-    expected = {81: (True, 0.7, 1.0), 131: (True, 0.1, 1.0), 101: GREEDY, 111: GREEDY}
+    # FastChat's per-category temperatures, top-p from the generation config (none passed), 1,024 tokens
+    expected = {81: (True, 0.7, None), 131: (True, 0.1, None), 101: GREEDY, 111: GREEDY}
     for qid, decoding in expected.items():
         assert rows[qid]["temperature"] == (decoding[1] or 0.0)
         for prompt in rows[qid]["prompts"]:
@@ -188,7 +188,7 @@ def test_vicuna_fastchat_protocol_uses_references_and_temperature_zero(scripted_
     math_user = next(r for r in app.state.requests if "2 + 2" in r["messages"][1]["content"])["messages"][1]["content"]
     assert "[The Start of Reference Answer]\n2 + 2 = 4.\n[The End of Reference Answer]" in math_user
     decodings = sorted(model.decoding.values(), key=str)
-    assert decodings == sorted([(True, 0.7, 1.0, 1024), (*GREEDY, 1024)], key=str)   # generic 0.7, math greedy
+    assert decodings == sorted([(True, 0.7, None, 1024), (*GREEDY, 1024)], key=str)  # generic 0.7, math greedy
 
 
 def test_ref_gpt4_reads_fedllm_bench_testset_and_grades_without_references(scripted_lm, tokenizer, tmp_path,

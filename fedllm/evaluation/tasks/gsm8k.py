@@ -5,6 +5,8 @@ Data: ``eval.data.gsm8k`` (file or hub id), else the held-out training records
 split). The reference answer is the number after ``####``; a generation's answer
 is the number after ``####``, else after "The answer is", else its last number;
 they compare numerically. ``eval.shots`` (0-8) puts Wei et al.'s exemplars first.
+That is the ``fedllm`` answer protocol; ``metamath`` and ``lm_eval`` (``eval.answer_protocol``)
+run MetaMath's ``eval_gsm8k.py`` rules and lm-evaluation-harness's ``gsm8k`` task.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 from typing import Optional
 
 from fedllm.errors import InputError
-from fedllm.evaluation.answer_task import AnswerTask
+from fedllm.evaluation import metamath_rules
+from fedllm.evaluation.answer_task import AnswerRules, AnswerTask
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.numeric_answer import extract_number, numbers_equal
 from fedllm.evaluation.records import answer_of
@@ -28,6 +31,7 @@ class GSM8K(AnswerTask):
     name = "gsm8k"
     hub = HubSource("openai/gsm8k", "main", "test")
     uses_records = True
+    lm_eval_task = "gsm8k"
 
     def gold(self, record: dict) -> Optional[str]:
         return extract_number(answer_of(record))
@@ -37,6 +41,12 @@ class GSM8K(AnswerTask):
 
     def equal(self, predicted: Optional[str], gold: Optional[str]) -> bool:
         return numbers_equal(predicted, gold)
+
+    def metamath(self) -> AnswerRules:
+        return AnswerRules(gold=lambda record: metamath_rules.gsm8k_gold(answer_of(record)),
+                           extract=metamath_rules.gsm8k_answer, equal=metamath_rules.gsm8k_equal,
+                           max_new_tokens=metamath_rules.GSM8K_MAX_NEW_TOKENS, prompt=metamath_rules.render,
+                           stop=metamath_rules.STOP, name="metamath")
 
     def exemplars(self, ctx: EvalContext) -> list[tuple[str, str]]:
         if not 0 <= ctx.cfg.shots <= len(GSM8K_COT_EXEMPLARS):

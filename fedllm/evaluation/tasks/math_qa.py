@@ -15,6 +15,11 @@ The reference answer is the record's ``answer``, else the last ``\\boxed{}`` of 
 solution; a generation's answer is its last ``\\boxed{}``, else the text after its last
 "The answer is" (MetaMathQA style), else none (wrong). Answers are compared with
 HF math-verify behind a numeric fast path (:mod:`fedllm.evaluation.math_answer`).
+That is the ``fedllm`` answer protocol; ``metamath`` (``eval.answer_protocol``) runs MetaMath's
+``eval_math.py`` rules (the reference is the solution's last box; the answer the text after
+"The answer is: "; Hendrycks' ``is_equiv``; 2,048 new tokens), ``lm_eval`` the harness's
+``hendrycks_math`` (``math``) or ``hendrycks_math500`` (``math500``) tasks
+(``lm_eval:minerva_math`` runs the harness's Minerva variant).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from fedllm.evaluation.answer_task import AnswerTask
+from fedllm.evaluation import metamath_rules
+from fedllm.evaluation.answer_task import AnswerRules, AnswerTask
 from fedllm.evaluation.context import EvalContext
+from fedllm.evaluation.hendrycks_equiv import is_equiv
 from fedllm.evaluation.math_answer import extract_math_answer, math_equal
 from fedllm.evaluation.records import answer_of
 from fedllm.evaluation.sources import DataSourceError, HubSource, read_hub
@@ -68,12 +75,20 @@ class _MathAnswers(AnswerTask):
     def equal(self, predicted: Optional[str], gold: Optional[str]) -> bool:
         return math_equal(predicted, gold)
 
+    def metamath(self) -> AnswerRules:
+        return AnswerRules(gold=lambda record: metamath_rules.last_boxed(record.get("solution") or answer_of(record)),
+                           extract=metamath_rules.math_answer,
+                           equal=lambda predicted, gold: predicted is not None and is_equiv(predicted, gold),
+                           max_new_tokens=metamath_rules.MATH_MAX_NEW_TOKENS, prompt=metamath_rules.render,
+                           stop=metamath_rules.STOP, name="metamath")
+
 
 @register_task("math")
 class MATH(_MathAnswers):
     """MATH accuracy on the full 5,000-problem test set."""
 
     name = "math"
+    lm_eval_task = "hendrycks_math"
     hub = HubSource("EleutherAI/hendrycks_math", None, "test")
 
     def raw_records(self, ctx: EvalContext) -> list[dict]:
@@ -95,4 +110,5 @@ class MATH500(_MathAnswers):
     """MATH-500 accuracy (Lightman et al.'s subset)."""
 
     name = "math500"
+    lm_eval_task = "hendrycks_math500"
     hub = HubSource("HuggingFaceH4/MATH-500", None, "test")

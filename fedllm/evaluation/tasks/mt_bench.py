@@ -10,18 +10,32 @@ reference answers. ``eval.limit`` takes a seeded sample stratified across the
 categories (a limit of 8 covers all of them). Metrics as in FRLoRA's Table 2:
 ``mt1`` (mean first-turn rating), ``mt2`` (second turn) and ``avg`` (mean of
 all ratings); ``unparsed`` counts judgments without a rating (rated -1, left
-out of the means).
+out of the means unless ``eval.judge.ratings: minus_one``).
+
+A run trained with the Alpaca prompt is asked both turns through FastChat's ``alpaca``
+conversation template (as OpenFedLLM's ``gen_model_answer_mt.py`` builds them);
+``eval.judged_prompts: training`` re-sends the run's Alpaca prompt for each turn instead.
+Sampling: top-p from the model's generation config (FastChat passes none), and each
+question's draw seeded alone with ``eval.seed`` (FastChat: ``torch.manual_seed(0)`` per
+question; its second turn continues that stream, here it is seeded afresh).
 """
 
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.judged_task import JudgedTask, read_reference_answers
-from fedllm.evaluation.metrics import mean_rating
 from fedllm.evaluation.mtbench_assets import find_mt_bench
+from fedllm.evaluation.prompt_styles import PromptStyle, make_prompt_style
 from fedllm.registry import register_task
+
+
+FASTCHAT_ALPACA_TEMPLATE = "alpaca"
+"""The FastChat conversation template of a run trained with the Alpaca prompt (``eval.judged_prompts:
+reference``): OpenFedLLM's ``gen_model_answer_mt.py`` builds both turns with FastChat's
+``get_conv_template(args.template)``, so the second turn sees the first as a conversation."""
 
 
 def read_questions(path) -> list[dict]:
@@ -42,9 +56,14 @@ class MTBench(JudgedTask):
                  "references": refs.get(q["question_id"])}
                 for q in ctx.stratified(read_questions(files.questions), lambda q: q["category"])]
 
-    def summarize(self, ratings: list[list[float]]) -> dict[str, float]:
+    def reference_style(self, ctx: EvalContext) -> Optional[PromptStyle]:
+        if ctx.prompt_style_name == "alpaca":
+            return make_prompt_style("chat", ctx.tokenizer, FASTCHAT_ALPACA_TEMPLATE)
+        return None
+
+    def summarize(self, ctx: EvalContext, ratings: list[list[float]]) -> dict[str, float]:
         first = [r[0] for r in ratings]
         second = [r[1] for r in ratings if len(r) > 1]
         flat = first + second
-        return {"mt1": mean_rating(first), "mt2": mean_rating(second), "avg": mean_rating(flat),
+        return {"mt1": self.mean(ctx, first), "mt2": self.mean(ctx, second), "avg": self.mean(ctx, flat),
                 "unparsed": float(sum(r < 0 for r in flat))}

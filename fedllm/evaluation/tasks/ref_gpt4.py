@@ -11,9 +11,11 @@ What this task does, step by step (FedLLM-Bench's ``gen_answer_bench.py``,
    (a fallback that is *not* FedLLM-Bench's test set: numbers are then comparable only
    between runs on the same data split). ``eval.limit`` takes a seeded sample.
 2. Answers: one per instruction, sampled at temperature 0.7, top-p 1.0, up to 1,024
-   new tokens (seeded with ``eval.seed``; greedy with ``eval.decoding: greedy``), in
-   the run's prompt style (FedLLM-Bench formats the Alpaca template with the
-   instruction alone).
+   new tokens (each seeded with ``eval.seed``; greedy with ``eval.decoding: greedy``).
+   A run trained with the Alpaca prompt is asked with FedLLM-Bench's exact text
+   ``...### Instruction:\n{instruction} \n\n### Response:`` (the instruction alone, no stop
+   string; ``eval.judged_prompts: training``: the run's own Alpaca prompt); other runs in
+   their prompt style.
 3. Grading: FedLLM-Bench's single-answer prompt (system "You are a helpful assistant,
    that rates models by the quality of their answers."), with the instruction and the
    answer only: **no reference answer** is shown, despite the name. Judge temperature
@@ -29,7 +31,9 @@ from pathlib import Path
 from typing import Optional
 
 from fedllm.evaluation.context import EvalContext
+from fedllm.evaluation.prompt_styles import PromptStyle, ReferenceTemplateStyle
 from fedllm.evaluation.judge_protocols import (
+    OPENFEDLLM_ALPACA_PROMPT,
     FEDLLM_BENCH_PROMPT,
     FEDLLM_BENCH_SAMPLING,
     AnswerSampling,
@@ -64,6 +68,12 @@ class RefGPT4(JudgedTask):
 
     name = "ref_gpt4"
     uses_records = True
+    reference = "fedllm-bench"
+
+    def reference_style(self, ctx: EvalContext) -> Optional[PromptStyle]:
+        if ctx.prompt_style_name == "alpaca":
+            return ReferenceTemplateStyle(ctx.tokenizer, OPENFEDLLM_ALPACA_PROMPT, "openfedllm-alpaca")
+        return None
 
     def sampling(self, ctx: EvalContext) -> AnswerSampling:
         return FEDLLM_BENCH_SAMPLING

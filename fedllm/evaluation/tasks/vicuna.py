@@ -12,12 +12,18 @@ Two protocols (``eval.judge.protocol``):
   follow OpenFedLLM): answers sampled at temperature 0.7, top-p 1.0, up to 2,048 new
   tokens; OpenFedLLM's single-answer judge prompt, no reference answers, judge
   temperature 0.2. (OpenFedLLM's ``show_results_vicuna.py`` averages an unparseable
-  judgment in as -1; here it is counted in ``unparsed`` and left out of the mean.)
+  judgment in as -1: ``eval.judge.ratings: minus_one``; by default it is counted in
+  ``unparsed`` and left out of the mean.)
 - ``fastchat`` (comparable with FastChat's ``vicuna_bench`` numbers): answers at
   FastChat's per-category temperatures (0.7 for the Vicuna categories it does not
   list; math and coding greedy) with up to 1,024 new tokens; FastChat's
   ``single-v1`` prompt, and ``single-math-v1`` against the GPT-4 reference answers
   for math and coding questions; judge temperature 0.
+
+A run trained with the Alpaca prompt is asked as the reference asks
+(``eval.judged_prompts: reference``): ``openfedllm`` with OpenFedLLM's exact text
+``...### Instruction:\n{q} \n\n### Response:`` and no stop string, ``fastchat`` through
+FastChat's ``alpaca`` conversation template; ``training`` uses the run's own Alpaca prompt.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from pathlib import Path
 from typing import Optional
 
 from fedllm.evaluation.context import EvalContext
+from fedllm.evaluation.prompt_styles import PromptStyle, ReferenceTemplateStyle, make_prompt_style
 from fedllm.evaluation.judge_protocols import (
+    OPENFEDLLM_ALPACA_PROMPT,
     FASTCHAT_SAMPLING,
     OPENFEDLLM_VICUNA_PROMPT,
     OPENFEDLLM_VICUNA_SAMPLING,
@@ -36,6 +44,7 @@ from fedllm.evaluation.judge_protocols import (
 from fedllm.evaluation.judged_task import JudgedTask, read_reference_answers
 from fedllm.evaluation.mtbench_assets import find_mt_bench
 from fedllm.evaluation.records import question_of
+from fedllm.evaluation.tasks.mt_bench import FASTCHAT_ALPACA_TEMPLATE
 from fedllm.evaluation.sources import DataSourceError, read_records
 from fedllm.registry import register_task
 
@@ -51,6 +60,16 @@ class Vicuna(JudgedTask):
     """Vicuna bench mean rating (first turn only)."""
 
     name = "vicuna"
+
+    def protocol(self, ctx: EvalContext) -> Optional[str]:
+        return ctx.cfg.judge.protocol
+
+    def reference_style(self, ctx: EvalContext) -> Optional[PromptStyle]:
+        if ctx.prompt_style_name != "alpaca":
+            return None
+        if ctx.cfg.judge.protocol == "fastchat":
+            return make_prompt_style("chat", ctx.tokenizer, FASTCHAT_ALPACA_TEMPLATE)
+        return ReferenceTemplateStyle(ctx.tokenizer, OPENFEDLLM_ALPACA_PROMPT, "openfedllm-alpaca")
 
     def sampling(self, ctx: EvalContext) -> AnswerSampling:
         return PROTOCOLS[ctx.cfg.judge.protocol][0]

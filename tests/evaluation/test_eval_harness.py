@@ -1,0 +1,159 @@
+"""lm-evaluation-harness as a back-end: ``lm_eval:<task>`` on the in-memory model (base + adapter) scores what
+the harness itself scores on the exported merged model, for tasks written in the harness's YAML format over
+fixture files this test writes."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from evalkit import ASSETS, tiny_llama_config
+
+from fedllm.config import EvalConfig
+from fedllm.errors import InputError
+from fedllm.evaluation import evaluate
+
+pytest.importorskip("lm_eval")
+
+ROWS = [{"question": f"Tom has {a} apples and buys {b} more. How many?", "choices": [str(a + b), str(a * b), str(a - b)],
+         "label": 0, "answer": str(a + b)} for a, b in [(3, 4), (1, 2), (5, 5), (2, 7), (6, 1), (8, 3)]]
+OTHER = [{"question": f"Other question {i}?", "choices": ["1", "2", "3"], "label": i % 3, "answer": "1"} for i in range(4)]
+
+TASKS = {
+    "fedllm_tiny_mc": """
+        output_type: multiple_choice
+        doc_to_choice: "{{{{choices}}}}"
+        doc_to_target: label
+        metric_list:
+          - metric: acc
+          - metric: acc_norm""",
+    "fedllm_tiny_gen": """
+        output_type: generate_until
+        doc_to_target: "{{{{answer}}}}"
+        generation_kwargs:
+          until: ["\\n"]
+          do_sample: false
+          max_gen_toks: 6
+        metric_list:
+          - metric: exact_match""",
+}
+
+
+@pytest.fixture(scope="module")
+def harness_dir(tmp_path_factory):
+    """A directory of harness task YAMLs (``--include_path``) over a JSONL fixture, and another data file."""
+    root = tmp_path_factory.mktemp("harness")
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (root / "other.jsonl").write_text("".join(json.dumps(r) + "\n" for r in OTHER))
+    tasks = root / "tasks"
+    tasks.mkdir()
+    for name, body in TASKS.items():
+        head = f"""
+            task: {name}
+            dataset_path: json
+            dataset_kwargs:
+              data_files:
+                test: {root / 'data.jsonl'}
+            test_split: test
+            doc_to_text: "Question: {{{{question}}}}\\nAnswer:\""""
+        (tasks / f"{name}.yaml").write_text(textwrap.dedent(head) + textwrap.dedent(body).format() + "\n")
+    return root
+
+
+def adapted_model(tokenizer):
+    """A tiny LLaMA with a LoRA adapter whose B is not zero (so the adapter changes every score)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny_llama_config(tokenizer))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def logliks(samples: list[dict]) -> list[float]:
+    return [float(r[0][0]) if isinstance(r[0], (list, tuple)) else float(r[0])
+            for s in samples for r in s["resps"]]
+
+
+def test_lm_eval_tasks_through_fedllm_equal_the_harness_on_the_merged_export(tokenizer, tmp_path, harness_dir):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    model = adapted_model(tokenizer)
+    names = ["lm_eval:fedllm_tiny_mc", "lm_eval:fedllm_tiny_gen"]
+    cfg = EvalConfig(tasks=names, data={"lm_eval": str(harness_dir / "tasks")}, batch_size=4)
+    ours = evaluate(model, tokenizer, cfg, tmp_path / "out", progress=False)
+    stored = json.loads((tmp_path / "out" / "lm_eval:fedllm_tiny_mc.json").read_text())
+    assert stored["settings"]["answer_protocol"] == "lm_eval" and len(stored["examples"]["fedllm_tiny_mc"]) == 6
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["protocols"] == dict.fromkeys(names, "lm_eval")
+
+    export = tmp_path / "merged"
+    copy.deepcopy(model).merge_and_unload().save_pretrained(export)
+    tokenizer.save_pretrained(export)
+    manager = TaskManager(include_path=str(harness_dir / "tasks"), include_defaults=False)
+    res = simple_evaluate(model="hf", model_args=f"pretrained={export},dtype=float32", device="cpu", batch_size=4,
+                          tasks=[n.split(":")[1] for n in names], task_manager=manager, bootstrap_iters=0)
+    theirs = {f"lm_eval:{task}/{key.split(',')[0]}": value for task, table in res["results"].items()
+              for key, value in table.items() if "," in key and "_stderr" not in key}
+    assert ours == theirs
+    assert logliks(stored["examples"]["fedllm_tiny_mc"]) == pytest.approx(logliks(res["samples"]["fedllm_tiny_mc"]),
+                                                                           rel=1e-4, abs=1e-4)
+
+    with model.disable_adapter():                                              # the adapter was evaluated
+        evaluate(model, tokenizer, EvalConfig(tasks=names[:1], data=cfg.data), tmp_path / "base", progress=False)
+    base = json.loads((tmp_path / "base" / "lm_eval:fedllm_tiny_mc.json").read_text())
+    assert logliks(base["examples"]["fedllm_tiny_mc"]) != pytest.approx(logliks(stored["examples"]["fedllm_tiny_mc"]),
+                                                                        rel=1e-3)
+
+
+def test_local_data_replace_a_tasks_dataset(tokenizer, tiny_lm, tmp_path, harness_dir):
+    name = "lm_eval:fedllm_tiny_mc"
+    cfg = EvalConfig(tasks=[name], data={"lm_eval": str(harness_dir / "tasks"), name: str(harness_dir / "other.jsonl")})
+    evaluate(tiny_lm, tokenizer, cfg, tmp_path, progress=False)
+    docs = [s["doc"]["question"] for s in json.loads((tmp_path / f"{name}.json").read_text())["examples"][name[8:]]]
+    assert docs == [r["question"] for r in OTHER]
+
+
+@pytest.mark.slow
+def test_the_harness_cli_scores_the_export_as_fedllm_does(tokenizer, tmp_path, harness_dir):
+    """The harness's own command line (``python -m lm_eval``) on the exported merged model (both index
+    every task the harness ships: a minute or more)."""
+    model = adapted_model(tokenizer)
+    with pytest.raises(InputError, match="not a task of lm-evaluation-harness"):
+        evaluate(model, tokenizer, EvalConfig(tasks=["lm_eval:no_such_task_here"],
+                                              data={"lm_eval": str(harness_dir / "tasks")}), None, progress=False)
+    # gsm8k under the lm_eval answer protocol: the harness's own task over a local file, 5 shots from it
+    gsm8k = ASSETS / "gsm8k_tiny.jsonl"
+    cfg = EvalConfig(tasks=["gsm8k"], data={"gsm8k": str(gsm8k)}, answer_protocol="lm_eval", limit=2)
+    metrics = evaluate(model, tokenizer, cfg, tmp_path / "gsm8k", progress=False)
+    assert set(metrics) == {"gsm8k/exact_match.strict-match", "gsm8k/exact_match.flexible-extract"}
+    samples = json.loads((tmp_path / "gsm8k" / "gsm8k.json").read_text())["examples"]["gsm8k"]
+    for sample in samples:
+        prompt = sample["arguments"]["gen_args_0"]["arg_0"] if isinstance(sample["arguments"], dict) \
+            else sample["arguments"][0][0]
+        assert prompt.count("Question: ") == 6 and prompt.endswith(f"Question: {sample['doc']['question']}\nAnswer:")
+        assert prompt.count(sample["doc"]["question"]) == 1                   # never its own exemplar
+    name = "lm_eval:fedllm_tiny_mc"
+    ours = evaluate(model, tokenizer, EvalConfig(tasks=[name], data={"lm_eval": str(harness_dir / "tasks")}),
+                    None, progress=False)
+    export = tmp_path / "merged"
+    copy.deepcopy(model).merge_and_unload().save_pretrained(export)
+    tokenizer.save_pretrained(export)
+    out = tmp_path / "cli"
+    subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                    f"pretrained={export},dtype=float32", "--tasks", "fedllm_tiny_mc", "--include_path",
+                    str(harness_dir / "tasks"), "--device", "cpu", "--batch_size", "4", "--output_path", str(out)],
+                   check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+                   capture_output=True, timeout=900)
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]["fedllm_tiny_mc"]
+    assert ours == {f"{name}/acc": results["acc,none"], f"{name}/acc_norm": results["acc_norm,none"]}
