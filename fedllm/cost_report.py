@@ -160,8 +160,9 @@ def upload_bytes(strategy: Any, plan: Any, steps: int, comm: str) -> int:
     """Bytes one client sends: the strategy's upload of the state it received (same keys and shapes)."""
     from fedllm.state import cast, num_bytes
 
+    trained = {**plan.local, **plan.state}  # what the client holds after training: same keys and shapes
     try:
-        return num_bytes(cast(strategy.client_upload(plan, plan.state, steps), comm), comm)
+        return num_bytes(cast(strategy.client_upload(plan, trained, steps), comm), comm)
     except Exception:  # noqa: BLE001 — a strategy that needs a trained client state: count what it received
         return num_bytes(plan.state, comm)
 

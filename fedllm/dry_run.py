@@ -125,12 +125,12 @@ def dry_run(recipe: Recipe) -> "DryRunReport | UntimedReport":
 
     missing = weights_unavailable(recipe.model)
     if missing is not None:
-        return _untimed(recipe, weights_missing=missing)
+        return untimed(recipe, weights_missing=missing)
     t0 = time.perf_counter()
     try:
         fed = build_federation(recipe)
     except DataError as e:
-        return _untimed(recipe, data_missing=str(e).splitlines()[0])
+        return untimed(recipe, data_missing=str(e).splitlines()[0])
     return _timed(recipe, fed, time.perf_counter() - t0)
 
 
@@ -151,9 +151,10 @@ def _estimated_clients(recipe: Recipe) -> tuple[list[int], Optional[int], list[s
     return [size] * fed.num_clients, steps, notes
 
 
-def _untimed(recipe: Recipe, weights_missing: Optional[str] = None,
-             data_missing: Optional[str] = None) -> UntimedReport:
-    """The cost report of the recipe's model (meta device when the weights are missing) without data."""
+def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
+            data_missing: Optional[str] = None) -> UntimedReport:
+    """The cost report of the recipe's model without its data: built on the meta device from its config when
+    ``weights_missing`` says why the weights are absent (tests pass any reason to force the meta device)."""
     import torch
 
     from fedllm.client import derived_seed
