@@ -327,8 +327,9 @@ class CostReport:
                    f"{', kept per client' if r.train.optimizer_state == 'per_client' else ', reset each round'})"
                    + (f"; every client also keeps the base changes, {_mb(st.base_changes)}" if st.base_changes else ""))
         mem = self.memory()
-        out.append(f"  peak memory estimate (one training process): {_gb(sum(mem.values()))} = "
-                   + " + ".join(f"{k} {_gb(v)}" for k, v in mem.items()))
+        unit = (lambda n: f"{n / 1e9:.2f} GB") if sum(mem.values()) >= 1e8 else _mb
+        out.append(f"  peak memory estimate (one training process): {unit(sum(mem.values()))} = "
+                   + " + ".join(f"{k} {unit(v)}" for k, v in mem.items()))
         s = self.shapes
         out.append(f"    activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8) with b={r.train.batch_size}, "
                    f"s={r.train.max_length}, L={s.layers}, p={_dtype_bytes(r.train.dtype)}, h={s.hidden}, "
@@ -338,7 +339,7 @@ class CostReport:
                    f"trainable, gradients and {r.train.optimizer} moments in fp32")
         if self.svd is not None:
             v = self.svd
-            out.append(f"  FRLoRA SVD init ({v.method}): {v.flops / 1e12:.2f} TFLOP over {v.layers} layers, "
+            out.append(f"  FRLoRA SVD init ({v.method}): {_flops(v.flops)} over {v.layers} layers, "
                        f"peak extra {_mb(v.peak_bytes)} (largest layer, fp32; one layer at a time)")
         out += [f"  not checked: {n}" for n in self.notes]
         return out
@@ -352,15 +353,15 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.3f} MB" if n >= 1e5 else f"{int(n):,} B"
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+def _flops(n: float) -> str:
+    return f"{n / 1e12:.2f} TFLOP" if n >= 1e11 else f"{n / 1e9:.3f} GFLOP"
 
 
 def _sizes(values: list[int]) -> str:
     if not values:
         return "0 B"
     if len(values) == 1:
-        return f"{_mb(values[0])} ({values[0]:,} B)"
+        return _mb(values[0]) + (f" ({values[0]:,} B)" if values[0] >= 1e5 else "")
     return f"{_mb(values[0])} .. {_mb(values[-1])}"
 
 

@@ -159,7 +159,7 @@ def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
 
     from fedllm.client import derived_seed
     from fedllm.cost_report import cost_report
-    from fedllm.model_configs import meta_model, shipped_config_dir
+    from fedllm.model_configs import check_targets, meta_model, shipped_config_dir
     from fedllm.models import load_model
     from fedllm.strategies import get_strategy
     from fedllm.strategies.base import ClientInfo
@@ -170,13 +170,14 @@ def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
     if weights_missing is not None:
         model, task = meta_model(recipe.model, recipe.lora, num_labels, recipe.source)
         where = shipped_config_dir(recipe.model.name)
-        built = "built on the meta device from " + (f"fedllm's shipped config ({where.relative_to(where.parents[2])})"
+        built = "built on the meta device from " + (f"fedllm's shipped config ({where.relative_to(where.parents[3])})"
                                                     if where else "its config")
         source = f"{recipe.model.name} on the meta device (weights absent: {weights_missing})"
         notes = ["step time (no weights here)", "the data set (not loaded without the model's tokenizer)"] + notes
     else:
         loaded = load_model(recipe.model, recipe.lora, num_labels, recipe.seed, recipe.source)
         model, task, built = loaded.model, loaded.task, "loaded"
+        check_targets(model, recipe.lora, recipe.model.name, recipe.source)
         source = f"{recipe.model.name} (real weights)"
         notes = [f"step time and the data set ({data_missing})"] + notes
     if task == "classification" and not recipe.data.labels and not recipe.model.num_labels:
@@ -198,6 +199,7 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
     from fedllm.cost_report import cost_report, upload_bytes
     from fedllm.data import collate
     from fedllm.evaluation.runner import eval_due
+    from fedllm.model_configs import check_targets
     from fedllm.models import read_state
     from fedllm.server import sample_clients
     from fedllm.state import cast
@@ -216,6 +218,7 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
         up += upload_bytes(strategy, plan, default, comm)
     down += sum(strategy.extra_download_bytes(1, sampled, recipe.federation.num_clients, comm).values())
 
+    check_targets(fed.loaded.model, recipe.lora, recipe.model.name, recipe.source)
     costs = cost_report(recipe, fed.loaded.model, strategy, fed.loaded.task, f"{recipe.model.name} (real weights)",
                         False, steps_per_round(recipe.train, len(data.clients[largest[0]])))
     cid = largest[0]
