@@ -61,7 +61,8 @@ def weights_unavailable(cfg: ModelConfig) -> Optional[str]:
 
 
 def model_config(cfg: ModelConfig, num_labels: int = 2) -> Any:
-    """The ``transformers`` config of the recipe's model: the shipped copy (no weights needed).
+    """The ``transformers`` config of the recipe's model, needing no weights: a preset built in code builds its
+    own, a model fedllm ships a config for reads that copy, anything else its local or cached config.
 
     Raises:
         ModelError: fedllm ships no config for ``cfg.name`` and none can be read from here.
@@ -69,9 +70,13 @@ def model_config(cfg: ModelConfig, num_labels: int = 2) -> Any:
     import transformers
 
     from fedllm.models import ModelError
+    from fedllm.registry import model_presets
 
     where = shipped_config_dir(cfg.name)
-    if where is None:
+    built_in_code = model_presets.get(cfg.name).config if cfg.name in model_presets else None
+    if built_in_code is not None:
+        config = built_in_code(cfg.num_labels or num_labels)
+    elif where is None:
         if weights_unavailable(cfg) is not None:
             raise ModelError(f"model.name={cfg.name!r}: its weights are not on this machine and fedllm ships no "
                              f"config for it (shipped: {', '.join(shipped_names())}); put its config.json in a "

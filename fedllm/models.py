@@ -88,6 +88,7 @@ class Preset:
     task: str
     location: Optional[Callable[[], tuple[str, Optional[str]]]] = None  # (directory, gguf file) of shipped weights
     present: Optional[Callable[[], Optional[str]]] = None  # why the shipped weights are absent here, or None
+    config: Optional[Callable[[int], Any]] = None  # (num_labels) -> the model's config, for presets built in code
 
 
 def _tiny_model(family: str) -> Callable[[ModelConfig, int, Any], Any]:
@@ -105,7 +106,8 @@ def _tiny_model(family: str) -> Callable[[ModelConfig, int, Any], Any]:
 for _family in ("llama", "qwen2", "gemma", "roberta"):
     register_model_preset(f"tiny-{_family}")(Preset(
         tokenizer=lambda cfg: tiny_tokenizer(), model=_tiny_model(_family),
-        task="classification" if _family == "roberta" else "causal_lm"))
+        task="classification" if _family == "roberta" else "causal_lm",
+        config=lambda n, family=_family: _tiny_config(family, len(tiny_tokenizer()), n)))
 
 
 def _package_dir(package: str) -> Path:

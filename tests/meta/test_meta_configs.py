@@ -65,6 +65,8 @@ def test_target_shapes_from_the_config_alone():
     gemma = target_shapes(ModelConfig(name="gemma3-270m"), LoraConfig(r=4))  # default targets: q, k, v, o
     assert gemma["base_model.model.model.layers.0.self_attn.q_proj"] == (1024, 640)  # 4 heads of 256 > hidden 640
     assert len(gemma) == 18 * 4
+    tiny = target_shapes(ModelConfig(name="tiny-llama"), LoraConfig(r=2, target_modules=["k_proj"]))
+    assert set(tiny.values()) == {(32, 64)} and len(tiny) == 2  # tiny presets build their config in code
 
 
 def test_weights_unavailable_offline(monkeypatch):
