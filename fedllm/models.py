@@ -144,9 +144,27 @@ def _chunked(shipped: ChunkedFile) -> Preset:
             raise ModelError(str(e)) from None
         return str(path.parent), path.name
 
-    return Preset(tokenizer=lambda cfg: _tokenizer(*where(), cfg),
-                  model=lambda cfg, n, tok: _model(*where(), cfg, "causal_lm", n, tok), task="causal_lm",
-                  location=where, present=shipped.missing)
+    def tokenizer(cfg: ModelConfig) -> Any:
+        """Converted from the GGUF once (slow for a large vocabulary), then read from its saved copy beside it."""
+        directory, gguf = where()
+        saved = Path(directory) / "tokenizer"
+        if (saved / "tokenizer_config.json").is_file():
+            return _tokenizer(str(saved), None, cfg)
+        tok = _tokenizer(directory, gguf, cfg)
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=directory))
+        tok.save_pretrained(str(tmp))
+        try:
+            tmp.rename(saved)
+        except OSError:  # another process saved it first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        return tok
+
+    return Preset(tokenizer=tokenizer, model=lambda cfg, n, tok: _model(*where(), cfg, "causal_lm", n, tok),
+                  task="causal_lm", location=where, present=shipped.missing)
 
 
 register_model_preset("smollm2-135m-instruct")(
