@@ -66,3 +66,17 @@ def test_peak_memory_weights_term(meta_costs, quantization, weights):
     assert mem["optimizer"] == 2 * mem["trainable"] == 2 * 16_777_216 * 4
     tokens = 16 * 512
     assert mem["activations"] == tokens * 32 * 2 * (4 * 4096 + 3 * 4096 + 2 * 4096 + 4 * 11008) + tokens * 32000 * 10
+
+
+def test_dry_run_with_the_weights_but_without_the_data(tiny_recipe, tmp_path, capsys):
+    """A real model whose data set is a hub id that cannot be loaded offline: the untimed report, saying so."""
+    raw = tiny_recipe(data={"path": "nobody/no-such-dataset-offline", "max_examples": 60})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "model (tiny-llama) loaded and strategy (fedavg) set up" in out and "tiny-llama (real weights)" in out
+    assert "not checked: step time and the data set" in out
+    assert "client sizes (taken as 20 examples each: data.max_examples / 3 clients)" in out
+    assert "3,584 trainable (exact)" in out
+
