@@ -174,15 +174,12 @@ def target_shapes(cfg: ModelConfig, lora: LoraConfig, num_labels: int = 2) -> di
     Builds the model on the meta device only (no weights, no memory); usable before any model load.
     """
     import torch
-
-    from fedllm.models import lora_layers
-
-    model, task = meta_base_model(cfg, num_labels)
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    from fedllm.models import lora_targets
+    from fedllm.models import lora_layers, lora_targets
 
+    model, _ = meta_base_model(cfg, num_labels)
     probe = PeftLoraConfig(r=1, target_modules=lora_targets(model, lora))  # rank 1: shapes only, never rejected
     with torch.device(META):
         peft_model = get_peft_model(model, probe)

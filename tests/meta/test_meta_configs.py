@@ -22,7 +22,8 @@ BUILT_FROM_CODE = ("tiny-llama", "tiny-qwen2", "tiny-gemma", "tiny-roberta")  # 
 def recipe_models():
     names = set()
     for path in glob.glob("recipes/*/*.yaml"):
-        names.add(yaml.safe_load(open(path))["model"]["name"])
+        with open(path) as f:
+            names.add(yaml.safe_load(f)["model"]["name"])
     return sorted(names - set(BUILT_FROM_CODE))
 
 

@@ -26,7 +26,8 @@ def test_dry_run_of_llama2_7b_frlora_offline(capsys, monkeypatch):
 
 
 def test_dry_run_exits_2_naming_a_target_that_matches_nothing(tmp_path, capsys):
-    raw = yaml.safe_load(open(RECIPE))
+    with open(RECIPE) as f:
+        raw = yaml.safe_load(f)
     raw["lora"]["target_modules"] = ["q_proj", "qkv_proj", "v_proj", "query"]
     raw["output_dir"] = str(tmp_path / "run")
     path = tmp_path / "r.yaml"

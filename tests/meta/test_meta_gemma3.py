@@ -1,7 +1,6 @@
 """The gemma3-270m preset: its GGUF assembled from chunk packages (sha256 checked) and one real round."""
 
 import hashlib
-import sys
 
 import pytest
 
@@ -20,7 +19,10 @@ def chunk_packages(tmp_path, monkeypatch):
     return tmp_path
 
 
-def fake(sha=hashlib.sha256(b"hello world").hexdigest()):
+HELLO_SHA256 = hashlib.sha256(b"hello world").hexdigest()
+
+
+def fake(sha=HELLO_SHA256):
     return ChunkedFile("f.bin", sha, (("fakechunk_part1", "data/f.part00"), ("fakechunk_part2", "data/f.part01")))
 
 
