@@ -134,8 +134,26 @@ def _packaged(package: str, subdir: str, gguf_file: Optional[str], task: str) ->
                   location=lambda: (where(), gguf_file), present=present)
 
 
+def _save_once(obj: Any, target: Path) -> None:
+    """``obj.save_pretrained`` into ``target`` through a temporary directory renamed into place (first writer wins)."""
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        obj.save_pretrained(str(tmp))
+        tmp.rename(target)
+    except OSError:  # another process saved it first, or the disk is full: the GGUF still works
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _chunked(shipped: ChunkedFile) -> Preset:
-    """A causal LM whose GGUF ships split over several packages (assembled once into fedllm's cache)."""
+    """A causal LM whose GGUF ships split over several packages, assembled once into fedllm's cache.
+
+    Converting a GGUF is slow (the tokenizer of a 262k vocabulary, the dequantisation of every tensor), so
+    the first load saves what it converted beside the GGUF — the tokenizer, and the fp32 weights when loaded
+    in fp32 — and later loads read those (the same values).
+    """
 
     def where() -> tuple[str, Optional[str]]:
         try:
@@ -145,26 +163,25 @@ def _chunked(shipped: ChunkedFile) -> Preset:
         return str(path.parent), path.name
 
     def tokenizer(cfg: ModelConfig) -> Any:
-        """Converted from the GGUF once (slow for a large vocabulary), then read from its saved copy beside it."""
         directory, gguf = where()
         saved = Path(directory) / "tokenizer"
         if (saved / "tokenizer_config.json").is_file():
             return _tokenizer(str(saved), None, cfg)
         tok = _tokenizer(directory, gguf, cfg)
-        import tempfile
-
-        tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=directory))
-        tok.save_pretrained(str(tmp))
-        try:
-            tmp.rename(saved)
-        except OSError:  # another process saved it first
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
+        _save_once(tok, saved)
         return tok
 
-    return Preset(tokenizer=tokenizer, model=lambda cfg, n, tok: _model(*where(), cfg, "causal_lm", n, tok),
-                  task="causal_lm", location=where, present=shipped.missing)
+    def model(cfg: ModelConfig, num_labels: int, tok: Any) -> Any:
+        directory, gguf = where()
+        saved = Path(directory) / "model-fp32"
+        if (saved / "config.json").is_file():
+            return _model(str(saved), None, cfg, "causal_lm", num_labels, tok)
+        built = _model(directory, gguf, cfg, "causal_lm", num_labels, tok)
+        if cfg.dtype == "fp32" and cfg.quantization == "none" and cfg.device_map is None:
+            _save_once(built, saved)
+        return built
+
+    return Preset(tokenizer=tokenizer, model=model, task="causal_lm", location=where, present=shipped.missing)
 
 
 register_model_preset("smollm2-135m-instruct")(
