@@ -2,15 +2,24 @@
 
 Validates the recipe, builds everything a run builds (tokenizer, data, partition,
 model, strategy), times a few optimizer steps of one client through the real client
-loop, and estimates the seconds per round and for the run, and the bytes per round.
-Nothing is written to ``output_dir``.
+loop, and estimates the seconds per round and for the run; then prints the cost report
+of :mod:`fedllm.cost_report` (parameters per module type, LoRA targets, bytes per client
+and per round, state bytes, a peak-memory estimate, FRLoRA's SVD-init cost).
+
+Without the model's weights on this machine (a hub id offline, a preset's package not
+installed) the model is built on the meta device from fedllm's shipped config
+(:mod:`fedllm.model_configs`) and the same cost report is printed, without timing;
+without the data set the figures that need it use the recipe's batch size and
+``max_length``, and the report says what it could not check. Nothing is written to
+``output_dir``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from fedllm.config import Recipe
 
@@ -51,6 +60,7 @@ class DryRunReport:
     bytes_up: int
     bytes_down: int
     eval_rounds: list[int]
+    costs: Any = None  # fedllm.cost_report.CostReport
 
     @property
     def seconds_per_round(self) -> float:
@@ -74,6 +84,26 @@ class DryRunReport:
             f"  whole run: {r.federation.rounds} rounds -> ~{_duration(self.seconds_total)}{evals}",
             f"  bytes per round: up {self.bytes_up / 1e6:.2f} MB, down {self.bytes_down / 1e6:.2f} MB "
             f"({r.federation.comm_dtype})",
+            *(self.costs.lines() if self.costs is not None else []),
+            f"  nothing was written to {r.output_dir}",
+        ])
+
+
+@dataclass
+class UntimedReport:
+    """``--dry-run`` without the weights or without the data: the cost report, no step timing."""
+
+    recipe: Recipe
+    build_seconds: float
+    costs: Any  # fedllm.cost_report.CostReport
+    built: str  # how the model was built
+
+    def report(self) -> str:
+        r = self.recipe
+        return "\n".join([
+            f"dry run of {r.source}: recipe valid; model ({r.model.name}) {self.built} and strategy "
+            f"({r.federation.strategy}) set up in {self.build_seconds:.1f} s; no step timed",
+            *self.costs.lines(),
             f"  nothing was written to {r.output_dir}",
         ])
 
@@ -86,31 +116,94 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _upload_bytes(strategy: Any, plan: Any, steps: int, comm: str) -> int:
-    """Bytes one client would send: the strategy's upload of the state it received (same keys and shapes)."""
-    from fedllm.state import cast, num_bytes
+def dry_run(recipe: Recipe) -> "DryRunReport | UntimedReport":
+    """Build the federation and time :data:`TIMED_STEPS` local steps of the largest sampled client; without
+    the weights or the data, the untimed cost report of the model (on the meta device without weights)."""
+    from fedllm.data.errors import DataError
+    from fedllm.model_configs import weights_unavailable
+    from fedllm.server import build_federation
 
+    missing = weights_unavailable(recipe.model)
+    if missing is not None:
+        return untimed(recipe, weights_missing=missing)
+    t0 = time.perf_counter()
     try:
-        return num_bytes(cast(strategy.client_upload(plan, plan.state, steps), comm), comm)
-    except Exception:  # noqa: BLE001 — a strategy that needs a trained client state: count what it received
-        return num_bytes(plan.state, comm)
+        fed = build_federation(recipe)
+    except DataError as e:
+        return untimed(recipe, data_missing=str(e).splitlines()[0])
+    return _timed(recipe, fed, time.perf_counter() - t0)
 
 
-def dry_run(recipe: Recipe) -> DryRunReport:
-    """Build the federation and time :data:`TIMED_STEPS` local steps of the largest sampled client."""
+def _estimated_clients(recipe: Recipe) -> tuple[list[int], Optional[int], list[str]]:
+    """Client sizes and steps per round without the data: from ``data.max_examples`` or one round's batches."""
+    fed, train = recipe.federation, recipe.train
+    per_step = train.batch_size * train.grad_accum
+    if recipe.data.max_examples:
+        size, how = recipe.data.max_examples // fed.num_clients, f"data.max_examples / {fed.num_clients} clients"
+    else:
+        size, how = per_step * (train.local_steps or 1), "one round of batches"
+    notes = [f"client sizes (taken as {size:,} examples each: {how}) and the partition"]
+    steps = train.local_steps
+    if steps is None:
+        steps = max(1, math.ceil(train.local_epochs * size / per_step))
+        notes.append(f"steps per round with local_epochs (taken as {steps} from that size)")
+    notes.append(f"token lengths: activations taken at batch {train.batch_size} x max_length {train.max_length}")
+    return [size] * fed.num_clients, steps, notes
+
+
+def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
+            data_missing: Optional[str] = None) -> UntimedReport:
+    """The cost report of the recipe's model without its data: built on the meta device from its config when
+    ``weights_missing`` says why the weights are absent (tests pass any reason to force the meta device)."""
+    import torch
+
+    from fedllm.client import derived_seed
+    from fedllm.cost_report import cost_report
+    from fedllm.model_configs import check_targets, meta_model, shipped_config_dir
+    from fedllm.models import load_model
+    from fedllm.strategies import get_strategy
+    from fedllm.strategies.base import ClientInfo
+
+    t0 = time.perf_counter()
+    sizes, steps, notes = _estimated_clients(recipe)
+    num_labels = len(recipe.data.labels) if recipe.data.labels else 2
+    if weights_missing is not None:
+        model, task = meta_model(recipe.model, recipe.lora, num_labels, recipe.source)
+        where = shipped_config_dir(recipe.model.name)
+        built = "built on the meta device from " + (f"fedllm's shipped config ({where.relative_to(where.parents[3])})"
+                                                    if where else "its config")
+        source = f"{recipe.model.name} on the meta device (weights absent: {weights_missing})"
+        notes = ["step time (no weights here)", "the data set (not loaded without the model's tokenizer)"] + notes
+    else:
+        loaded = load_model(recipe.model, recipe.lora, num_labels, recipe.seed, recipe.source)
+        model, task, built = loaded.model, loaded.task, "loaded"
+        check_targets(model, recipe.lora, recipe.model.name, recipe.source)
+        source = f"{recipe.model.name} (real weights)"
+        notes = [f"step time and the data set ({data_missing})"] + notes
+    if task == "classification" and not recipe.data.labels and not recipe.model.num_labels:
+        notes.append("classifier labels (taken as 2: set data.labels or model.num_labels)")
+    strategy = get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args)
+    strategy.recipe = recipe
+    torch.manual_seed(derived_seed(recipe.seed, 0x57A7))
+    strategy.setup(model, [ClientInfo(c, n) for c, n in enumerate(sizes)])
+    costs = cost_report(recipe, model, strategy, task, source, weights_missing is not None, steps, notes)
+    return UntimedReport(recipe, time.perf_counter() - t0, costs, built)
+
+
+def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
+    """Time :data:`TIMED_STEPS` local steps of the largest sampled client and add the cost report."""
     from functools import partial
 
     from fedllm.client import derived_seed, run_client, steps_per_round
     from fedllm.client_store import ClientStore
+    from fedllm.cost_report import cost_report, upload_bytes
     from fedllm.data import collate
     from fedllm.evaluation.runner import eval_due
+    from fedllm.model_configs import check_targets
     from fedllm.models import read_state
-    from fedllm.server import build_federation, sample_clients
-    from fedllm.state import cast, num_bytes
+    from fedllm.server import sample_clients
+    from fedllm.state import cast
 
-    t0 = time.perf_counter()
-    fed = build_federation(recipe)
-    build_seconds = time.perf_counter() - t0
     strategy, data, comm = fed.strategy, fed.data, recipe.federation.comm_dtype
     global_state = read_state(fed.loaded.model, fed.global_keys)
     sampled = sample_clients(recipe.seed, 1, recipe.federation.num_clients, recipe.sampled_per_round())
@@ -122,9 +215,12 @@ def dry_run(recipe: Recipe) -> DryRunReport:
         default = steps_per_round(recipe.train, len(data.clients[cid]))
         steps += sum(ph.steps if ph.steps is not None else default for ph in plan.phases)
         down += strategy.download_bytes(plan, comm)
-        up += _upload_bytes(strategy, plan, default, comm)
+        up += upload_bytes(strategy, plan, default, comm)
     down += sum(strategy.extra_download_bytes(1, sampled, recipe.federation.num_clients, comm).values())
 
+    check_targets(fed.loaded.model, recipe.lora, recipe.model.name, recipe.source)
+    costs = cost_report(recipe, fed.loaded.model, strategy, fed.loaded.task, f"{recipe.model.name} (real weights)",
+                        False, steps_per_round(recipe.train, len(data.clients[largest[0]])))
     cid = largest[0]
     plan = strategy.configure_client(1, cid, global_state)
     plan.lr = recipe.train.lr
@@ -137,4 +233,4 @@ def dry_run(recipe: Recipe) -> DryRunReport:
         pass
     eval_rounds: list[Any] = [r for r in range(recipe.federation.rounds + 1) if eval_due(recipe.eval, r,
                                                                                         recipe.federation.rounds)]
-    return DryRunReport(recipe, build_seconds, timer.seconds_per_step(), steps, up, down, eval_rounds)
+    return DryRunReport(recipe, build_seconds, timer.seconds_per_step(), steps, up, down, eval_rounds, costs)

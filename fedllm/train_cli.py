@@ -20,7 +20,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars or per-round lines")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate, load the model, time a few local steps and print the estimated time per "
-                             "round and for the run, and the bytes per round; writes nothing to output_dir")
+                             "round and for the run, and the cost report (parameters, LoRA targets, bytes, state, "
+                             "memory); without the weights, from the model built on the meta device from its "
+                             "config; writes nothing to output_dir")
 
 
 def run_train_command(args: argparse.Namespace) -> int:

@@ -143,7 +143,8 @@ class PFLMF(Strategy):
         theta0 = torch.cat([params[s.name].detach().float().reshape(-1) for s in self.slices]).to(device)
         gen = torch.Generator().manual_seed(derived_seed(self.seed, 0x9F1))
         z = torch.randn(self.d, self.rank - 1, generator=gen).to(device)
-        z = z / z.norm(dim=0, keepdim=True).clamp_min(1e-30) * (self.init_scale * float(theta0.norm()))
+        scale = (theta0.norm().double() * self.init_scale).float()  # a tensor: no host sync, works on the meta device
+        z = z / z.norm(dim=0, keepdim=True).clamp_min(1e-30) * scale
         self.factors = Factors(self.d, self.rank, device)
         with torch.no_grad():
             self.factors.U.copy_(torch.cat([theta0[:, None], z], 1))

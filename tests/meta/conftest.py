@@ -1,0 +1,25 @@
+"""Recipes' models built on the meta device (no weights, no memory) and their cost reports, cached per session."""
+
+import logging
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def meta_costs():
+    """``meta_costs(recipe_path, *overrides)``: the :class:`fedllm.cost_report.CostReport` of the recipe's model on
+    the meta device (forced, even where the weights happen to be cached)."""
+    from fedllm.config import load_recipe
+    from fedllm.dry_run import untimed
+
+    cache = {}
+
+    def get(path, *overrides):
+        key = (path, overrides)
+        if key not in cache:
+            logging.getLogger("fedllm").setLevel(logging.ERROR)
+            recipe = load_recipe(path, list(overrides), check_files=False)
+            cache[key] = untimed(recipe, weights_missing="tests: meta device").costs
+        return cache[key]
+
+    return get

@@ -1,0 +1,83 @@
+"""``fedllm train RECIPE --dry-run`` without the weights (meta device) and without the data."""
+
+import pytest
+import yaml
+
+from fedllm.cli import main
+
+RECIPE = "recipes/frlora/llama2-7b-alpaca-gpt4-frlora.yaml"
+
+
+def test_dry_run_of_llama2_7b_frlora_offline(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["train", RECIPE, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "built on the meta device from fedllm's shipped config" in out
+    assert "16,777,216 trainable (exact), 6,738,415,616 frozen" in out
+    assert "self_attn.q_proj             32      8,388,608      536,870,912" in out
+    assert "self_attn.k_proj             32              0      536,870,912" in out
+    assert "LoRA r=32 alpha=64 on 64 layers: q_proj x32, v_proj x32" in out
+    assert "down 67.109 MB (67,108,864 B), up 67.109 MB (67,108,864 B)" in out
+    assert "non-participating client per round: down 67.109 MB (67,108,864 B) (18 of 20 clients)" in out
+    # FRLoRA on an 8-bit base keeps an fp32 residual per wrapped layer: 64 x 4096 x 4096 x 4 B, on every client
+    assert "every client also keeps the base changes, 4,294.967 MB" in out
+    assert "activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i)" in out and "FRLoRA SVD init (randomized)" in out
+    assert "not checked: step time" in out and "nothing was written to" in out
+
+
+def test_dry_run_exits_2_naming_a_target_that_matches_nothing(tmp_path, capsys):
+    with open(RECIPE) as f:
+        raw = yaml.safe_load(f)
+    raw["lora"]["target_modules"] = ["q_proj", "qkv_proj", "v_proj", "query"]
+    raw["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "lora.target_modules: got 'qkv_proj'" in err and "lora.target_modules: got 'query'" in err
+    assert "'q_proj'" not in err and "o_proj" in err  # the model's linear layers are listed
+    assert not (tmp_path / "run").exists()
+
+
+def test_cost_report_bytes_equal_a_real_rounds(tiny_recipe):
+    """On a model that trains here, the report's bytes are those round 1 records in metrics.jsonl."""
+    from fedllm.config import parse_recipe
+    from fedllm.dry_run import dry_run
+    from fedllm.server import run
+
+    raw = tiny_recipe(federation={"strategy": "frlora", "num_clients": 4, "clients_per_round": 2, "rounds": 1,
+                                  "partition": {"method": "iid"}})
+    costs = dry_run(parse_recipe(raw)).costs
+    first = run(parse_recipe(raw)).history[0]
+    assert costs.comm.round_up == first["bytes_up_total"] and costs.comm.round_down == first["bytes_down_total"]
+    assert {str(c): b for c, b in costs.comm.up.items()} == first["bytes_up"]
+    # tiny LLaMA: 2 layers, hidden 64, 2 KV heads of 16; r = 4 on q, o (64 x 64) and k, v (32 x 64)
+    assert costs.trainable == 2 * 4 * (2 * (64 + 64) + 2 * (32 + 64)) == 3584
+
+
+@pytest.mark.parametrize("quantization,weights", [("none", 6_738_415_616 * 2), ("8bit", None)])
+def test_peak_memory_weights_term(meta_costs, quantization, weights):
+    report = meta_costs(RECIPE, f"model.quantization={quantization}")
+    mem = report.memory()
+    linear = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # decoder linear weights: int8 + an fp32 scale per row
+    rows = 32 * (4 * 4096 + 2 * 11008 + 4096)
+    other = 6_738_415_616 - linear
+    expected = weights if weights is not None else linear + 4 * rows + other * 2
+    assert mem["weights"] == expected
+    assert mem["optimizer"] == 2 * mem["trainable"] == 2 * 16_777_216 * 4
+    tokens = 16 * 512
+    assert mem["activations"] == tokens * 32 * 2 * (4 * 4096 + 3 * 4096 + 2 * 4096 + 4 * 11008) + tokens * 32000 * 10
+
+
+def test_dry_run_with_the_weights_but_without_the_data(tiny_recipe, tmp_path, capsys):
+    """A real model whose data set is a hub id that cannot be loaded offline: the untimed report, saying so."""
+    raw = tiny_recipe(data={"path": "nobody/no-such-dataset-offline", "max_examples": 60})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "model (tiny-llama) loaded and strategy (fedavg) set up" in out and "tiny-llama (real weights)" in out
+    assert "not checked: step time and the data set" in out
+    assert "client sizes (taken as 20 examples each: data.max_examples / 3 clients)" in out
+    assert "3,584 trainable (exact)" in out
+

