@@ -201,7 +201,8 @@ def _supernode(args: argparse.Namespace) -> int:
     secret = write_secret(state / f".worker-{args.client}.secret")  # renewed at every start
     cmd = supernode_command(args, secret)
     worker = [sys.executable, "-m", "fedllm.flower.runtime", "clientapps",
-              "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret)]
+              "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret),
+              "--journal", str(state / f".worker-{args.client}.inflight"), "--warm-runs", str(args.warm_runs)]
     return processes.supervise(lambda: processes.start(cmd), {"node worker": lambda: processes.start(worker)})
 
 
@@ -300,6 +301,8 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true", help="no TLS (and no node authentication)")
     p.add_argument("--auth-key", help="this node's private key (nodes/client-K.key from fedllm flower certs)")
     p.add_argument("--insecure-nodes", action="store_true", help="connect without a node key (TLS only)")
+    p.add_argument("--warm-runs", type=int, default=2,
+                   help="how many runs' federations (model, data) the worker keeps in memory at once")
     p.add_argument("--no-worker", action="store_true",
                    help="no fedllm worker: Flower starts fedllm's ClientApp in a new process per message")
     p.set_defaults(flower_func=_supernode)

@@ -174,19 +174,69 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
 
 
 # ----- the SuperNode side: the worker
-def serve_clientapps(address: str, secret: bytes, poll_s: float = 0.05) -> None:
-    """The node worker: claim every ClientApp task of the SuperNode at ``address`` and answer it in process."""
+def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, poll_s: float = 0.05,
+                     warm_runs: int = 2) -> None:
+    """The node worker: claim every ClientApp task of the SuperNode at ``address`` and answer it in process.
+
+    ``journal``: where the message being answered is kept until its reply is pushed; a worker that starts and
+    finds one (its predecessor was killed mid-message) answers that message first, under the same task token.
+    """
     from flwr.supercore.constant import TaskType
 
     from fedllm.flower.worker_cache import NodeCache
 
-    cache = NodeCache()
-    claim_loop(address, secret, TaskType.CLIENT_APP, lambda token: run_client_task(address, token, cache),
+    cache = NodeCache(warm_runs)
+    if journal is not None and journal.is_file():
+        token, pulled = read_journal(journal)
+        log.warning("answering message %s, interrupted when the previous worker stopped",
+                    pulled[0].metadata.message_id)
+        try:
+            run_client_task(address, token, cache, journal, pulled)
+        except Exception as e:  # noqa: BLE001 — e.g. the task expired meanwhile: Flower reports the crash
+            log.error("could not answer the interrupted message: %s", e)
+            journal.unlink(missing_ok=True)
+    claim_loop(address, secret, TaskType.CLIENT_APP, lambda token: run_client_task(address, token, cache, journal),
                poll_s=poll_s)
 
 
-def run_client_task(address: str, token: str, cache) -> None:
-    """One ClientApp task: pull the message, answer it with fedllm's ClientApp (warm), push the reply."""
+def write_journal(path: Path, token: str, message, context) -> None:
+    """Keep ``message`` (with its content) and ``context`` of task ``token`` in ``path`` (atomically, mode 0600)."""
+    import json
+    import os
+
+    from flwr.common.serde import context_to_proto, message_to_proto
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.touch(mode=0o600)
+    with open(tmp, "wb") as f:
+        for blob in (json.dumps({"token": token, "message_id": message.metadata.message_id}).encode(),
+                     message_to_proto(message).SerializeToString(), context_to_proto(context).SerializeToString()):
+            f.write(len(blob).to_bytes(8, "little") + blob)
+    os.replace(tmp, path)
+
+
+def read_journal(path: Path):
+    """``(token, (message, context))`` from :func:`write_journal`'s file."""
+    import json
+
+    from flwr.common.serde import context_from_proto, message_from_proto
+    from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=E0611
+    from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
+
+    data, blobs = path.read_bytes(), []
+    while data:
+        size = int.from_bytes(data[:8], "little")
+        blobs.append(data[8:8 + size])
+        data = data[8 + size:]
+    head = json.loads(blobs[0])
+    message = message_from_proto(ProtoMessage.FromString(blobs[1]))
+    message.metadata.__dict__["_message_id"] = head["message_id"]
+    return head["token"], (message, context_from_proto(ProtoContext.FromString(blobs[2])))
+
+
+def run_client_task(address: str, token: str, cache, journal: Path | None = None, pulled=None) -> None:
+    """One ClientApp task: pull the message (or take ``pulled``), answer it with fedllm's ClientApp (warm),
+    push the reply."""
     from flwr.app import Message
     from flwr.app.error import Error
     from flwr.common.constant import ErrorCode, SubStatus
@@ -206,28 +256,38 @@ def run_client_task(address: str, token: str, cache) -> None:
     message, context, reply = None, None, None
     status, details = SubStatus.FAILED, "ClientApp task failed"
     try:
-        message, context, _run, fab = pull_task_input(client)
-        refusal = fab_refusal(fab.content)
+        if pulled is not None:
+            message, context = pulled
+            refusal = None
+        else:
+            message, context, _run, fab = pull_task_input(client)
+            refusal = fab_refusal(fab.content)
         if refusal:
             log.error("%s", refusal)
             reply = Message(Error(code=ErrorCode.LOAD_CLIENT_APP_EXCEPTION, reason=refusal), reply_to=message)
             details = refusal
         else:
+            if journal is not None and pulled is None:
+                write_journal(journal, token, message, context)
             with cache.serving():
                 reply = client_app.app(message=message, context=context)
             status, details = SubStatus.COMPLETED, ""
-    except Exception as e:  # noqa: BLE001 — the server sees the error reply and drops (or retries) this client
+    except Exception as e:  # noqa: BLE001 — the server sees the error reply and drops this client for the round
         log.exception("fedllm ClientApp raised")
         reason = f"{type(e)}:<'{e}'>"
         details = reason
         if message is not None:
             reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=message)
     finally:
-        if reply is not None and context is not None:
-            push_message(client, reply, context)
-        push_task_output(client=client, context=context, sub_status=status, details=details)
-        heartbeat.stop()
-        client.close()
+        try:
+            if reply is not None and context is not None:
+                push_message(client, reply, context)
+            push_task_output(client=client, context=context, sub_status=status, details=details)
+        finally:
+            if journal is not None:
+                journal.unlink(missing_ok=True)
+            heartbeat.stop()
+            client.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -241,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root-certificates")
     parser.add_argument("--node-keys")
     parser.add_argument("--poll", type=float, default=0.05, help="seconds between task claims (clientapps)")
+    parser.add_argument("--journal", help="file keeping the message being answered (clientapps)")
+    parser.add_argument("--warm-runs", type=int, default=2, help="runs whose federation stays in memory (clientapps)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -248,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.side == "serverapps":
         serve_serverapps(args.runtime_api_address, secret, args.root_certificates, args.node_keys)
     else:
-        serve_clientapps(args.runtime_api_address, secret, args.poll)
+        serve_clientapps(args.runtime_api_address, secret, Path(args.journal) if args.journal else None, args.poll,
+                         args.warm_runs)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the per-message ClientApp's, and the simulation's.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any
@@ -75,6 +76,8 @@ class NodeCache:
             node = Node(config, recipe_yaml, token)
             initial = _snapshot(node)
             self.built += 1
+            logging.getLogger("fedllm").info("fedllm worker: built the federation of run %s for client %d", token,
+                                             config.client_id)
         self.nodes[key] = (node, initial)
         while len(self.nodes) > self.size:
             self.nodes.popitem(last=False)
