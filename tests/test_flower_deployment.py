@@ -121,8 +121,10 @@ def test_flower_deployment_with_workers_matches_the_simulation(federation, tiny_
         steps = sorted(state.glob("*/client-*/step-*"))  # here that changes the base)
         node_base = load_file(str([s for s in steps if (s / "base.safetensors").is_file()][-1] / "base.safetensors"))
         assert max(float((want_base[k] - node_base[k]).abs().max()) for k in want_base) <= 1e-6
-    for i in range(2):  # each worker built each run's federation once: one "built" line per run and node
-        assert (logs / f"supernode{i}.log").read_text().count("fedllm worker: built the federation of run") >= 4
+    for i in range(2):  # each worker built each run's federation once, whatever the number of messages
+        built = [line.split(" of run ")[1].split()[0] for line in (logs / f"supernode{i}.log").read_text().splitlines()
+                 if "fedllm worker: built the federation of run" in line]
+        assert len(built) >= len(CASES) and len(set(built)) == len(built), built
 
 
 @pytest.mark.slow
@@ -155,6 +157,7 @@ def test_worker_killed_with_kill_9_mid_message_recovers(federation, tiny_recipe,
     assert_matches(sim, tmp_path / "flower-killed", ["adapter"], "scaffold with a killed worker")
 
 
+@pytest.mark.slow
 def test_flower_run_with_too_few_supernodes_reports_and_exits_2(federation, tiny_recipe, tmp_path):
     """3 clients, 2 SuperNodes: the server says every few seconds what it has and needs; after --wait-nodes
     ``fedllm flower run`` exits 2 naming the missing client."""
@@ -170,6 +173,7 @@ def test_flower_run_with_too_few_supernodes_reports_and_exits_2(federation, tiny
     assert "one SuperNode per client" in out
 
 
+@pytest.mark.slow
 def test_stopping_flower_run_stops_the_run_on_the_superlink(federation, tiny_recipe, tmp_path):
     _, env, _, _, logs = federation
     raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 1})

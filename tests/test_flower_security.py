@@ -129,8 +129,8 @@ def test_flower_security_unregistered_or_untrusting_node_is_refused(secure, tmp_
                     "--state-dir", str(tmp_path / "untrusting"), "--port", str(free_port())],
                    tmp_path / "untrusting.log", env)]
     try:
-        # a registered node joins within seconds on this federation (see the fixture); give these 20 s
-        time.sleep(20)
+        # a registered node joins within seconds on this federation (see the fixture); give these 15 s
+        time.sleep(15)
         for name in ("stranger", "untrusting"):
             assert not logged(tmp_path / f"{name}.log", "SuperNode ID"), (tmp_path / f"{name}.log").read_text()[-2000:]
     finally:

@@ -23,6 +23,7 @@ from fedllm.errors import InputError
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 GRACE_S = 10.0
+RESTART_S = 2.0  # a helper that exits is restarted, at most once per this many seconds
 
 
 def tool(name: str) -> str:
@@ -91,6 +92,7 @@ def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[
     process started here is stopped before returning.
     """
     procs: dict[str, subprocess.Popen] = {}
+    started: dict[str, float] = {}
     previous = {}
 
     def forward(sig: int, _frame) -> None:
@@ -101,15 +103,15 @@ def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[
     try:
         procs["main"] = main()
         for name, make in (helpers or {}).items():
-            procs[name] = make()
+            procs[name], started[name] = make(), time.monotonic()
         if after_start is not None:
             after_start(procs["main"])
         while procs["main"].poll() is None:
             for name, make in (helpers or {}).items():
-                if procs[name].poll() is not None:
+                if procs[name].poll() is not None and time.monotonic() - started[name] >= RESTART_S:
                     print(f"fedllm: {name} exited with code {procs[name].returncode}; restarting it",
                           file=sys.stderr, flush=True)
-                    procs[name] = make()
+                    procs[name], started[name] = make(), time.monotonic()
             time.sleep(poll_s)
         return int(procs["main"].returncode)
     except Stopped as stopped:

@@ -155,7 +155,12 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
             run_server_app(grid=grid, context=context, server_app_dir="", loaded_server_app=server_app.app)
             status, details = SubStatus.COMPLETED, ""
     except Exception as e:  # noqa: BLE001 — reported to the SuperLink as the run's failure
-        logging.getLogger("fedllm").exception("ServerApp raised")
+        from fedllm.flower import FEDERATION_INCOMPLETE
+
+        if FEDERATION_INCOMPLETE in str(e):  # an expected condition: its message says it all
+            print(f"fedllm: {e}", file=sys.stderr, flush=True)
+        else:
+            logging.getLogger("fedllm").exception("ServerApp raised")
         details = f"ServerApp failed with exception: {e}"
     finally:
         if uploader is not None:
