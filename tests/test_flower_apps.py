@@ -249,9 +249,22 @@ def test_a_node_that_lost_its_state_fails_loudly(tiny_recipe, tmp_path, flower_i
     import json
     import shutil
 
+    from flwr.app import Message
+    from flwr.app.error import Error
+
+    class ErrorReplyGrid(LoopbackGrid):  # as Flower's runtime does: a ClientApp that raises sends an error reply
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = []
+            for m in messages:
+                try:
+                    replies += super().send_and_receive([m], timeout=timeout)
+                except Exception as e:  # noqa: BLE001
+                    replies.append(Message(Error(code=0, reason=f"{type(e)}:<'{e}'>"), reply_to=m))
+            return replies
+
     raw = tiny_recipe(federation={"num_clients": 2, "clients_per_round": 2, "rounds": 2, "strategy": "scaffold",
                                   "min_clients_per_round": 1})
-    grid = LoopbackGrid(nodes(tmp_path, 2))
+    grid = ErrorReplyGrid(nodes(tmp_path, 2))
     executor = FlowerExecutor(grid)
     original = executor.train
 

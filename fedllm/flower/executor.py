@@ -64,6 +64,7 @@ class FlowerExecutor:
         self.checkpointed: dict[int, int] = {}  # beliefs in the newest checkpoint
         self.probe: dict[int, tuple[int, float]] = {}  # client -> (bytes received, sum) of the probe
         self.refused: set[int] = set()  # nodes whose claim was refused (never asked again)
+        self.silent: dict[int, float] = {}  # nodes that did not answer a query -> when (asked again after a minute)
 
     def bind(self, loop: Any) -> FedllmStrategy:
         """The adapter for ``loop``, connected to the nodes (once)."""
@@ -162,11 +163,13 @@ class FlowerExecutor:
     def rejoin(self, num_clients: int) -> None:
         """Take in SuperNodes that connected since the last round: a restarted node takes its client back."""
         adapter = self.adapter
-        keys = self.connected()
-        new = [n for n in keys if n not in adapter.nodes.values() and n not in self.refused]
+        keys, now = self.connected(), time.monotonic()
+        new = [n for n in keys if n not in adapter.nodes.values() and n not in self.refused
+               and now - self.silent.get(n, -1e9) > 60.0]
         if not new:
             return
-        claims = self.ask(new, 30.0)
+        claims = self.ask(new, 10.0)
+        self.silent.update({n: now for n in new if n not in claims})
         for node, cid in sorted(claims.items()):
             old = adapter.nodes.get(cid)
             if old is not None and old != node and (old not in keys or not self.ask([old], 10.0)):
