@@ -48,6 +48,7 @@ class FedllmStrategy(FlowerStrategy):
         self.synced: dict[int, int] = {}  # client id -> last round whose aggregate its node applied
         self.steps: dict[int, int] = {}  # client id -> newest round after which its node saved its state
         self.sent: dict[int, int] = {}  # node id -> client id of the messages in flight
+        self.origin: dict[str, int] = {}  # message id -> node id it went to (for the SuperLink's error replies)
         self.sync_needed = needs_sync(self.strategy)
         self.sync_dir = Path(loop.run_dir) / "flower" / "sync"
         self.bytes_down: dict[int, int] = {}
@@ -160,7 +161,7 @@ class FedllmStrategy(FlowerStrategy):
 
         updates, dropped = [], {}
         for m in replies:
-            cid = self.sent.get(m.metadata.src_node_id)
+            cid = self.sent.get(m.metadata.src_node_id, self.sent.get(self.origin.get(m.metadata.reply_to_message_id)))
             if cid is None:  # not a node this round's messages went to: ignored (its client counts as silent)
                 log.warning("round %d: a reply from node %s, which no message went to, ignored", server_round,
                             m.metadata.src_node_id)

@@ -44,12 +44,14 @@ class FlowerExecutor:
         node_keys: client id -> the public key (PEM) its node must authenticate with (``fedllm flower certs``);
             None: any node may claim a free client id (``--insecure-nodes``).
         poll_s: how often to ask the SuperLink for replies.
+        node_wait: seconds a round waits for a sampled client's offline SuperNode to come back (a restart).
     """
 
     is_main = True
 
     def __init__(self, grid: Grid, timeout: float = 3600.0, probe_mb: float = 0.0, wait_nodes: float = 120.0,
-                 node_keys: dict[int, bytes] | None = None, report_s: float = 5.0, poll_s: float = 0.1):
+                 node_keys: dict[int, bytes] | None = None, report_s: float = 5.0, poll_s: float = 0.1,
+                 node_wait: float = 300.0):
         self.grid = grid
         self.timeout = timeout
         self.probe_mb = probe_mb
@@ -57,6 +59,9 @@ class FlowerExecutor:
         self.node_keys = node_keys
         self.report_s = report_s
         self.poll_s = poll_s
+        self.node_wait = node_wait
+        self.num_clients = 0
+        self.origin: dict[str, int] = {}  # message id -> the node it was sent to
         self.token = uuid.uuid4().hex[:16]
         self.adapter: FedllmStrategy | None = None
         self.synced: dict[int, int] = {}
@@ -72,6 +77,8 @@ class FlowerExecutor:
             self.adapter = FedllmStrategy(loop, self.token)
             self.adapter.synced = dict(self.synced)
             self.adapter.steps = dict(self.steps)
+            self.adapter.origin = self.origin
+            self.num_clients = loop.recipe.federation.num_clients
             self.adapter.nodes = self.discover(loop.recipe.federation.num_clients)
         return self.adapter
 
@@ -182,23 +189,69 @@ class FlowerExecutor:
                 print(note, flush=True)
 
     def send(self, messages: list[Message], timeout: float | None = None) -> list[Message]:
-        """Push ``messages`` and collect their replies (asking every ``poll_s``) until all came or ``timeout``."""
+        """Push ``messages`` and collect their replies (asking every ``poll_s``) until all came or ``timeout``.
+
+        A message whose SuperNode is offline (the SuperLink answers ``NODE_UNAVAILABLE``) is sent again when
+        that client's node is back (the same node id, or a new node that claims the client), for up to
+        ``node_wait`` seconds; then its error is the reply. ``self.origin`` maps every message id to the
+        node it went to (the SuperLink's own error replies come from node 0).
+        """
+        from flwr.common.constant import ErrorCode
+
         if not messages:
             return []
         timeout = self.timeout if timeout is None else timeout
         try:
-            pending = {i for i in self.grid.push_messages(messages) if i}
+            pending = self._push(messages)
         except NotImplementedError:  # a grid without the push/pull interface (tests' loopback grid)
             return list(self.grid.send_and_receive(messages, timeout=timeout))
-        deadline, replies = time.monotonic() + timeout, []
-        while pending:
-            got = list(self.grid.pull_messages(pending))
-            replies += got
-            pending -= {m.metadata.reply_to_message_id for m in got}
-            if not pending or time.monotonic() > deadline:
+        start = time.monotonic()
+        deadline, replies, offline, checked = start + timeout, [], {}, start
+        while pending or offline:
+            for m in self.grid.pull_messages(set(pending)) if pending else []:
+                sent = pending.pop(m.metadata.reply_to_message_id, None)
+                if (m.has_error() and m.error.code == ErrorCode.NODE_UNAVAILABLE and sent is not None
+                        and time.monotonic() - start < min(timeout, self.node_wait)):
+                    offline[m.metadata.reply_to_message_id] = (sent, m)  # wait for the node to come back
+                else:
+                    replies.append(m)
+            now = time.monotonic()
+            if offline and now - checked > 3.0:
+                checked = now
+                pending.update(self._resend_to_returned(offline))
+            if offline and now - start >= min(timeout, self.node_wait):
+                replies += [err for _, err in offline.values()]
+                offline = {}
+            if (not pending and not offline) or now > deadline:
                 break
             time.sleep(self.poll_s)
         return replies
+
+    def _push(self, messages: list[Message]) -> dict[str, Message]:
+        ids = list(self.grid.push_messages(messages))
+        for m, i in zip(messages, ids):
+            self.origin[i] = m.metadata.dst_node_id
+        return {i: m for m, i in zip(messages, ids) if i}
+
+    def _resend_to_returned(self, offline: dict[str, tuple[Message, Message]]) -> dict[str, Message]:
+        """Copies of the messages in ``offline`` whose client's node is connected again, pushed to it now."""
+        adapter = self.adapter
+        if adapter is not None and self.num_clients:
+            self.rejoin(self.num_clients)
+        connected = self.connected()
+        by_node = {n: c for c, n in adapter.nodes.items()} if adapter is not None else {}
+        again = []
+        for key, (sent, _) in list(offline.items()):
+            cid = by_node.get(sent.metadata.dst_node_id, (adapter.sent if adapter else {}).get(sent.metadata.dst_node_id))
+            node = adapter.nodes.get(cid, sent.metadata.dst_node_id) if adapter is not None else sent.metadata.dst_node_id
+            if node in connected:
+                del offline[key]
+                copy = Message(sent.content, dst_node_id=node, message_type=sent.metadata.message_type)
+                if adapter is not None and cid is not None:
+                    adapter.sent[node] = cid
+                again.append(copy)
+                log.warning("client %s: its SuperNode is back (node %s); message sent again", cid, node)
+        return self._push(again) if again else {}
 
     # ----- the executor interface of fedllm.server.RoundLoop
     def train(self, loop: Any, rnd: int, sampled: list[int], lr: float,
