@@ -2,6 +2,7 @@
 
     python bench/scaling.py [--recipe recipes/frlora/tiny-llama-arith-frlora.yaml] [--rounds 2]
                             [--gather-mb 64] [--no-flower]
+    python bench/scaling.py --interleave 3 [--recipe R] [--rounds 3] [OVERRIDE ...]
 
 Prints, for the same recipe and seed:
 
@@ -13,6 +14,11 @@ Prints, for the same recipe and seed:
 - the all-gather of a ``--gather-mb`` MB adapter per process between 2 processes: pickled
   ``all_gather_object`` (what fedllm did before) vs one ``all_gather`` of a uint8 buffer (what
   :meth:`fedllm.distributed.Dispatch.gather` does now).
+
+With ``--interleave N``: N in-process runs alternating with N Flower runs on one loopback federation
+(SuperLink + one ``fedllm flower supernode`` per client, node workers on), so both see the same machine
+load; prints each run's first round (a Flower run's includes the workers building the model) and its later
+rounds separately, and the ratio of the medians of the later rounds.
 
 Every subprocess has a deadline. The figures depend on the machine; the README quotes one run.
 """
@@ -54,8 +60,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path, env: dict, timeout: float) -> Path:
-    """Run ``recipe`` over a loopback SuperLink with one SuperNode per client; return the run directory."""
+def rounds_of(run_dir: Path) -> list[float]:
+    """Seconds of each round of a finished run."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r["seconds"] for r in rows if r.get("round", 0) > 0]
+
+
+def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path, env: dict, timeout: float,
+               repeats: int = 1, between=None) -> list[Path]:
+    """Run ``recipe`` ``repeats`` times over one loopback SuperLink with one SuperNode per client (calling
+    ``between(i)`` before run ``i``); return the run directories."""
     port = free_port()
     env = {**env, "FLWR_HOME": str(work / "flwr-home")}
     procs = []
@@ -79,10 +93,15 @@ def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path,
         for cid in range(num_clients):
             start(["supernode", "--superlink", f"127.0.0.1:{port}", "--client", str(cid), "--insecure",
                    "--state-dir", str(work / "state"), "--port", str(free_port())], f"supernode{cid}")
-        out = work / "flower-run"
-        fedllm(["flower", "run", str(recipe), *overrides, f"output_dir={out}", "--superlink", f"127.0.0.1:{port}",
-                "--insecure", "--timeout", str(timeout)], env, timeout, work / "flower-run.log")
-        return out
+        outs = []
+        for i in range(repeats):
+            if between is not None:
+                between(i)
+            out = work / f"flower-run-{i}"
+            fedllm(["flower", "run", str(recipe), *overrides, f"output_dir={out}", "--superlink",
+                    f"127.0.0.1:{port}", "--insecure", "--timeout", str(timeout)], env, timeout, work / f"flower-run-{i}.log")
+            outs.append(out)
+        return outs
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -127,10 +146,15 @@ def main() -> None:
     ap.add_argument("--gather-mb", type=float, default=64.0)
     ap.add_argument("--no-flower", action="store_true", help="skip the Flower loopback run")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--interleave", type=int, default=0, help="N in-process runs alternating with N Flower runs")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides (with --interleave)")
     ap.add_argument("--gather-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gather_worker:
         gather_worker(args.gather_mb, repeats=3)
+        return
+    if args.interleave:
+        interleave(args)
         return
 
     from fedllm.config import load_recipe
@@ -151,7 +175,7 @@ def main() -> None:
             results[name] = per_round(out)
         if not args.no_flower:
             results["Flower loopback"] = per_round(flower_run(recipe, overrides, num_clients, work, env,
-                                                              args.timeout))
+                                                              args.timeout)[0])
         base = results["1 process"]
         print(f"recipe {recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe}, "
               f"{args.rounds} rounds, {num_clients} clients")
@@ -166,6 +190,40 @@ def main() -> None:
         print(f"all-gather of {args.gather_mb:g} MB per process, 2 processes (best of 3):")
         for k, v in times.items():
             print(f"  {k:26s} {v:8.3f} s")
+
+
+def interleave(args: argparse.Namespace) -> None:
+    """In-process and Flower runs of one recipe, alternating, on the same machine load."""
+    import statistics
+
+    from fedllm.config import load_recipe
+
+    recipe = Path(args.recipe).resolve()
+    overrides = [f"federation.rounds={args.rounds}", "logging.progress=false", "logging.quiet=true",
+                 *args.overrides]
+    num_clients = load_recipe(recipe, overrides).federation.num_clients
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory(prefix="fedllm-interleave-") as tmp:
+        work = Path(tmp)
+        local: list[list[float]] = []
+
+        def in_process(i: int) -> None:
+            out = work / f"local-{i}"
+            fedllm(["train", str(recipe), *overrides, f"output_dir={out}"], env, args.timeout)
+            local.append(rounds_of(out))
+
+        flower = [rounds_of(d) for d in flower_run(recipe, overrides, num_clients, work, env, args.timeout,
+                                                   repeats=args.interleave, between=in_process)]
+    print(f"recipe {recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe} {' '.join(args.overrides)}, "
+          f"{args.rounds} rounds, {num_clients} clients, {args.interleave} runs each, interleaved")
+    for name, runs in (("in process", local), ("Flower+workers", flower)):
+        for i, r in enumerate(runs):
+            print(f"  {name:15s} run {i}: round 1 {r[0]:8.2f} s, later rounds " + " ".join(f"{x:.2f}" for x in r[1:]))
+    later = {name: statistics.median(x for r in runs for x in r[1:]) for name, runs in
+             (("in process", local), ("Flower+workers", flower))}
+    print(f"median of rounds >= 2: in process {later['in process']:.3f} s, Flower {later['Flower+workers']:.3f} s, "
+          f"ratio {later['Flower+workers'] / later['in process']:.2f}")
 
 
 if __name__ == "__main__":

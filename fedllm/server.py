@@ -427,7 +427,8 @@ class RoundLoop:
             bar.set_postfix_str(f"run ETA {eta}", refresh=True)
             self.say(f"round {rnd}/{rounds}  clients={record['clients']}  loss={record['train_loss']:.4f}  "
                      f"up={record['bytes_up_total'] / 1e6:.2f}MB  down={record['bytes_down_total'] / 1e6:.2f}MB  "
-                     f"{record['seconds']:.1f}s  ETA {eta}  {_format_metrics(record.get('eval', {}))}".rstrip())
+                     f"{record['seconds']:.1f}s  ETA {eta}  {_format_metrics(record.get('eval', {}))}".rstrip()
+                     + "".join(f"\n  client {c} dropped: {why}" for c, why in record.get("dropped", {}).items()))
             if recipe.checkpoint.every and rnd % recipe.checkpoint.every == 0 and rnd < rounds:
                 self.checkpoint(rnd, ckpt_io.round_dir(self.run_dir, rnd))
                 if self.executor.is_main:
@@ -466,6 +467,7 @@ class RoundLoop:
             "seconds": round(sum(h.get("seconds", 0) for h in rounds), 3),
             "threads": threads.in_effect(),
             "startup_seconds": self.startup.get("seconds"), "startup": self.startup,
+            "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},
         }
         ckpt_io.atomic_write_text(self.run_dir / "summary.json", strict_json.dumps(summary, indent=2))
         return summary

@@ -12,3 +12,5 @@ Nothing here is imported by the rest of fedllm; it needs ``pip install "fedllm[f
 from pathlib import Path
 
 APP_DIR = Path(__file__).parent / "app"
+FEDERATION_INCOMPLETE = "federation incomplete"
+"""Marks a ServerApp failure because too few SuperNodes came (``fedllm flower run`` then exits 2)."""

@@ -46,6 +46,9 @@ class FedllmStrategy(FlowerStrategy):
         self.comm = loop.recipe.federation.comm_dtype
         self.nodes: dict[int, int] = {}  # client id -> Flower node id
         self.synced: dict[int, int] = {}  # client id -> last round whose aggregate its node applied
+        self.steps: dict[int, int] = {}  # client id -> newest round after which its node saved its state
+        self.sent: dict[int, int] = {}  # node id -> client id of the messages in flight
+        self.origin: dict[str, int] = {}  # message id -> node id it went to (for the SuperLink's error replies)
         self.sync_needed = needs_sync(self.strategy)
         self.sync_dir = Path(loop.run_dir) / "flower" / "sync"
         self.bytes_down: dict[int, int] = {}
@@ -91,7 +94,8 @@ class FedllmStrategy(FlowerStrategy):
         from fedllm.config import dump_recipe
 
         return ConfigRecord({"recipe": dump_recipe(self.loop.recipe), "token": self.token, "round": rnd,
-                             "client_id": cid, "synced_from": self.synced.get(cid, 0), **extra})
+                             "client_id": cid, "synced_from": self.synced.get(cid, 0),
+                             "step_from": self.steps.get(cid, 0), **extra})
 
     # ----- Flower's strategy interface
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -110,7 +114,7 @@ class FedllmStrategy(FlowerStrategy):
             recipe.seed, server_round, recipe.federation.num_clients, recipe.sampled_per_round())
         lr = float(config["lr"]) if "lr" in config else round_lr(recipe, server_round)
         messages = []
-        self.bytes_down, self.expected = {}, {}
+        self.bytes_down, self.expected, self.sent = {}, {}, {}
         for cid in sampled:
             plan = self.strategy.configure_client(server_round, cid, self.loop.global_state)
             plan.lr = lr
@@ -128,12 +132,13 @@ class FedllmStrategy(FlowerStrategy):
                                             extra=rest)
             self.bytes_down[cid] = self.strategy.download_bytes(plan, self.comm) + sync_bytes
             messages.append(Message(content, dst_node_id=self.nodes[cid], message_type="train"))
+            self.sent[self.nodes[cid]] = cid
         return messages
 
     def configure_sync(self, upto: int, clients: Iterable[int]) -> list[Message]:
         """``train.sync`` messages bringing ``clients`` to round ``upto`` (no training)."""
         messages = []
-        self.bytes_down = {}
+        self.bytes_down, self.sent = {}, {}
         for cid in clients:
             sync, size = self.catch_up(cid, upto)
             if not sync:
@@ -142,6 +147,7 @@ class FedllmStrategy(FlowerStrategy):
             content["fedllm"] = self.header(cid, upto + 1)
             self.bytes_down[cid] = size
             messages.append(Message(content, dst_node_id=self.nodes[cid], message_type="train.sync"))
+            self.sent[self.nodes[cid]] = cid
         return messages
 
     def decode_updates(self, server_round: int,
@@ -153,15 +159,19 @@ class FedllmStrategy(FlowerStrategy):
         """
         from fedllm import client_faults
 
-        by_node = {n: c for c, n in self.nodes.items()}
         updates, dropped = [], {}
         for m in replies:
-            cid = by_node.get(m.metadata.src_node_id)
+            cid = self.sent.get(m.metadata.src_node_id, self.sent.get(self.origin.get(m.metadata.reply_to_message_id)))
+            if cid is None:  # not a node this round's messages went to: ignored (its client counts as silent)
+                log.warning("round %d: a reply from node %s, which no message went to, ignored", server_round,
+                            m.metadata.src_node_id)
+                continue
             if m.has_error():
                 dropped[cid] = f"failed on its node: {m.error.reason}"
                 continue
             metrics = m.content.metric_records["metrics"]
             self.synced[cid] = int(metrics["synced"])
+            self.steps[cid] = int(metrics.get("step", server_round))
             update = ClientUpdate(cid, records.decode(m.content.array_records["update"]), int(metrics["num_examples"]),
                                   float(metrics["loss"]), int(metrics["steps"]))
             problem = client_faults.update_problem(update, self.expected.get(cid))
@@ -181,7 +191,9 @@ class FedllmStrategy(FlowerStrategy):
                 log.warning("node %s did not sync: %s", m.metadata.src_node_id, m.error.reason)
                 continue
             metrics = m.content.metric_records["metrics"]
-            self.synced[int(metrics["client_id"])] = int(metrics["synced"])
+            cid = self.sent.get(m.metadata.src_node_id, int(metrics["client_id"]))
+            self.synced[cid] = int(metrics["synced"])
+            self.steps[cid] = int(metrics.get("step", metrics["synced"]))
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

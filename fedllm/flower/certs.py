@@ -1,9 +1,13 @@
-"""``fedllm flower certs DIR --host NAME``: a private CA and a SuperLink certificate for TLS.
+"""``fedllm flower certs DIR --host NAME [--clients N]``: a private CA, a SuperLink certificate, node keys.
 
 Writes ``ca.crt`` (give it to every SuperNode and to ``fedllm flower run`` as ``--root-certificates``),
 ``ca.key`` (keep it private), ``server.pem`` and ``server.key`` (the SuperLink's, for
 ``fedllm flower superlink --certificates DIR``). The server certificate names every ``--host`` (DNS names
-or IP addresses) the nodes use to reach the SuperLink. For production, use certificates from your PKI.
+or IP addresses) the nodes use to reach the SuperLink, and 127.0.0.1/localhost (fedllm's ServerApp runner
+reaches the SuperLink's local Runtime API there). With ``--clients N``, ``nodes/client-K.key`` and
+``nodes/client-K.pub`` for K < N: the SuperNode authentication key pair of client K's node (ECDSA P-384,
+OpenSSH format, as Flower's ``--auth-supernode-private-key`` and ``flwr supernode register`` read them);
+copy ``client-K.key`` to that node only. For production, use certificates from your PKI.
 """
 
 from __future__ import annotations
@@ -22,8 +26,28 @@ def _name(text: str):
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
 
 
-def write_certificates(directory: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
-    """Create the CA and the server certificate for ``hosts`` in ``directory``; refuse to overwrite."""
+def write_node_keys(directory: Path, clients: int) -> dict[str, Path]:
+    """``client-K.key`` (mode 0600) and ``client-K.pub`` for K < ``clients`` in ``directory``."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for k in range(clients):
+        key = ec.generate_private_key(ec.SECP384R1())
+        private, public = directory / f"client-{k}.key", directory / f"client-{k}.pub"
+        private.touch(mode=0o600)
+        private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                              serialization.NoEncryption()))
+        public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                         serialization.PublicFormat.OpenSSH) + b"\n")
+        files[f"node{k}_key"], files[f"node{k}_pub"] = private, public
+    return files
+
+
+def write_certificates(directory: Path, hosts: list[str], days: int = 365, clients: int = 0) -> dict[str, Path]:
+    """Create the CA, the server certificate for ``hosts`` and ``clients`` node key pairs in ``directory``;
+    refuse to overwrite."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -31,7 +55,10 @@ def write_certificates(directory: Path, hosts: list[str], days: int = 365) -> di
     directory = Path(directory)
     files = {"ca": directory / "ca.crt", "ca_key": directory / "ca.key", "cert": directory / "server.pem",
              "key": directory / "server.key"}
+    if clients < 0:
+        raise InputError(f"--clients={clients}: expected an integer >= 0")
     existing = [str(p) for p in files.values() if p.exists()]
+    existing += [str(p) for p in sorted((directory / "nodes").glob("client-*"))] if clients else []
     if existing:
         raise InputError(f"{directory}: {', '.join(existing)} already exist; choose an empty directory")
     directory.mkdir(parents=True, exist_ok=True)
@@ -43,7 +70,7 @@ def write_certificates(directory: Path, hosts: list[str], days: int = 365) -> di
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .sign(ca_key, hashes.SHA256()))
     alt = []
-    for host in hosts:
+    for host in dict.fromkeys([*hosts, "127.0.0.1", "localhost"]):
         try:
             alt.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
@@ -62,4 +89,5 @@ def write_certificates(directory: Path, hosts: list[str], days: int = 365) -> di
     for path, k in ((files["ca_key"], ca_key), (files["key"], key)):
         path.write_bytes(k.private_bytes(**private))
         path.chmod(0o600)
+    files.update(write_node_keys(directory / "nodes", clients))
     return files

@@ -6,7 +6,9 @@ Messages it answers (all built by :class:`fedllm.flower.adapter.FedllmStrategy`)
 - ``train``: catch up on missed rounds, train through :func:`fedllm.client.run_client`, reply with the upload;
 - ``train.sync``: catch up only (after the last round, so every node ends with the server's model).
 
-The per-client state stays in the node's state directory (:mod:`fedllm.flower.node`). Heavy imports
+The per-client state stays in the node's state directory (:mod:`fedllm.flower.node`). Under Flower's own
+per-message process (plain ``flower-supernode``) each message builds the node afresh; inside fedllm's node
+worker (``fedllm flower supernode``, :mod:`fedllm.flower.runtime`) the built node is reused. Heavy imports
 (torch, transformers) happen inside the handlers, so a ``query`` answers in a fraction of a second.
 """
 
@@ -35,11 +37,12 @@ def info(msg: Message, context: Context) -> Message:
 
 def _open_node(msg: Message, context: Context):
     from fedllm.flower import records
-    from fedllm.flower.node import Node, NodeConfig
+    from fedllm.flower.node import NodeConfig
+    from fedllm.flower.worker_cache import open_node
 
     cfg = msg.content.config_records["fedllm"]
-    node = Node(NodeConfig.parse(dict(context.node_config)), str(cfg["recipe"]), str(cfg["token"]))
-    node.load(before=int(cfg["round"]))
+    node = open_node(NodeConfig.parse(dict(context.node_config)), str(cfg["recipe"]), str(cfg["token"]))
+    node.load(before=int(cfg["round"]), expected_step=int(cfg.get("step_from", 0)))
     rounds = {int(name.split(".", 1)[1]): records.decode(rec)
               for name, rec in msg.content.array_records.items() if name.startswith("sync.")}
     node.catch_up(int(cfg["synced_from"]), rounds)
@@ -63,7 +66,8 @@ def train(msg: Message, context: Context) -> Message:
     node.save(int(cfg["round"]), state)
     comm = node.recipe.federation.comm_dtype
     metrics = MetricRecord({"client_id": node.config.client_id, "num_examples": update.num_examples,
-                            "loss": float(update.loss), "steps": update.steps, "synced": node.synced})
+                            "loss": float(update.loss), "steps": update.steps, "synced": node.synced,
+                            "step": int(cfg["round"])})
     return Message(RecordDict({"update": records.encode(update.state, comm), "metrics": metrics}), reply_to=msg)
 
 
@@ -74,6 +78,6 @@ def sync(msg: Message, context: Context) -> Message:
 
     node, _ = _open_node(msg, context)
     node.save(node.synced, read_state(node.fed.loaded.model, node.fed.global_keys))
-    return Message(RecordDict({"metrics": MetricRecord({"client_id": node.config.client_id,
-                                                        "synced": node.synced})}), reply_to=msg)
+    return Message(RecordDict({"metrics": MetricRecord({"client_id": node.config.client_id, "synced": node.synced,
+                                                        "step": node.synced})}), reply_to=msg)
 

@@ -4,7 +4,10 @@ with SuperNodes doing the client side.
 The ServerApp hands a :class:`FlowerExecutor` to :func:`fedllm.server.run`, so a Flower run writes the same
 run directory as ``fedllm train`` (metrics.jsonl, checkpoints, final/) and resumes from its newest checkpoint
 after a server restart. Before the first round it asks every connected node which client it serves
-(``query.fedllm``), optionally with a transport probe (a tensor of ``probe_mb`` MB the node sums).
+(``query.fedllm``), optionally with a transport probe (a tensor of ``probe_mb`` MB the node sums), and waits,
+reporting, until one node serves each client; each client is served by exactly one node (with node keys: the
+node holding that client's key), and a second claimant is refused without stopping the run. Before every round
+it takes in nodes that connected since: a SuperNode restarted with its state directory continues its client.
 """
 
 from __future__ import annotations
@@ -17,10 +20,17 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from fedllm.flower import FEDERATION_INCOMPLETE
 from fedllm.flower.adapter import ClientFailed, FedllmStrategy
 from fedllm.state import StateDict
 
 log = logging.getLogger("fedllm")
+
+
+class FederationIncomplete(RuntimeError):
+    """Fewer SuperNodes claimed the recipe's clients than ``federation.num_clients`` within the wait."""
+
+    MARKER = FEDERATION_INCOMPLETE
 
 
 class FlowerExecutor:
@@ -28,78 +38,229 @@ class FlowerExecutor:
 
     Args:
         grid: the ServerApp's grid.
-        timeout: seconds to wait for a round's replies (and for the nodes to connect).
+        timeout: seconds to wait for a round's replies.
         probe_mb: size of the transport probe sent to every node at discovery (0: none).
+        wait_nodes: seconds to wait, at start, for one SuperNode per client (reported every ``report_s``).
+        node_keys: client id -> the public key (PEM) its node must authenticate with (``fedllm flower certs``);
+            None: any node may claim a free client id (``--insecure-nodes``).
+        poll_s: how often to ask the SuperLink for replies.
+        node_wait: seconds a round waits for a sampled client's offline SuperNode to come back (a restart).
     """
 
     is_main = True
 
-    def __init__(self, grid: Grid, timeout: float = 3600.0, probe_mb: float = 0.0):
+    def __init__(self, grid: Grid, timeout: float = 3600.0, probe_mb: float = 0.0, wait_nodes: float = 120.0,
+                 node_keys: dict[int, bytes] | None = None, report_s: float = 5.0, poll_s: float = 0.1,
+                 node_wait: float = 300.0):
         self.grid = grid
         self.timeout = timeout
         self.probe_mb = probe_mb
+        self.wait_nodes = wait_nodes
+        self.node_keys = node_keys
+        self.report_s = report_s
+        self.poll_s = poll_s
+        self.node_wait = node_wait
+        self.num_clients = 0
+        self.origin: dict[str, int] = {}  # message id -> the node it was sent to
         self.token = uuid.uuid4().hex[:16]
         self.adapter: FedllmStrategy | None = None
         self.synced: dict[int, int] = {}
+        self.steps: dict[int, int] = {}
         self.checkpointed: dict[int, int] = {}  # beliefs in the newest checkpoint
         self.probe: dict[int, tuple[int, float]] = {}  # client -> (bytes received, sum) of the probe
+        self.refused: set[int] = set()  # nodes whose claim was refused (never asked again)
+        self.silent: dict[int, float] = {}  # nodes that did not answer a query -> when (asked again after a minute)
 
     def bind(self, loop: Any) -> FedllmStrategy:
         """The adapter for ``loop``, connected to the nodes (once)."""
         if self.adapter is None:
             self.adapter = FedllmStrategy(loop, self.token)
             self.adapter.synced = dict(self.synced)
+            self.adapter.steps = dict(self.steps)
+            self.adapter.origin = self.origin
+            self.num_clients = loop.recipe.federation.num_clients
             self.adapter.nodes = self.discover(loop.recipe.federation.num_clients)
         return self.adapter
 
-    def discover(self, num_clients: int) -> dict[int, int]:
-        """Client id -> node id of the connected SuperNodes (waits until ``num_clients`` answered)."""
+    # ----- which node serves which client
+    def connected(self) -> dict[int, bytes]:
+        """Node id -> its public key (b"" when unknown or unauthenticated) of the nodes connected now."""
+        try:
+            return {int(n.node_id): bytes(n.public_key) for n in self.grid.get_nodes()}
+        except (AttributeError, NotImplementedError):
+            return {int(n): b"" for n in self.grid.get_node_ids()}
+
+    def ask(self, nodes: list[int], timeout: float) -> dict[int, int]:
+        """Node id -> the client id it claims (``query.fedllm``; with the transport probe), for those that answer."""
         import numpy as np
 
-        deadline = time.monotonic() + self.timeout
-        while len(list(self.grid.get_node_ids())) < num_clients:
-            if time.monotonic() > deadline:
-                raise ClientFailed(f"only {len(list(self.grid.get_node_ids()))} of {num_clients} SuperNodes "
-                                   f"connected within {self.timeout:.0f}s")
-            time.sleep(0.5)
         probe = None
         if self.probe_mb:
             probe = np.random.default_rng(0).random(int(self.probe_mb * 2**20 / 4), dtype=np.float32)
         messages = []
-        for node in sorted(self.grid.get_node_ids()):
+        for node in sorted(nodes):
             content = RecordDict({"fedllm": ConfigRecord({"token": self.token})})
             if probe is not None:
                 content["probe"] = ArrayRecord([probe])
             messages.append(Message(content, dst_node_id=node, message_type="query.fedllm"))
-        nodes: dict[int, int] = {}
-        for m in self.grid.send_and_receive(messages, timeout=self.timeout):
+        claims: dict[int, int] = {}
+        for m in self.send(messages, timeout):
             if m.has_error():
-                raise ClientFailed(f"node {m.metadata.src_node_id} failed to say which client it is: "
-                                   f"{m.error.reason}")
+                log.warning("node %s failed to say which client it serves: %s", m.metadata.src_node_id, m.error.reason)
+                continue
             info = m.content.metric_records["info"]
             cid = int(info["client_id"])
-            if cid in nodes:
-                raise ClientFailed(f"two SuperNodes serve client {cid} (partition-id): nodes {nodes[cid]} and "
-                                   f"{m.metadata.src_node_id}")
-            nodes[cid] = m.metadata.src_node_id
-            self.probe[cid] = (int(info["probe_bytes"]), float(info["probe_sum"]))
-        missing = sorted(set(range(num_clients)) - set(nodes))
-        if missing:
-            raise ClientFailed(f"no SuperNode serves client(s) {missing} (--node-config partition-id)")
-        if probe is not None:
-            expected = (probe.nbytes, float(probe.astype("float64").sum()))
-            for cid, got in self.probe.items():
+            claims[m.metadata.src_node_id] = cid
+            got = (int(info["probe_bytes"]), float(info["probe_sum"]))
+            if probe is not None:
+                expected = (probe.nbytes, float(probe.astype("float64").sum()))
                 if got[0] != expected[0] or abs(got[1] - expected[1]) > 1e-6 * abs(expected[1]):
                     raise ClientFailed(f"client {cid}: transport probe came back as {got}, sent {expected}")
-        return nodes
+            self.probe[cid] = got
+        return claims
 
-    def send(self, messages: list[Message]) -> list[Message]:
-        return list(self.grid.send_and_receive(messages, timeout=self.timeout)) if messages else []
+    def refusal(self, node: int, cid: int, key: bytes, nodes: dict[int, int], num_clients: int) -> str | None:
+        """Why node ``node`` may not serve client ``cid`` (None: it may)."""
+        if not 0 <= cid < num_clients:
+            return f"it claims client {cid}; this federation has clients 0..{num_clients - 1}"
+        if self.node_keys is not None and _same_key(key, self.node_keys.get(cid)) is False:
+            return f"it claims client {cid} but did not authenticate with client {cid}'s key"
+        if cid in nodes and nodes[cid] != node:
+            return f"client {cid} is already served by node {nodes[cid]}"
+        return None
+
+    def claim(self, claims: dict[int, int], keys: dict[int, bytes], nodes: dict[int, int], num_clients: int) -> None:
+        """Add the acceptable ``claims`` (node -> client) to ``nodes`` (client -> node); refuse the rest, loudly."""
+        for node, cid in sorted(claims.items()):
+            why = self.refusal(node, cid, keys.get(node, b""), nodes, num_clients)
+            if why is None:
+                nodes[cid] = node
+                continue
+            self.refused.add(node)
+            note = f"fedllm: SuperNode {node} refused: {why}"
+            log.warning("%s", note)
+            print(note, flush=True)
+
+    def discover(self, num_clients: int) -> dict[int, int]:
+        """Client id -> node id, one SuperNode per client; reports progress every ``report_s`` while it waits.
+
+        Raises :class:`FederationIncomplete` when some client has no node after ``wait_nodes`` seconds.
+        """
+        t0 = time.monotonic()
+        deadline, reported = t0 + self.wait_nodes, t0
+        nodes: dict[int, int] = {}
+        while True:
+            keys = self.connected()
+            new = [n for n in keys if n not in nodes.values() and n not in self.refused]
+            if new:
+                self.claim(self.ask(new, max(1.0, min(30.0, deadline - time.monotonic()))), keys, nodes, num_clients)
+            missing = sorted(set(range(num_clients)) - set(nodes))
+            if not missing:
+                return nodes
+            now = time.monotonic()
+            status = (f"{len(keys)} SuperNode(s) connected, {len(nodes)} of {num_clients} clients served "
+                      f"(missing: {missing}); one SuperNode per client is needed (fedllm flower supernode --client K)")
+            if now > deadline:
+                raise FederationIncomplete(f"{FederationIncomplete.MARKER}: {status} after {self.wait_nodes:.0f}s")
+            if now - reported >= self.report_s:
+                reported = now
+                print(f"fedllm: waiting {deadline - now:.0f}s more for SuperNodes: {status}", flush=True)
+            time.sleep(0.5)
+
+    def rejoin(self, num_clients: int) -> None:
+        """Take in SuperNodes that connected since the last round: a restarted node takes its client back."""
+        adapter = self.adapter
+        keys, now = self.connected(), time.monotonic()
+        new = [n for n in keys if n not in adapter.nodes.values() and n not in self.refused
+               and now - self.silent.get(n, -1e9) > 60.0]
+        if not new:
+            return
+        claims = self.ask(new, 10.0)
+        self.silent.update({n: now for n in new if n not in claims})
+        for node, cid in sorted(claims.items()):
+            old = adapter.nodes.get(cid)
+            if old is not None and old != node and (old not in keys or not self.ask([old], 10.0)):
+                del adapter.nodes[cid]  # its node is gone: whoever may serve the client now takes it
+            before = adapter.nodes.get(cid)
+            self.claim({node: cid}, keys, adapter.nodes, num_clients)
+            if adapter.nodes.get(cid) == node and before != node:
+                note = f"fedllm: client {cid} rejoined on SuperNode {node}"
+                log.warning("%s", note)
+                print(note, flush=True)
+
+    def send(self, messages: list[Message], timeout: float | None = None) -> list[Message]:
+        """Push ``messages`` and collect their replies (asking every ``poll_s``) until all came or ``timeout``.
+
+        A message whose SuperNode is offline (the SuperLink answers ``NODE_UNAVAILABLE``) is sent again when
+        that client's node is back (the same node id, or a new node that claims the client), for up to
+        ``node_wait`` seconds; then its error is the reply. ``self.origin`` maps every message id to the
+        node it went to (the SuperLink's own error replies come from node 0).
+        """
+        from flwr.common.constant import ErrorCode
+
+        if not messages:
+            return []
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            pending = self._push(messages)
+        except NotImplementedError:  # a grid without the push/pull interface (tests' loopback grid)
+            return list(self.grid.send_and_receive(messages, timeout=timeout))
+        start = time.monotonic()
+        deadline, replies, offline, checked = start + timeout, [], {}, start
+        while pending or offline:
+            for m in self.grid.pull_messages(set(pending)) if pending else []:
+                sent = pending.pop(m.metadata.reply_to_message_id, None)
+                if (m.has_error() and m.error.code == ErrorCode.NODE_UNAVAILABLE and sent is not None
+                        and time.monotonic() - start < min(timeout, self.node_wait)):
+                    offline[m.metadata.reply_to_message_id] = (sent, m)  # wait for the node to come back
+                else:
+                    replies.append(m)
+            now = time.monotonic()
+            if offline and now - checked > 3.0:
+                checked = now
+                pending.update(self._resend_to_returned(offline))
+            if offline and now - start >= min(timeout, self.node_wait):
+                replies += [err for _, err in offline.values()]
+                offline = {}
+            if (not pending and not offline) or now > deadline:
+                break
+            time.sleep(self.poll_s)
+        return replies
+
+    def _push(self, messages: list[Message]) -> dict[str, Message]:
+        ids = list(self.grid.push_messages(messages))
+        for m, i in zip(messages, ids):
+            self.origin[i] = m.metadata.dst_node_id
+        return {i: m for m, i in zip(messages, ids) if i}
+
+    def _resend_to_returned(self, offline: dict[str, tuple[Message, Message]]) -> dict[str, Message]:
+        """Copies of the messages in ``offline`` whose client's node is connected again, pushed to it now."""
+        adapter = self.adapter
+        if adapter is not None and self.num_clients:
+            self.rejoin(self.num_clients)
+        connected = self.connected()
+        by_node = {n: c for c, n in adapter.nodes.items()} if adapter is not None else {}
+        again = []
+        for key, (sent, _) in list(offline.items()):
+            cid = by_node.get(sent.metadata.dst_node_id, (adapter.sent if adapter else {}).get(sent.metadata.dst_node_id))
+            node = adapter.nodes.get(cid, sent.metadata.dst_node_id) if adapter is not None else sent.metadata.dst_node_id
+            if node in connected:
+                del offline[key]
+                copy = Message(sent.content, dst_node_id=node, message_type=sent.metadata.message_type)
+                if adapter is not None and cid is not None:
+                    adapter.sent[node] = cid
+                again.append(copy)
+                log.warning("client %s: its SuperNode is back (node %s); message sent again", cid, node)
+        return self._push(again) if again else {}
 
     # ----- the executor interface of fedllm.server.RoundLoop
     def train(self, loop: Any, rnd: int, sampled: list[int], lr: float,
               bar: Any) -> tuple[list[Any], dict[int, int], dict[int, str]]:
         adapter = self.bind(loop)
+        self.rejoin(loop.recipe.federation.num_clients)
+        missing = [c for c in sampled if c not in adapter.nodes]
+        if missing:
+            raise ClientFailed(f"round {rnd}: no SuperNode serves client(s) {missing}")
         messages = adapter.configure_train(rnd, ArrayRecord(), ConfigRecord({"sampled": sampled, "lr": lr}),
                                            self.grid)
         down = dict(adapter.bytes_down)
@@ -116,7 +277,7 @@ class FlowerExecutor:
         if rnd == loop.recipe.federation.rounds:
             adapter.note_synced(self.send(adapter.configure_sync(rnd, range(loop.recipe.federation.num_clients))))
             sent = dict(adapter.bytes_down)
-        self.synced = dict(adapter.synced)
+        self.synced, self.steps = dict(adapter.synced), dict(adapter.steps)
         return sent
 
     def state(self) -> dict[str, Any]:
@@ -124,10 +285,27 @@ class FlowerExecutor:
         if self.adapter is not None:  # aggregates the checkpoint before this one needed are not needed now
             self.adapter.prune_aggregates(self.checkpointed)
         self.checkpointed = dict(self.synced)
-        return {"token": self.token, "synced": {str(c): r for c, r in self.synced.items()}}
+        return {"token": self.token, "synced": {str(c): r for c, r in self.synced.items()},
+                "steps": {str(c): r for c, r in self.steps.items()}}
 
     def load_state(self, state: dict[str, Any]) -> None:
         if state.get("token"):
             self.token = state["token"]
             self.synced = {int(c): int(r) for c, r in state.get("synced", {}).items()}
+            self.steps = {int(c): int(r) for c, r in state.get("steps", {}).items()}
             self.checkpointed = dict(self.synced)
+
+
+def _same_key(key: bytes, registered: bytes | None) -> bool | None:
+    """Whether a node's public key (PEM) is ``registered`` (None: the node's key is not known here)."""
+    if registered is None:
+        return False
+    if not key:
+        return None  # a grid that does not report keys (tests' loopback grid): the SuperLink's auth decides
+    from cryptography.hazmat.primitives import serialization
+
+    def raw(pem: bytes) -> bytes:
+        return serialization.load_pem_public_key(pem).public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    return raw(key) == raw(registered)

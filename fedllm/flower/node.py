@@ -84,13 +84,22 @@ class Node:
 
         return sorted(p for p in self.dir.glob("step-*") if ckpt_io.is_checkpoint(p))
 
-    def load(self, before: int) -> None:
-        """Restore this client's state and the replica as they were after its newest step before round ``before``."""
+    def load(self, before: int, expected_step: int = 0) -> None:
+        """Restore this client's state and the replica as they were after its newest step before round ``before``.
+
+        ``expected_step``: the newest step the server knows this node saved (0: none); a node that has lost
+        it (state directory deleted or replaced) fails loudly instead of training from a blank state.
+        """
         from fedllm import checkpoint as ckpt_io
         from fedllm.client_store import ClientStore
 
         self.store = ClientStore()
         found = [p for p in self.steps() if int(p.name.split("-")[1]) < before]
+        newest = int(found[-1].name.split("-")[1]) if found else 0
+        if newest < expected_step:
+            raise RuntimeError(f"client {self.config.client_id}: state lost: the server expects its state after "
+                               f"round {expected_step} in {self.dir}, found {'step ' + str(newest) if found else 'none'}"
+                               " (state directory deleted or replaced?)")
         if found:
             ck = ckpt_io.load_checkpoint(found[-1])
             ckpt_io.restore_into(self.fed.loaded.model, self.fed.strategy, ck)

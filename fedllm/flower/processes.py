@@ -1,0 +1,125 @@
+"""The processes a ``fedllm flower`` command starts: owned by it, stopped with it, never orphaned.
+
+Every child runs in its own process group, with Linux's parent-death signal set (``PR_SET_PDEATHSIG``:
+SIGTERM when the fedllm command dies, even by ``kill -9``); SIGTERM, SIGINT and SIGHUP sent to the fedllm
+command are forwarded to every child's group, and a group that has not exited 10 s later is killed.
+Flower's own children (``flower-superexec``, ``flwr-serverapp``) watch their parent's pid and exit with it.
+Flower's executables are found beside the Python running fedllm (``sys.executable``'s directory), which is
+also put first on the children's ``PATH`` (Flower starts ``flower-superexec`` by name).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fedllm.errors import InputError
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+GRACE_S = 10.0
+RESTART_S = 2.0  # a helper that exits is restarted, at most once per this many seconds
+
+
+def tool(name: str) -> str:
+    """Path of a Flower executable: beside this Python first, then on ``PATH``."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        raise InputError(f"{name}: not found beside {sys.executable} nor on PATH; install Flower with "
+                         "pip install \"fedllm[flower]\"")
+    return found
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment with this Python's ``bin`` directory first on ``PATH``."""
+    env = {**os.environ, **(extra or {})}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the signal forwarding below still applies
+        pass
+
+
+def start(cmd: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """Start ``cmd`` in its own process group, dying with this process."""
+    return subprocess.Popen(cmd, env=env if env is not None else child_env(), start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None, **kwargs)
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = GRACE_S) -> None:
+    """Send ``sig`` to ``proc``'s process group; kill the group if it has not exited after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=grace_s)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+class Stopped(Exception):
+    """A forwarded signal ended the command."""
+
+    def __init__(self, sig: int):
+        super().__init__(signal.Signals(sig).name)
+        self.sig = sig
+
+
+def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[[], subprocess.Popen]] | None = None,
+              on_stop: Callable[[], None] | None = None, after_start: Callable[[subprocess.Popen], None] | None = None,
+              poll_s: float = 0.2) -> int:
+    """Run ``main()``'s process (and ``helpers``, restarted whenever they exit) until ``main`` exits.
+
+    ``after_start(main process)`` runs once everything is started; ``on_stop()`` when a signal stops it. Returns ``main``'s exit code, or ``128 + signal`` when a forwarded signal stopped everything. Every
+    process started here is stopped before returning.
+    """
+    procs: dict[str, subprocess.Popen] = {}
+    started: dict[str, float] = {}
+    previous = {}
+
+    def forward(sig: int, _frame) -> None:
+        raise Stopped(sig)
+
+    for sig in FORWARDED:
+        previous[sig] = signal.signal(sig, forward)
+    try:
+        procs["main"] = main()
+        for name, make in (helpers or {}).items():
+            procs[name], started[name] = make(), time.monotonic()
+        if after_start is not None:
+            after_start(procs["main"])
+        while procs["main"].poll() is None:
+            for name, make in (helpers or {}).items():
+                if procs[name].poll() is not None and time.monotonic() - started[name] >= RESTART_S:
+                    print(f"fedllm: {name} exited with code {procs[name].returncode}; restarting it",
+                          file=sys.stderr, flush=True)
+                    procs[name], started[name] = make(), time.monotonic()
+            time.sleep(poll_s)
+        return int(procs["main"].returncode)
+    except Stopped as stopped:
+        if on_stop is not None:
+            on_stop()
+        return 128 + stopped.sig
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for proc in reversed(list(procs.values())):
+            stop(proc)

@@ -1,0 +1,351 @@
+"""fedllm's own task runners for Flower's ``--isolation process``: only fedllm's apps run, and they stay warm.
+
+Flower's SuperLink and SuperNode hand every run's work out as *tasks* over their local Runtime API; with
+``--isolation process`` they start nothing themselves and wait for an outside process to claim the tasks
+(``AcquireTask``, authenticated with the HMAC secret of ``--superexec-auth-secret-file``). fedllm claims
+them with the two runners here instead of Flower's ``flower-superexec``:
+
+- :func:`serve_serverapps` (beside ``flower-superlink``, started by ``fedllm flower superlink``): each
+  ServerApp task runs in a child process (:func:`run_server_task`) that executes fedllm's installed
+  :mod:`fedllm.flower.server_app` — never code from the submitted FAB — and refuses any FAB that is not
+  fedllm's app, which then fails with that reason on the SuperLink (``flwr ls``/``flwr log``).
+- :func:`serve_clientapps` (the node *worker*, beside ``flower-supernode``, started by
+  ``fedllm flower supernode``): one long-lived process answering the node's ClientApp tasks with fedllm's
+  installed :mod:`fedllm.flower.client_app` and keeping each run's federation (model, data, strategy) in
+  memory between messages (:mod:`fedllm.flower.worker_cache`); the node's state is still written to
+  ``--state-dir`` after every message, so a worker that is killed restarts from it.
+
+Both Runtime APIs listen on 127.0.0.1 only; the secret (a file readable only by its owner) keeps other
+local users from claiming tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+APP_ID = "fedllm/fedllm-flower"
+"""``publisher/name`` of fedllm's Flower app (``app/pyproject.toml``); any other FAB is refused."""
+ACQUIRE = "/flwr.proto.Runtime/AcquireTask"
+
+log = logging.getLogger("fedllm")
+
+
+def write_secret(path: Path) -> Path:
+    """A fresh 32-byte secret in ``path`` (mode 0600), for ``--superexec-auth-secret-file``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_bytes(secrets.token_bytes(32))
+    return path
+
+
+def fab_refusal(fab_content: bytes) -> str | None:
+    """Why a FAB may not run here (None: it is fedllm's app). Its code is never run either way."""
+    from flwr.cli.config_utils import get_fab_metadata
+
+    try:
+        fab_id, _ = get_fab_metadata(fab_content)
+    except Exception as e:  # noqa: BLE001 — an unreadable FAB is refused, whatever the reason
+        return f"unreadable app bundle ({e}); this federation runs only fedllm's app ({APP_ID})"
+    if fab_id != APP_ID:
+        return f"app {fab_id!r} refused: this federation runs only fedllm's app ({APP_ID})"
+    return None
+
+
+def _certificates(root_certificates: str | None) -> bytes | None:
+    return Path(root_certificates).read_bytes() if root_certificates else None
+
+
+def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[str], None],
+               root_certificates: str | None = None, poll_s: float = 0.05) -> None:
+    """Claim ``task_type`` tasks from the Runtime API at ``address`` forever; ``handle(token)`` each one."""
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    client = RuntimeHttpClient.from_server_address(
+        server_address=address, insecure=root_certificates is None, root_certificates=_certificates(root_certificates),
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec"),
+                      SuperExecAuthHttpInterceptor(master_secret=secret, protected_methods={ACQUIRE})])
+    while True:
+        try:
+            res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[task_type]))
+        except Exception as e:  # noqa: BLE001 — the API is not up yet, or restarting
+            log.debug("AcquireTask at %s: %s", address, e)
+            time.sleep(1.0)
+            continue
+        if res.HasField("task") and res.token:
+            handle(res.token)
+        else:
+            time.sleep(poll_s)
+
+
+# ----- the SuperLink side
+def serve_serverapps(address: str, secret: bytes, root_certificates: str | None, node_keys: str | None) -> None:
+    """Claim every ServerApp task of the SuperLink at ``address``; run each in a child process."""
+    from flwr.supercore.constant import TaskType
+
+    from fedllm.flower import processes
+
+    children: list[subprocess.Popen] = []
+
+    def launch(token: str) -> None:
+        cmd = [sys.executable, "-m", "fedllm.flower.server_task", "--runtime-api-address", address,
+               "--token", token]
+        if root_certificates:
+            cmd += ["--root-certificates", root_certificates]
+        if node_keys:
+            cmd += ["--node-keys", node_keys]
+        children[:] = [c for c in children if c.poll() is None]
+        children.append(processes.start(cmd, stdout=None, stderr=None))
+
+    try:
+        claim_loop(address, secret, TaskType.SERVER_APP, launch, root_certificates, poll_s=0.2)
+    finally:
+        for child in children:
+            processes.stop(child)
+
+
+def run_server_task(address: str, token: str, root_certificates: str | None, node_keys: str | None) -> int:
+    """One ServerApp task: pull its input, refuse a foreign FAB, run fedllm's ServerApp, report the outcome."""
+    from queue import Queue
+
+    from flwr.common.config import get_fused_config_from_fab
+    from flwr.common.constant import SubStatus
+    from flwr.common.serde import context_from_proto, context_to_proto, fab_from_proto, run_from_proto
+    from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest  # pylint: disable=E0611
+    from flwr.server.run_serverapp import run as run_server_app
+    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.logger import (flush_logs, mirror_output_to_queue, restore_output, start_log_uploader,
+                                       stop_log_uploader)
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.superlink.grid import HttpGrid
+
+    from fedllm.flower import server_app
+
+    log_queue: Queue = Queue()
+    mirror_output_to_queue(log_queue)
+    grid = HttpGrid(runtime_api_address=address, insecure=root_certificates is None,
+                    root_certificates=_certificates(root_certificates), token=token)
+    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(grid._runtime_client))
+    heartbeat.start()
+    uploader, context = None, None
+    status, details = SubStatus.FAILED, "ServerApp task failed"
+    try:
+        res = grid._runtime_client.PullTaskInput(PullTaskInputRequest())
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = (res.task_id, res.run.run_id,
+                                                                            res.context.node_id)
+        context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
+        grid.set_run(run)
+        uploader = start_log_uploader(log_queue=log_queue, node_id=0, run_id=run.run_id, client=grid._runtime_client)
+        refusal = fab_refusal(fab.content)
+        if refusal:
+            print(f"fedllm: {refusal}", file=sys.stderr, flush=True)
+            details = refusal
+        else:
+            context.run_config = get_fused_config_from_fab(fab.content, run)
+            server_app.NODE_KEYS = node_keys
+            run_server_app(grid=grid, context=context, server_app_dir="", loaded_server_app=server_app.app)
+            status, details = SubStatus.COMPLETED, ""
+    except Exception as e:  # noqa: BLE001 — reported to the SuperLink as the run's failure
+        from fedllm.flower import FEDERATION_INCOMPLETE
+
+        if FEDERATION_INCOMPLETE in str(e):  # an expected condition: its message says it all
+            print(f"fedllm: {e}", file=sys.stderr, flush=True)
+        else:
+            logging.getLogger("fedllm").exception("ServerApp raised")
+        details = f"ServerApp failed with exception: {e}"
+    finally:
+        if uploader is not None:
+            flush_logs(log_queue)
+        try:
+            grid._runtime_client.PushTaskOutput(PushTaskOutputRequest(
+                context=context_to_proto(context) if context else None, sub_status=status, details=details))
+        except Exception as e:  # noqa: BLE001
+            print(f"fedllm: could not report the task's outcome: {e}", file=sys.stderr)
+        if uploader is not None:
+            stop_log_uploader(log_queue, uploader)
+        heartbeat.stop()
+        grid.close()
+        restore_output()
+    return 0 if status == SubStatus.COMPLETED else 1
+
+
+# ----- the SuperNode side: the worker
+def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, poll_s: float = 0.1,
+                     warm_runs: int = 2) -> None:
+    """The node worker: claim every ClientApp task of the SuperNode at ``address`` and answer it in process.
+
+    ``journal``: where the message being answered is kept until its reply is pushed; a worker that starts and
+    finds one (its predecessor was killed mid-message) answers that message first, under the same task token.
+    """
+    from flwr.supercore.constant import TaskType
+
+    from fedllm.flower.worker_cache import NodeCache
+
+    cache = NodeCache(warm_runs)
+    if journal is not None and journal.is_file():
+        token, pulled = read_journal(journal)
+        log.warning("answering message %s, interrupted when the previous worker stopped",
+                    pulled[0].metadata.message_id)
+        try:
+            run_client_task(address, token, cache, journal, pulled)
+        except Exception as e:  # noqa: BLE001 — e.g. the task expired meanwhile: Flower reports the crash
+            log.error("could not answer the interrupted message: %s", e)
+            journal.unlink(missing_ok=True)
+    claim_loop(address, secret, TaskType.CLIENT_APP, lambda token: run_client_task(address, token, cache, journal),
+               poll_s=poll_s)
+
+
+def write_journal(path: Path, token: str, message, context) -> None:
+    """Keep ``message`` (with its content) and ``context`` of task ``token`` in ``path`` (atomically, mode 0600)."""
+    import json
+    import os
+
+    from flwr.common.serde import context_to_proto, message_to_proto
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.touch(mode=0o600)
+    with open(tmp, "wb") as f:
+        for blob in (json.dumps({"token": token, "message_id": message.metadata.message_id}).encode(),
+                     message_to_proto(message).SerializeToString(), context_to_proto(context).SerializeToString()):
+            f.write(len(blob).to_bytes(8, "little") + blob)
+    os.replace(tmp, path)
+
+
+def read_journal(path: Path):
+    """``(token, (message, context))`` from :func:`write_journal`'s file."""
+    import json
+
+    from flwr.common.serde import context_from_proto, message_from_proto
+    from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=E0611
+    from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0611
+
+    data, blobs = path.read_bytes(), []
+    while data:
+        size = int.from_bytes(data[:8], "little")
+        blobs.append(data[8:8 + size])
+        data = data[8 + size:]
+    head = json.loads(blobs[0])
+    message = message_from_proto(ProtoMessage.FromString(blobs[1]))
+    message.metadata.__dict__["_message_id"] = head["message_id"]
+    return head["token"], (message, context_from_proto(ProtoContext.FromString(blobs[2])))
+
+
+def pull_task_input(client):
+    """Flower's ``run_clientapp.pull_task_input``, retrying every 50 ms (capped at 0.5 s) instead of from 1 s (capped
+    at 10 s): a warm worker claims a task before its SuperNode has finished receiving the message's objects."""
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest  # pylint: disable=E0611
+    from flwr.app import Message
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (make_confirm_message_received_fn_protobuf,
+                                                                     make_pull_object_fn_protobuf)
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = res.task_id, res.run.run_id, res.context.node_id
+    context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node = Node(node_id=context.node_id)
+    tree = pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message, initial_backoff=0.05, backoff_cap=0.5)
+    message.metadata.__dict__["_message_id"] = tree.object_id
+    return message, context, run, fab
+
+
+def run_client_task(address: str, token: str, cache, journal: Path | None = None, pulled=None) -> None:
+    """One ClientApp task: pull the message (or take ``pulled``), answer it with fedllm's ClientApp (warm),
+    push the reply."""
+    from flwr.app import Message
+    from flwr.app.error import Error
+    from flwr.common.constant import ErrorCode, SubStatus
+    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
+
+    from fedllm.flower import client_app
+
+    client = RuntimeHttpClient.from_server_address(
+        server_address=address, insecure=True, root_certificates=None,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                      RuntimeTokenHttpInterceptor(token)])
+    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+    heartbeat.start()
+    message, context, reply = None, None, None
+    status, details = SubStatus.FAILED, "ClientApp task failed"
+    try:
+        if pulled is not None:
+            message, context = pulled
+            refusal = None
+        else:
+            message, context, _run, fab = pull_task_input(client)
+            refusal = fab_refusal(fab.content)
+        if refusal:
+            log.error("%s", refusal)
+            reply = Message(Error(code=ErrorCode.LOAD_CLIENT_APP_EXCEPTION, reason=refusal), reply_to=message)
+            details = refusal
+        else:
+            if journal is not None and pulled is None:
+                write_journal(journal, token, message, context)
+            with cache.serving():
+                reply = client_app.app(message=message, context=context)
+            status, details = SubStatus.COMPLETED, ""
+    except Exception as e:  # noqa: BLE001 — the server sees the error reply and drops this client for the round
+        log.exception("fedllm ClientApp raised")
+        reason = f"{type(e)}:<'{e}'>"
+        details = reason
+        if message is not None:
+            reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=message)
+    finally:
+        try:
+            if reply is not None and context is not None:
+                push_message(client, reply, context)
+            push_task_output(client=client, context=context, sub_status=status, details=details)
+        finally:
+            if journal is not None:
+                journal.unlink(missing_ok=True)
+            heartbeat.stop()
+            client.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m fedllm.flower.runtime serverapps|clientapps --runtime-api-address A --secret-file F``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="fedllm's task runner for a Flower SuperLink or SuperNode")
+    parser.add_argument("side", choices=["serverapps", "clientapps"])
+    parser.add_argument("--runtime-api-address", required=True)
+    parser.add_argument("--secret-file", required=True)
+    parser.add_argument("--root-certificates")
+    parser.add_argument("--node-keys")
+    parser.add_argument("--poll", type=float, default=0.1, help="seconds between task claims (clientapps)")
+    parser.add_argument("--journal", help="file keeping the message being answered (clientapps)")
+    parser.add_argument("--warm-runs", type=int, default=2, help="runs whose federation stays in memory (clientapps)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    secret = Path(args.secret_file).read_bytes()
+    if args.side == "serverapps":
+        serve_serverapps(args.runtime_api_address, secret, args.root_certificates, args.node_keys)
+    else:
+        serve_clientapps(args.runtime_api_address, secret, Path(args.journal) if args.journal else None, args.poll,
+                         args.warm_runs)
+
+
+if __name__ == "__main__":
+    main()
