@@ -57,9 +57,9 @@ def ragged_file(tmp_path):
     return path
 
 
-def tiny_raw(output_dir, data_path, **sections) -> dict:
+def tiny_raw(output_dir, data_path, /, **sections) -> dict:
     """A raw recipe dict for a tiny LLaMA on ``data_path`` (2 rounds, 3 clients, 2 per round); each keyword
-    section is merged into the default one of that name (or replaces it when not a dict)."""
+    section is merged into the default one of that name (or replaces it when not a dict: ``output_dir=...``)."""
     raw = {
         "seed": 0, "output_dir": str(output_dir),
         "model": {"name": "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
