@@ -11,6 +11,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one CPU thread per test process (and the processes it starts): on tiny models a second OpenMP thread
+# buys nothing and, on a shared machine, spins for 2-4x the CPU seconds. Set before torch loads; a test
+# that needs other counts sets them itself (tests/cli/test_threads.py); pytest-xdist runs tests side by side.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the tokenized-data cache of the test session (never the user's ~/.cache), removed when the session ends
 if "FEDLLM_CACHE_DIR" not in os.environ:
     os.environ["FEDLLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedllm-test-cache-")
