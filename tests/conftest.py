@@ -11,6 +11,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one CPU thread per test process (and the processes it starts): on tiny models a second OpenMP thread
+# buys nothing and, on a shared machine, spins for 2-4x the CPU seconds. Set before torch loads; a test
+# that needs other counts sets them itself (tests/cli/test_threads.py); pytest-xdist runs tests side by side.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the tokenized-data cache of the test session (never the user's ~/.cache), removed when the session ends
 if "FEDLLM_CACHE_DIR" not in os.environ:
     os.environ["FEDLLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedllm-test-cache-")
@@ -57,27 +61,33 @@ def ragged_file(tmp_path):
     return path
 
 
+def tiny_raw(output_dir, data_path, /, **sections) -> dict:
+    """A raw recipe dict for a tiny LLaMA on ``data_path`` (2 rounds, 3 clients, 2 per round); each keyword
+    section is merged into the default one of that name (or replaces it when not a dict: ``output_dir=...``)."""
+    raw = {
+        "seed": 0, "output_dir": str(output_dir),
+        "model": {"name": "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
+        "data": {"path": str(data_path), "format": "instruction",
+                 "fields": {"instruction": "question", "output": "answer"}},
+        "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 2,
+                       "partition": {"method": "iid"}},
+        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64},
+        "logging": {"progress": False, "quiet": True},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return raw
+
+
 @pytest.fixture
 def tiny_recipe(tmp_path, arith_file):
     """A raw recipe dict for a tiny LLaMA on the arith fixture (2 rounds, 3 clients, 2 per round)."""
 
     def make(**sections):
-        raw = {
-            "seed": 0, "output_dir": str(tmp_path / "run"),
-            "model": {"name": "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
-            "data": {"path": str(arith_file), "format": "instruction",
-                     "fields": {"instruction": "question", "output": "answer"}},
-            "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 2,
-                           "partition": {"method": "iid"}},
-            "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64},
-            "logging": {"progress": False, "quiet": True},
-        }
-        for key, value in sections.items():
-            if isinstance(value, dict) and isinstance(raw.get(key), dict):
-                raw[key] = {**raw[key], **value}
-            else:
-                raw[key] = value
-        return raw
+        return tiny_raw(tmp_path / "run", arith_file, **sections)
 
     return make
 
@@ -91,15 +101,17 @@ def crash_at_round(monkeypatch):
     original = RoundLoop.run_round
 
     def arm(rnd):
-        if rnd is None:
-            monkeypatch.setattr(RoundLoop, "run_round", original)
-            return
-
-        def crash(self, r, bar):
-            if r == rnd:
-                raise RuntimeError("power cut")
-            return original(self, r, bar)
-
-        monkeypatch.setattr(RoundLoop, "run_round", crash)
+        monkeypatch.setattr(RoundLoop, "run_round", original if rnd is None else crashing_round(original, rnd))
 
     return arm
+
+
+def crashing_round(original, rnd: int):
+    """``RoundLoop.run_round`` that raises ``RuntimeError('power cut')`` in round ``rnd`` (``original`` otherwise)."""
+
+    def crash(self, r, bar):
+        if r == rnd:
+            raise RuntimeError("power cut")
+        return original(self, r, bar)
+
+    return crash

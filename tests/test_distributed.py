@@ -3,13 +3,20 @@
 Per-client state (optimizer moments, private factors, control variates) is gathered to every
 process after each round, so a client trained by rank 1 in one round and by rank 0 in the next
 continues from exactly what it kept (DESIGN.md §3).
+
+Every two-process run of this module is a job of ONE torchrun launch (tests/distributed_jobs.py: the
+same two gloo processes run the ``fedllm train`` commands one after another), started when the first
+test needs it; each test computes its single-process reference meanwhile and waits only for its jobs.
 """
 
-import itertools
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +24,11 @@ import yaml
 from safetensors.torch import load_file
 
 from fedllm.config import parse_recipe
-from fedllm.server import run
+from fedllm.server import RoundLoop, run
+from tests.conftest import arith_records, crashing_round, tiny_raw, write_jsonl
 
-PORTS = itertools.count(29533)
+LAUNCH_TIMEOUT_S = 900  # every job of the launch together, on a busy 2-core machine (~1 min idle)
+JOBS_SCRIPT = Path(__file__).with_name("distributed_jobs.py")
 
 # strategy, strategy_args, extra sections: each keeps per-client state across rounds, and with 3 of
 # 4 clients per round over 3 rounds some client is trained by different ranks in different rounds.
@@ -35,19 +44,99 @@ STATEFUL = {
     "flora": ("flora", {"client_ranks": [4, 1, 2, 4]}, {}),
     "flexlora": ("flexlora", {"client_ranks": [4, 1, 2, 4]}, {}),
 }
+RESUMED = ["frlora-moments", "scaffold"]  # checkpointed by 1 process and resumed by 2, and the reverse
 
 
-def two_processes(raw: dict, tmp_path, name: str = "two", *options: str):
-    """Run ``raw`` under torchrun with 2 gloo processes (``options``: e.g. ``--resume``); return the run directory."""
-    raw = {**raw, "output_dir": str(tmp_path / name)}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(next(PORTS)), "-m", "fedllm",
-                           "train", str(path), *options], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp_path / name
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stateful_raw(case: str, out, data, **extra) -> dict:
+    strategy, args, sections = STATEFUL[case]
+    return tiny_raw(out, data, federation={"num_clients": 4, "clients_per_round": 3, "rounds": 3,
+                                           "strategy": strategy, "strategy_args": args}, **sections, **extra)
+
+
+class TwoProcessLaunch:
+    """``fedllm train`` jobs run by one torchrun launch of 2 gloo processes (``OMP_NUM_THREADS=1``)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.data = write_jsonl(root / "arith.jsonl", arith_records(48))
+        self.jobs: dict[str, list[str]] = {}
+        self.raws: dict[str, dict] = {}
+        self.proc: subprocess.Popen | None = None
+
+    def add(self, name: str, raw: dict, *options: str) -> None:
+        """Queue ``fedllm train`` of ``raw`` into ``root/name`` (``options``: e.g. ``--resume``)."""
+        raw = {**raw, "output_dir": str(self.root / name)}
+        path = self.root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        self.jobs[name], self.raws[name] = ["train", str(path), *options], raw
+
+    def recipe(self, name: str, output_dir) -> dict:
+        """Job ``name``'s raw recipe, writing to ``output_dir`` instead (for the single-process reference)."""
+        return {**self.raws[name], "output_dir": str(output_dir)}
+
+    def start(self) -> None:
+        (self.root / "jobs.json").write_text(json.dumps(self.jobs))
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.log = self.root / "launch.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                                          "--master_port", str(free_port()), str(JOBS_SCRIPT),
+                                          str(self.root / "jobs.json"), str(self.root)],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+
+    def run_dir(self, name: str) -> Path:
+        """The run directory of job ``name`` once both processes finished it with exit code 0."""
+        codes = [self.root / f"{name}.rank{r}.rc" for r in (0, 1)]
+        while not all(c.is_file() for c in codes) and self.proc.poll() is None:  # the ranks write these last
+            if time.monotonic() > self.deadline:
+                self.stop()
+                pytest.fail(f"{name}: not done within {LAUNCH_TIMEOUT_S}s\n{self.log_of(name)}")
+            time.sleep(0.2)
+        got = [c.read_text() if c.is_file() else None for c in codes]
+        assert got == ["0", "0"], f"{name}: exit codes {got}\n{self.log_of(name)}"
+        return self.root / name
+
+    def log_of(self, name: str) -> str:
+        text = self.log.read_text()
+        at = text.find(f"@@JOB@@ {name}:")
+        return text[at:at + 4000] if at >= 0 else text[-4000:]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The module's :class:`TwoProcessLaunch`, running: every job of the tests below."""
+    launch = TwoProcessLaunch(tmp_path_factory.mktemp("distributed"))
+    launch.add("match-one", tiny_raw("-", launch.data, federation={"rounds": 2, "clients_per_round": 3}))
+    for case in sorted(STATEFUL):
+        launch.add(f"stateful-{case}", stateful_raw(case, "-", launch.data))
+    for case in RESUMED:
+        raw = stateful_raw(case, "-", launch.data, checkpoint={"every": 1})
+        # 1 -> 2: one process crashes in round 3 (round 2 is checkpointed); two processes resume it
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RoundLoop, "run_round", crashing_round(RoundLoop.run_round, 3))
+            with pytest.raises(RuntimeError, match="power cut"):
+                run(parse_recipe({**raw, "output_dir": str(launch.root / f"one-then-two-{case}")}))
+        launch.add(f"one-then-two-{case}", raw, "--resume")
+        # 2 -> 1: a two-process run, cut and resumed by one process in the test
+        launch.add(f"two-then-one-{case}", raw)
+    launch.start()
+    try:
+        yield launch
+    finally:
+        launch.stop()
 
 
 def final_tensors(run_dir) -> dict[str, dict[str, torch.Tensor]]:
@@ -63,10 +152,9 @@ def assert_same(single: dict, other: dict, tol: float = 1e-6) -> None:
         assert worst <= tol, f"{part}: max abs difference {worst}"
 
 
-def test_two_processes_match_one(tiny_recipe, tmp_path):
-    raw = tiny_recipe(federation={"rounds": 2, "clients_per_round": 3})
-    single = run(parse_recipe(raw))
-    two = two_processes(raw, tmp_path)
+def test_two_processes_match_one(two_processes, tmp_path):
+    single = run(parse_recipe(two_processes.recipe("match-one", tmp_path / "one")))
+    two = two_processes.run_dir("match-one")
     a = load_file(str(single.run_dir / "final" / "adapter.safetensors"))
     b = load_file(str(two / "final" / "adapter.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -75,31 +163,21 @@ def test_two_processes_match_one(tiny_recipe, tmp_path):
 
 
 @pytest.mark.parametrize("case", sorted(STATEFUL))
-def test_per_client_state_follows_the_client_across_processes(case, tiny_recipe, arith_file, tmp_path):
-    strategy, args, sections = STATEFUL[case]
-    raw = tiny_recipe(federation={"num_clients": 4, "clients_per_round": 3, "rounds": 3, "strategy": strategy,
-                                  "strategy_args": args}, **sections)
-    single = final_tensors(run(parse_recipe(raw)).run_dir)
-    assert_same(single, final_tensors(two_processes(raw, tmp_path)))
+def test_per_client_state_follows_the_client_across_processes(case, two_processes, tmp_path):
+    single = final_tensors(run(parse_recipe(two_processes.recipe(f"stateful-{case}", tmp_path / "one"))).run_dir)
+    assert_same(single, final_tensors(two_processes.run_dir(f"stateful-{case}")))
 
 
-@pytest.mark.parametrize("case", ["frlora-moments", "scaffold"])
-def test_resume_with_a_different_number_of_processes(case, tiny_recipe, tmp_path, crash_at_round):
+@pytest.mark.parametrize("case", RESUMED)
+def test_resume_with_a_different_number_of_processes(case, two_processes, tmp_path):
     """A run checkpointed by 1 process resumes on 2, and one checkpointed by 2 resumes on 1: same final state."""
-    strategy, args, sections = STATEFUL[case]
-    raw = tiny_recipe(federation={"num_clients": 4, "clients_per_round": 3, "rounds": 3, "strategy": strategy,
-                                  "strategy_args": args}, checkpoint={"every": 1}, **sections)
-    single = final_tensors(run(parse_recipe(raw)).run_dir)
-    # 1 -> 2: one process crashes in round 3 (round 2 is checkpointed); two processes resume it
-    crash_at_round(3)
-    with pytest.raises(RuntimeError, match="power cut"):
-        run(parse_recipe({**raw, "output_dir": str(tmp_path / "one-then-two")}))
-    crash_at_round(None)
-    assert_same(single, final_tensors(two_processes(raw, tmp_path, "one-then-two", "--resume")))
+    single = final_tensors(run(parse_recipe(two_processes.recipe(f"two-then-one-{case}", tmp_path / "one"))).run_dir)
+    # 1 -> 2: one process crashed in round 3 (round 2 is checkpointed); two processes resumed it
+    assert_same(single, final_tensors(two_processes.run_dir(f"one-then-two-{case}")))
     # 2 -> 1: a two-process run cut after round 2 (its round-3 results removed); one process resumes it
-    cut = two_processes(raw, tmp_path, "two-then-one")
+    cut = two_processes.run_dir(f"two-then-one-{case}")
     shutil.rmtree(cut / "final")
-    resumed = run(parse_recipe({**raw, "output_dir": str(cut)}), resume=True)
+    resumed = run(parse_recipe(two_processes.recipe(f"two-then-one-{case}", cut)), resume=True)
     assert_same(single, final_tensors(resumed.run_dir))
     assert [h["round"] for h in resumed.history if h.get("round")] == [1, 2, 3]
 

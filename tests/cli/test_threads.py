@@ -78,7 +78,7 @@ def test_train_threads_reaches_torch_and_summary(tiny_recipe, monkeypatch):
         monkeypatch.setattr(threads, "_chosen", None)
 
 
-def test_losses_do_not_depend_on_the_thread_count(tiny_recipe):
+def test_losses_do_not_depend_on_the_thread_count(tiny_recipe, monkeypatch):
     """A tiny run with 1 and with 2 threads: per-round losses equal to fp32 tolerance (rtol 1e-5).
 
     Reductions split across threads may round differently in the last bits, so not bit-equal in general;
@@ -90,12 +90,15 @@ def test_losses_do_not_depend_on_the_thread_count(tiny_recipe):
     from fedllm.server import run
 
     before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "_chosen", None)  # no earlier CLI choice in this process: run() keeps ours
     losses = {}
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             raw = tiny_recipe(output_dir=str(__import__("pathlib").Path(tiny_recipe()["output_dir"]).parent / f"t{n}"))
-            losses[n] = [h["train_loss"] for h in run(parse_recipe(raw)).history]
+            result = run(parse_recipe(raw))
+            assert json.loads((result.run_dir / "summary.json").read_text())["threads"]["torch_threads"] == n
+            losses[n] = [h["train_loss"] for h in result.history]
     finally:
         torch.set_num_threads(before)
     assert losses[1] == pytest.approx(losses[2], rel=1e-5)
