@@ -143,7 +143,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     write_state(model, {**plan.state, **plan.local})
     device = next(model.parameters()).device
     params = dict(model.named_parameters())
-    private = strategy.sample_level_privacy(len(indices))  # DP-SGD (fedllm.privacy.dp_sgd) or None
+    private = strategy.sample_level_privacy(plan, len(indices))  # DP-SGD (fedllm.privacy.dp_sgd) or None
     stream = private.stream(indices) if private else batch_stream(cfg, examples, indices, seed)
     default_steps = steps_per_round(cfg, len(indices))
     touched = list(plan.state) + [k for k in plan.local if k not in plan.state]

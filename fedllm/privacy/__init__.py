@@ -16,8 +16,9 @@ from typing import Any
 def with_privacy(strategy: Any, recipe: Any) -> Any:
     """``strategy`` with the recipe's privacy mechanism mixed in (unchanged when it is ``none``).
 
-    The result is the same strategy (its attributes) as an instance of ``(mechanism mixin, its class)``: every hook of the strategy stays, the mixin
-    overrides the few it needs (``aggregate``, ``client_upload`` ...) and calls the strategy's own through ``super()``.
+    The result is the same strategy (its attributes) as an instance of ``(mechanism mixin, its class)``: every
+    hook of the strategy stays, the mixin overrides the few it needs (``aggregate``, ``client_upload`` ...) and
+    calls the strategy's own through ``super()``.
     """
     mechanism = recipe.privacy.mechanism
     if mechanism == "none":

@@ -26,7 +26,7 @@ from fedllm.data.tokens import IGNORE_INDEX
 from fedllm.errors import InputError
 from fedllm.privacy import accounting
 from fedllm.state import StateDict
-from fedllm.strategies.base import ClientInfo, ClientUpdate
+from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate
 
 STEPS_KEY = "privacy/dp_sgd_steps"
 
@@ -123,11 +123,11 @@ class SampleLevelDP:
                 self.pv.target_epsilon, self.pv.delta, tr.batch_size / n, rounds * steps_per_round(tr, n))
                 for n in set(self.sizes))
 
-    def sample_level_privacy(self, num_examples: int) -> LocalDPSGD:
-        seed = self.noise_seed if self.noise_seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    def sample_level_privacy(self, plan: ClientPlan, num_examples: int) -> LocalDPSGD:
+        seed = derived_seed(self.noise_seed, plan.rnd, plan.client_id) if self.noise_seed is not None else \
+            int.from_bytes(os.urandom(8), "little") >> 1  # secret: Poisson draws and noise nobody can replay
         return LocalDPSGD(self.noise_multiplier, self.pv.clipping_norm, self.recipe.train.batch_size, num_examples,
-                          derived_seed(seed, num_examples, int.from_bytes(os.urandom(4), "little")
-                                       if self.noise_seed is None else 0))
+                          seed)
 
     # ----- server side: accounting per client
     def client_epsilon(self, cid: int, steps: int) -> float:

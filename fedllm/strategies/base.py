@@ -236,9 +236,9 @@ class Strategy(abc.ABC):
         """Entries added to round ``rnd``'s line of ``metrics.jsonl`` after it aggregated (e.g. the ε spent)."""
         return {}
 
-    def sample_level_privacy(self, num_examples: int) -> Any:
-        """Client side: the DP-SGD trainer a client of ``num_examples`` examples trains with, or None (plain
-        training); see :mod:`fedllm.privacy.dp_sgd`."""
+    def sample_level_privacy(self, plan: ClientPlan, num_examples: int) -> Any:
+        """Client side: the DP-SGD trainer the client of ``plan`` (``num_examples`` examples) trains with this
+        round, or None (plain training); see :mod:`fedllm.privacy.dp_sgd`."""
         return None
 
     def personal_state(self, client_id: int, client_state: StateDict) -> Optional[StateDict]:

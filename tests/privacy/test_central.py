@@ -15,7 +15,7 @@ from fedllm.config import parse_recipe
 from fedllm.privacy import accounting, with_privacy
 from fedllm.privacy.central import ClientLevelDP
 from fedllm.strategies import ClientUpdate, get_strategy
-from tests.strategies.flower_reference import SHAPES, assert_equal_rounds, client_arrays, flower_rounds, initial_state
+from tests.strategies.flower_reference import assert_equal_rounds, client_arrays, flower_rounds, initial_state
 
 SIZES = [20, 20, 20]  # equal weights: Flower's accounted DP path needs them, and fedllm's DP mean is uniform
 Z, C = 0.8, 0.5

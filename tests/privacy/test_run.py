@@ -35,7 +35,7 @@ def test_the_run_stops_with_a_checkpoint_before_the_budget_is_exceeded(tiny_reci
     with pytest.raises(RoundStopped, match="privacy budget is spent: aggregating round 3"):
         run(parse_recipe(raw))
     out = parse_recipe(raw).output_dir
-    lines = [json.loads(x) for x in open(f"{out}/metrics.jsonl").read().splitlines()]
+    lines = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines] == [1, 2] and lines[-1]["epsilon"] <= budget
     assert Path(out, "checkpoints", "round-0002").is_dir()
 
