@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from fedllm.client import derived_seed
+from fedllm.errors import InputError
 from fedllm.privacy import accounting
 from fedllm.state import StateDict, cast
 from fedllm.strategies.base import ClientPlan, ClientUpdate
@@ -80,6 +81,10 @@ class ClientLevelDP:
         ac = pv.adaptive_clipping
         self.count_stddev = (ac.count_stddev if ac.count_stddev is not None else self.expected / 20) \
             if ac.enabled else 0.0
+        if ac.enabled and self.noise_multiplier >= 2 * self.count_stddev:
+            raise InputError(f"{recipe.source}: privacy.adaptive_clipping.count_stddev: got {self.count_stddev:g}; "
+                             f"expected more than noise_multiplier / 2 = {self.noise_multiplier / 2:.4g} (the noise "
+                             f"multiplier privacy.target_epsilon needs); the count noise spends part of the budget")
         self.update_noise = adaptive_noise(self.noise_multiplier, self.count_stddev) if ac.enabled and \
             self.count_stddev > 0 else self.noise_multiplier
         self.releases = 0
