@@ -46,7 +46,7 @@ def per_example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -
     """One loss per example: cross-entropy of a classifier, or a causal LM's mean over the example's supervised
     tokens (0 for an example with none)."""
     labels = batch["labels"]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
     if labels.dim() == 1:
         return F.cross_entropy(logits, labels, reduction="none")
     shifted, targets = logits[:, :-1], labels[:, 1:]
