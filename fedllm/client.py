@@ -143,7 +143,8 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     write_state(model, {**plan.state, **plan.local})
     device = next(model.parameters()).device
     params = dict(model.named_parameters())
-    stream = batch_stream(cfg, examples, indices, seed)
+    private = strategy.sample_level_privacy(plan, len(indices))  # DP-SGD (fedllm.privacy.dp_sgd) or None
+    stream = private.stream(indices) if private else batch_stream(cfg, examples, indices, seed)
     default_steps = steps_per_round(cfg, len(indices))
     touched = list(plan.state) + [k for k in plan.local if k not in plan.state]
     losses: list[float] = []
@@ -165,39 +166,49 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
             opt = OPTIMIZERS[cfg.optimizer](trainable, cfg, plan.lr)
             if optimizer_state:
                 _load_optimizer_state(opt, names, optimizer_state)
-            for _ in range(phase.steps if phase.steps is not None else default_steps):
-                opt.zero_grad(set_to_none=True)
-                for _ in range(cfg.grad_accum):
-                    batch = collate([examples[i] for i in stream.next()])
-                    pad, pos = padded_positions(batch["attention_mask"])  # on the CPU: no device sync
-                    batch = {k: v.to(device) for k, v in batch.items()}
-                    padded, positions = padded + pad, positions + pos
-                    with train_autocast(device, cfg.dtype):
-                        loss = micro_batch_loss(model, batch, cfg)
-                        extra = strategy.client_loss(model, plan)
-                        total = loss if extra is None else loss + extra
-                    losses.append(float(loss.detach()))
-                    total = total / cfg.grad_accum
-                    (scaler.scale(total) if scaler else total).backward()
-                if scaler:
-                    scaler.unscale_(opt)
-                if cfg.max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-                if scaler:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                strategy.after_step(model, plan)
-                total_steps += 1
-                if progress is not None:
-                    progress.update(1)
+            dp_phase = private.phase(model, opt) if private else contextlib.nullcontext(opt)
+            with dp_phase as stepper:  # the optimizer that steps (DP-SGD: opacus's DPOptimizer)
+                for _ in range(phase.steps if phase.steps is not None else default_steps):
+                    stepper.zero_grad(set_to_none=True)
+                    for _ in range(cfg.grad_accum):
+                        drawn = stream.next()
+                        if not drawn:  # an empty Poisson batch (DP-SGD): the step adds noise only
+                            private.empty_batch(trainable)
+                            continue
+                        batch = collate([examples[i] for i in drawn])
+                        pad, pos = padded_positions(batch["attention_mask"])  # on the CPU: no device sync
+                        batch = {k: v.to(device) for k, v in batch.items()}
+                        padded, positions = padded + pad, positions + pos
+                        with train_autocast(device, cfg.dtype):
+                            if private:
+                                total, loss = private.loss(model, batch)
+                            else:
+                                loss = micro_batch_loss(model, batch, cfg)
+                                extra = strategy.client_loss(model, plan)
+                                total = loss if extra is None else loss + extra
+                        losses.append(float(loss.detach()))
+                        total = total / cfg.grad_accum
+                        (scaler.scale(total) if scaler else total).backward()
+                    if scaler:
+                        scaler.unscale_(stepper)
+                    if cfg.max_grad_norm:
+                        torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+                    if scaler:
+                        scaler.step(stepper)
+                        scaler.update()
+                    else:
+                        stepper.step()
+                    strategy.after_step(model, plan)
+                    total_steps += 1
+                    if progress is not None:
+                        progress.update(1)
             new_opt_state.update(_named_optimizer_state(opt, names))
     finally:
         for name, p in params.items():
             p.requires_grad_(original_flags[name])
         model.train(was_training)
-    return ClientResult(state=read_state(model, touched), loss=sum(losses) / len(losses), steps=total_steps,
+    loss = sum(losses) / len(losses) if losses else 0.0  # none: DP-SGD drew only empty Poisson batches
+    return ClientResult(state=read_state(model, touched), loss=loss, steps=total_steps,
                         optimizer_state=new_opt_state if cfg.optimizer_state == "per_client" else None,
                         padding=(padded, positions))
 

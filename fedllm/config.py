@@ -187,6 +187,27 @@ class LoggingConfig:
 
 
 @dataclass
+class AdaptiveClippingConfig:
+    enabled: bool = doc(False, "adapt the clipping norm each round toward a quantile of the update norms (Andrew et al. 2021); privacy.clipping_norm is the initial norm")
+    target_quantile: float = doc(0.5, "fraction of client updates the norm should leave unclipped, in [0, 1]")
+    learning_rate: float = doc(0.2, "geometric step of the norm: C <- C * exp(-lr * (unclipped fraction - target_quantile))")
+    count_stddev: Optional[float] = doc(None, "std of the noise on the unclipped count; default: clients per round / 20")
+
+
+@dataclass
+class PrivacyConfig:
+    mechanism: Literal["none", "central", "central_client_clipping", "dp_sgd"] = doc("none", "none; client-level DP with server-side clipping (central) or client-side clipping (central_client_clipping); sample-level DP-SGD on each client with opacus (dp_sgd)")
+    clipping_norm: float = doc(1.0, "L2 bound of a client's update (central*) or of one example's gradient (dp_sgd)")
+    noise_multiplier: Optional[float] = doc(None, "noise std / clipping norm; with target_epsilon too, target_epsilon is the budget the run stops at")
+    target_epsilon: Optional[float] = doc(None, "epsilon after the planned rounds: picks the noise multiplier (when none is given) and stops the run before it is exceeded")
+    delta: float = doc(1e-5, "delta of the (epsilon, delta) guarantee; keep it well below 1/clients (central*) or 1/examples of a client (dp_sgd)")
+    accounting: Literal["auto", "without_replacement", "no_amplification"] = doc("auto", "central*: amplification by fedllm's sampling of clients without replacement (replace-one neighbours), or none (add/remove one client, as Flower; only with full participation); auto: no_amplification when every client trains every round")
+    adaptive_clipping: AdaptiveClippingConfig = doc(AdaptiveClippingConfig(), "central*: adaptive clipping norm")
+    noise_seed: Optional[int] = doc(None, "null: noise from a secret random seed (the default; needed for the guarantee); an integer reproduces the noise (experiments only: whoever knows it can remove the noise)")
+    secure_aggregation: bool = doc(False, "Flower SecAgg+ of the client updates (refused: see docs/privacy.md)")
+
+
+@dataclass
 class Recipe:
     seed: int = doc(0, "seed of sampling, partition, init and data order")
     output_dir: str = doc("runs/run", "run directory")
@@ -198,6 +219,7 @@ class Recipe:
     eval: EvalConfig = doc(EvalConfig(), "evaluation during training")
     checkpoint: CheckpointConfig = doc(CheckpointConfig(), "checkpointing")
     logging: LoggingConfig = doc(LoggingConfig(), "progress and logs")
+    privacy: PrivacyConfig = doc(PrivacyConfig(), "differential privacy (docs/privacy.md)")
     source: str = field(default="<recipe>", metadata={"doc": "file the recipe came from (set by the loader)", "internal": True})
 
     def to_dict(self) -> dict[str, Any]:
@@ -535,6 +557,9 @@ def _semantic_problems(r: Recipe, check_files: bool = False) -> list[tuple[str, 
             p.append((f"federation.strategy_args.{key}", given, expected))
     if tr.clients_per_pass > 1:
         p.extend(_client_batching_problems(r, with_strategy=not p or "torch" in sys.modules))
+    from fedllm.privacy.recipe_checks import privacy_problems
+
+    p.extend(privacy_problems(r))
     return p
 
 

@@ -37,6 +37,7 @@ from fedllm.state import StateDict, cast, num_bytes
 from fedllm.redact import redact
 from fedllm.resume_check import check_resume_recipe
 from fedllm.rundir import RunDirError  # noqa: F401  (re-exported: raised by prepare_run_dir)
+from fedllm.privacy import with_privacy
 from fedllm.strategies import ClientInfo, ClientUpdate, Strategy, get_strategy
 from fedllm.tracking import Tracking
 
@@ -106,7 +107,7 @@ def build_federation(recipe: Recipe) -> Federation:
     num_labels = len(data.label_names) if data.label_names else 2
     loaded = load_model(recipe.model, recipe.lora, num_labels=num_labels, seed=recipe.seed,
                         source=recipe.source, tokenizer=tokenizer)
-    strategy = get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args)
+    strategy = with_privacy(get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args), recipe)
     strategy.recipe = recipe
     torch.manual_seed(derived_seed(recipe.seed, 0x57A7))
     strategy.setup(loaded.model, [ClientInfo(c, len(ix)) for c, ix in enumerate(data.clients)])
@@ -352,6 +353,9 @@ class RoundLoop:
         lr = round_lr(recipe, rnd)
         retries: list[dict[str, Any]] = []
         failed: set[int] = set()
+        why = strategy.round_problem(rnd)
+        if why:
+            self.stop(rnd, why)
         for attempt in range(fed.round_retries + 1):
             sampled = sample_clients(recipe.seed, rnd, fed.num_clients, recipe.sampled_per_round(), attempt,
                                      frozenset(failed))
@@ -386,6 +390,7 @@ class RoundLoop:
             "train_loss": sum(u.loss * u.num_examples for u in updates) / sum(u.num_examples for u in updates),
             "padded_fraction": padded_fraction(updates),
         }
+        record.update(strategy.round_record(rnd))
         if dropped:
             record["dropped"] = {str(c): why for c, why in dropped.items()}
         if retries:
@@ -468,6 +473,7 @@ class RoundLoop:
             "threads": threads.in_effect(),
             "startup_seconds": self.startup.get("seconds"), "startup": self.startup,
             "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},
+            **{k: rounds[-1][k] for k in ("epsilon", "client_epsilon", "privacy") if rounds and k in rounds[-1]},
         }
         ckpt_io.atomic_write_text(self.run_dir / "summary.json", strict_json.dumps(summary, indent=2))
         return summary

@@ -39,6 +39,10 @@ STATEFUL = {
     "scaffold": ("scaffold", {}, {}),
     "fedloru": ("fedloru", {"tau": 2, "reinit": "momentum"}, {"train": {"optimizer_state": "per_client"}}),
     "fedadam": ("fedadam", {"eta": 1e-2}, {}),
+    # client-level DP around a server optimiser: the noise (fixed seed) and adaptive norm agree on every rank
+    "fedadam-dp": ("fedadam", {"eta": 1e-2}, {"privacy": {"mechanism": "central", "noise_multiplier": 0.5,
+                                                          "clipping_norm": 0.05, "noise_seed": 3,
+                                                          "adaptive_clipping": {"enabled": True, "count_stddev": 1}}}),
     "pflmf": ("pflmf", {"rank": 3, "eta_u": 0.5}, {"train": {"optimizer_state": "per_client"}}),
     "fedsa_lora": ("fedsa_lora", {}, {"train": {"optimizer_state": "per_client"}}),
     "flora": ("flora", {"client_ranks": [4, 1, 2, 4]}, {}),

@@ -99,6 +99,10 @@ CASES = {
     "fedloru": ("fedloru", {"tau": 2, "reinit": "momentum"}, {"train": {"optimizer_state": "per_client"}}),
     "fedsa_lora": ("fedsa_lora", {}, {}),
     "fedadam": ("fedadam", {"eta": 1e-2}, {}),
+    # client-side DP clipping runs on the nodes (the norm goes out in the plan, the unclipped bit comes back)
+    "fedavg-client-dp": ("fedavg", {}, {"privacy": {"mechanism": "central_client_clipping", "noise_multiplier": 0.5,
+                                                    "clipping_norm": 0.05, "noise_seed": 3, "adaptive_clipping": {
+                                                        "enabled": True, "count_stddev": 1}}}),
 }
 
 

@@ -235,6 +235,20 @@ class Strategy(abc.ABC):
         """
         return {}
 
+    def round_problem(self, rnd: int) -> Optional[str]:
+        """Why round ``rnd`` must not run (the run then stops with a checkpoint of the round before), or None
+        (e.g. a privacy budget that the round would exceed)."""
+        return None
+
+    def round_record(self, rnd: int) -> dict[str, Any]:
+        """Entries added to round ``rnd``'s line of ``metrics.jsonl`` after it aggregated (e.g. the ε spent)."""
+        return {}
+
+    def sample_level_privacy(self, plan: ClientPlan, num_examples: int) -> Any:
+        """Client side: the DP-SGD trainer the client of ``plan`` (``num_examples`` examples) trains with this
+        round, or None (plain training); see :mod:`fedllm.privacy.dp_sgd`."""
+        return None
+
     def personal_state(self, client_id: int, client_state: StateDict) -> Optional[StateDict]:
         """A personalized strategy's tensors that turn the global model into client ``client_id``'s own
         (loaded for its eval and export), from its stored entry ``client_state`` (empty if it never trained)."""

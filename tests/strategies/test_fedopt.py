@@ -4,17 +4,12 @@ server moments across a checkpoint."""
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import strategy as flower
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedllm.config import parse_recipe
 from fedllm.errors import InputError
-from fedllm.strategies import ClientUpdate, get_strategy
-
-SHAPES = {"layer.lora_A.default.weight": (4, 6), "layer.lora_B.default.weight": (6, 4), "classifier.weight": (3,)}
-SIZES = [10, 25, 40]  # examples per client
-ROUNDS = 4
+from fedllm.strategies import get_strategy
+from flower_reference import ROUNDS, SIZES, client_arrays, fedllm_rounds, flower_rounds
 
 CASES = [
     ("fedavgm", flower.FedAvgM, {}),
@@ -28,58 +23,9 @@ CASES = [
 ]
 
 
-class Grid:
-    """The three connected nodes Flower's sampling sees."""
-
-    def get_node_ids(self):
-        return [11, 12, 13]
-
-
-def initial_state() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
-
-
-def client_arrays(rnd: int) -> list[dict[str, np.ndarray]]:
-    """What each client uploads in round ``rnd``: fixed arrays (the same inputs for both libraries)."""
-    rng = np.random.default_rng(100 + rnd)
-    base = initial_state()
-    return [{k: (v + 0.3 * rng.normal(size=v.shape) + 0.1 * rnd).astype(np.float32) for k, v in base.items()}
-            for _ in SIZES]
-
-
-def flower_rounds(cls, args, monkeypatch) -> list[dict[str, np.ndarray]]:
-    for attr in ("_run_id", "_node_id", "_task_id"):  # Messages need an identity outside a Flower run
-        monkeypatch.setattr(TaskIdentity, attr, 1)
-    strategy = cls(**args)
-    arrays = ArrayRecord({k: Array(v) for k, v in initial_state().items()})
-    out = []
-    for rnd in range(1, ROUNDS + 1):
-        sent = list(strategy.configure_train(rnd, arrays, ConfigRecord(), Grid()))
-        assert len(sent) == len(SIZES)
-        replies = [Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in up.items()}),
-                                       "metrics": MetricRecord({"num-examples": n})}), reply_to=msg)
-                   for msg, up, n in zip(sent, client_arrays(rnd), SIZES, strict=True)]
-        arrays, _ = strategy.aggregate_train(rnd, replies)
-        out.append({k: np.asarray(a.numpy(), dtype=np.float64) for k, a in arrays.items()})
-    return out
-
-
-def fedllm_rounds(name, args, rounds=range(1, ROUNDS + 1), strategy=None, state=None):
-    strategy = strategy or get_strategy(name, **args)
-    state = state or {k: torch.from_numpy(v) for k, v in initial_state().items()}
-    out = []
-    for rnd in rounds:
-        updates = [ClientUpdate(c, {k: torch.from_numpy(v) for k, v in up.items()}, n, 0.0, 1)
-                   for c, (up, n) in enumerate(zip(client_arrays(rnd), SIZES, strict=True))]
-        state = strategy.aggregate(rnd, state, updates)
-        out.append(state)
-    return out, strategy
-
-
 @pytest.mark.parametrize("name,cls,args", CASES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(CASES)])
 def test_server_optimiser_equals_flower_over_rounds(name, cls, args, monkeypatch):
-    expected = flower_rounds(cls, args, monkeypatch)
+    expected = flower_rounds(cls(**args), monkeypatch)
     got, _ = fedllm_rounds(name, args)
     for rnd, (want, have) in enumerate(zip(expected, got, strict=True), start=1):
         assert want.keys() == have.keys()

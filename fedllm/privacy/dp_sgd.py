@@ -1,0 +1,166 @@
+"""Sample-level DP-SGD on each client with opacus (Abadi et al. 2016), ``privacy.mechanism: dp_sgd``.
+
+Each local step draws a Poisson batch (every example of the client independently with probability
+``q = batch_size / n_i``), computes per-example gradients of the trainable (LoRA) tensors with opacus's
+``GradSampleModule``, clips each to ``privacy.clipping_norm`` and adds ``N(0, (z·C)²)`` with opacus's
+``DPOptimizer`` before the usual optimizer step (empty batches still take a noise-only step). The loss is a sum
+of per-example losses (per-token mean within an example), so one example's presence cannot rescale another's
+gradient. Everything the client uploads is post-processing of these steps: client ``i``'s examples are
+``(ε_i, δ)``-DP with ε_i from opacus's RDP accountant over the steps it took (``client_epsilon`` in
+``metrics.jsonl``; ``epsilon`` is the largest). ``privacy.target_epsilon`` picks ``z`` so that a client that
+trains every planned round stays within it. The noise and the Poisson draws come from a secret seed unless
+``privacy.noise_seed`` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fedllm.client import derived_seed, steps_per_round
+from fedllm.data.tokens import IGNORE_INDEX
+from fedllm.errors import InputError
+from fedllm.privacy import accounting
+from fedllm.state import StateDict
+from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate
+
+STEPS_KEY = "privacy/dp_sgd_steps"
+
+
+class PoissonStream:
+    """Each call: every one of the client's examples independently with probability ``rate`` (may be empty)."""
+
+    def __init__(self, indices, rate: float, gen: torch.Generator):
+        self.indices, self.rate, self.gen = list(indices), rate, gen
+
+    def next(self) -> list[int]:
+        keep = torch.rand(len(self.indices), generator=self.gen) < self.rate
+        return [i for i, k in zip(self.indices, keep.tolist(), strict=True) if k]
+
+
+def per_example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One loss per example: cross-entropy of a classifier, or a causal LM's mean over the example's supervised
+    tokens (0 for an example with none)."""
+    labels = batch["labels"]
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+    if labels.dim() == 1:
+        return F.cross_entropy(logits, labels, reduction="none")
+    shifted, targets = logits[:, :-1], labels[:, 1:]
+    token = F.cross_entropy(shifted.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    counts = (targets != IGNORE_INDEX).sum(dim=1)
+    return token.sum(dim=1) / counts.clamp(min=1)
+
+
+class LocalDPSGD:
+    """The client side of DP-SGD for one client and round (see the module docstring)."""
+
+    def __init__(self, noise_multiplier: float, clipping_norm: float, batch_size: int, num_examples: int,
+                 seed: int):
+        self.noise_multiplier, self.clipping_norm = noise_multiplier, clipping_norm
+        self.batch_size, self.rate = batch_size, min(1.0, batch_size / num_examples)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def stream(self, indices) -> PoissonStream:
+        return PoissonStream(indices, self.rate, self.gen)
+
+    @contextlib.contextmanager
+    def phase(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        """Per-example gradients on ``model`` and a ``DPOptimizer`` around ``optimizer`` for one training phase."""
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        wrapped = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+        device = next(p for p in model.parameters() if p.requires_grad).device
+        noise_gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.gen)))
+        try:
+            yield DPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.clipping_norm,
+                              expected_batch_size=self.batch_size, loss_reduction="mean", generator=noise_gen)
+        finally:
+            wrapped._close()
+
+    def empty_batch(self, trainable: list[torch.nn.Parameter]) -> None:
+        """No example drawn: per-example gradients of a batch of zero (the step adds noise only)."""
+        for p in trainable:
+            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum of per-example losses to backpropagate, their mean to report)``."""
+        losses = per_example_losses(model, batch)
+        return losses.sum(), losses.detach().mean()
+
+
+def unsupported_layers(model: torch.nn.Module) -> list[str]:
+    """Trainable layers opacus cannot compute per-example gradients for (with buffers, e.g. batch norm)."""
+    from opacus import GradSampleModule
+
+    return [str(e) for e in GradSampleModule.validate(model, strict=False)]
+
+
+class SampleLevelDP:
+    """Mixin before a strategy class: DP-SGD on every client, per-client ε on the server."""
+
+    def bind_privacy(self, recipe: Any) -> None:
+        self.pv = recipe.privacy
+        self.noise_multiplier: Optional[float] = self.pv.noise_multiplier
+        self.client_steps: dict[int, int] = {}
+        self.sizes: list[int] = []
+        self.noise_seed: Optional[int] = self.pv.noise_seed
+
+    def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
+        super().setup(model, clients)
+        bad = unsupported_layers(model)
+        if bad:
+            raise InputError(f"{self.recipe.source}: privacy.mechanism: got 'dp_sgd'; expected a model whose "
+                             f"trainable layers opacus can compute per-example gradients for: {'; '.join(bad)}")
+        self.sizes = [c.num_examples for c in clients]
+        if self.noise_multiplier is None:  # a client that trains every planned round stays within the target
+            tr, rounds = self.recipe.train, self.recipe.federation.rounds
+            self.noise_multiplier = max(accounting.dp_sgd_noise_multiplier(
+                self.pv.target_epsilon, self.pv.delta, tr.batch_size / n, rounds * steps_per_round(tr, n))
+                for n in set(self.sizes))
+
+    def sample_level_privacy(self, plan: ClientPlan, num_examples: int) -> LocalDPSGD:
+        seed = derived_seed(self.noise_seed, plan.rnd, plan.client_id) if self.noise_seed is not None else \
+            int.from_bytes(os.urandom(8), "little") >> 1  # secret: Poisson draws and noise nobody can replay
+        return LocalDPSGD(self.noise_multiplier, self.pv.clipping_norm, self.recipe.train.batch_size, num_examples,
+                          seed)
+
+    # ----- server side: accounting per client
+    def client_epsilon(self, cid: int, steps: int) -> float:
+        rate = self.recipe.train.batch_size / self.sizes[cid]
+        return accounting.dp_sgd_epsilon(self.noise_multiplier, rate, steps, self.pv.delta)
+
+    def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
+        for u in updates:
+            self.client_steps[u.client_id] = self.client_steps.get(u.client_id, 0) + int(u.steps)
+        return super().aggregate(rnd, global_state, updates)
+
+    def round_problem(self, rnd: int) -> Optional[str]:
+        if self.pv.target_epsilon is None:
+            return None
+        tr = self.recipe.train
+        worst = max((self.client_epsilon(c, self.client_steps.get(c, 0) + steps_per_round(tr, n)), c)
+                    for c, n in enumerate(self.sizes))
+        if worst[0] > self.pv.target_epsilon * (1 + 1e-9):
+            return (f"the privacy budget is spent: if client {worst[1]} trained in round {rnd} its epsilon would be "
+                    f"{worst[0]:.4g} > privacy.target_epsilon = {self.pv.target_epsilon:g} (delta {self.pv.delta:g})")
+        return None
+
+    def round_record(self, rnd: int) -> dict[str, Any]:
+        per_client = {str(c): self.client_epsilon(c, s) for c, s in sorted(self.client_steps.items())}
+        return {"epsilon": max(per_client.values(), default=0.0), "client_epsilon": per_client,
+                "privacy": {"mechanism": "dp_sgd", "delta": self.pv.delta, "noise_multiplier": self.noise_multiplier,
+                            "clipping_norm": self.pv.clipping_norm}}
+
+    def state_dict(self) -> StateDict:
+        steps = torch.tensor([self.client_steps.get(c, 0) for c in range(len(self.sizes))], dtype=torch.int64)
+        return {**super().state_dict(), STEPS_KEY: steps}
+
+    def load_state_dict(self, state: StateDict) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if k != STEPS_KEY})
+        if STEPS_KEY in state:
+            self.client_steps = {c: int(s) for c, s in enumerate(state[STEPS_KEY].tolist()) if s}

@@ -1,0 +1,113 @@
+"""Recipe validation of the ``privacy`` section (no torch import: runs at recipe load).
+
+Client-level DP clips each client's update and adds Gaussian noise to their *sum*: the guarantee holds only
+for a strategy whose server step is a mean of the clients' uploads, each upload the client's starting
+state plus its (clipped) change, with anything after it a function of that noised mean. The built-in
+strategies that are such are listed in :data:`SUMMED_DELTA_STRATEGIES`; the others are refused with the
+reason in :data:`REFUSED`. A strategy registered elsewhere is refused until it is added here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUMMED_DELTA_STRATEGIES = frozenset({
+    "fedavg", "fedprox", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedsa_lora", "frlora",
+    "frlora_v1", "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "fedlora_pfl"})
+"""Strategies whose aggregate is a mean of uploads that are ``sent state + change`` (then post-processing)."""
+
+_ROBUST = ("selects or ranks individual uploads (median, trimmed mean, Krum scores), so the aggregate is not a "
+           "noised sum and the Gaussian mechanism's guarantee does not apply")
+REFUSED = {
+    "scaffold": "uploads control-variate corrections beside the model, which are not a change of the sent state",
+    "flexlora": "averages each client's full product s·B_k·A_k, a nonlinear function of one client's upload, not "
+                "a sum of clipped uploads",
+    "flora": "stacks the clients' adapters instead of summing them",
+    "fedex_lora": "adds the mean of each client's own product s·B_k·A_k to the base: not a sum of clipped uploads",
+    "mfedloru": "rebuilds each client's factors from nested products before averaging: not a sum of clipped uploads",
+    "pflmf": "uploads gradients taken at each client's private vector, not a change of the sent state",
+    "local": "aggregates nothing",
+    "fedmedian": _ROBUST, "fedtrimmedavg": _ROBUST, "krum": _ROBUST, "multikrum": _ROBUST, "bulyan": _ROBUST,
+}
+
+DP_SGD_REFUSED = {
+    "fedprox": "adds a proximal loss term whose gradient is not per-example, which DP-SGD's per-example "
+               "clipping would drop",
+}
+
+SECURE_AGGREGATION_REFUSED = (
+    "false: Flower 1.41's SecAgg+ (flwr.server.workflow.SecAggPlusWorkflow + flwr.client.mod.secaggplus_mod) "
+    "runs only inside the legacy workflow (it needs a LegacyContext whose flwr.server.strategy.Strategy has "
+    "configure_fit/aggregate_fit, and FitRes-shaped replies); fedllm's ServerApp drives the Message API "
+    "(flwr.serverapp Grid with its own messages) and its round loop needs every client's update, so there is "
+    "no SecAgg+ for it to use (docs/privacy.md)")
+
+
+def strategy_problem(mechanism: str, strategy: str) -> str | None:
+    """Why ``strategy`` cannot run under ``privacy.mechanism: mechanism`` (None when it can)."""
+    if strategy in REFUSED:
+        return REFUSED[strategy]
+    if strategy not in SUMMED_DELTA_STRATEGIES:
+        return ("not declared as uploading a summed model delta (add it to "
+                "fedllm.privacy.recipe_checks.SUMMED_DELTA_STRATEGIES once it is)")
+    if mechanism == "dp_sgd" and strategy in DP_SGD_REFUSED:
+        return DP_SGD_REFUSED[strategy]
+    return None
+
+
+def privacy_problems(r: Any) -> list[tuple[str, Any, str]]:
+    """Problems of ``r.privacy`` as ``(key, given, expected)``."""
+    pv, p = r.privacy, []
+    if pv.secure_aggregation:
+        p.append(("privacy.secure_aggregation", True, SECURE_AGGREGATION_REFUSED))
+    if pv.mechanism == "none":
+        for key in ("noise_multiplier", "target_epsilon"):
+            if getattr(pv, key) is not None:
+                p.append((f"privacy.{key}", getattr(pv, key), "null when privacy.mechanism is none (or choose a "
+                                                              "mechanism: central, central_client_clipping, dp_sgd)"))
+        if pv.adaptive_clipping.enabled:
+            p.append(("privacy.adaptive_clipping.enabled", True, "false when privacy.mechanism is none"))
+        return p
+    why = strategy_problem(pv.mechanism, r.federation.strategy)
+    if why:
+        p.append(("privacy.mechanism", pv.mechanism, f"none with federation.strategy {r.federation.strategy!r}: "
+                                                     f"it {why}"))
+    if pv.noise_multiplier is None and pv.target_epsilon is None:
+        p.append(("privacy.noise_multiplier", None, "a positive number, or give privacy.target_epsilon"))
+    if pv.noise_multiplier is not None and not pv.noise_multiplier > 0:
+        p.append(("privacy.noise_multiplier", pv.noise_multiplier, "a positive number"))
+    if pv.target_epsilon is not None and not pv.target_epsilon > 0:
+        p.append(("privacy.target_epsilon", pv.target_epsilon, "a positive number"))
+    if not pv.clipping_norm > 0:
+        p.append(("privacy.clipping_norm", pv.clipping_norm, "a positive number"))
+    if pv.accounting == "no_amplification" and r.sampled_per_round() < r.federation.num_clients:
+        p.append(("privacy.accounting", pv.accounting, "auto or without_replacement when not every client trains every "
+                                                       "round (one client's update can displace another's)"))
+    if not 0 < pv.delta < 1:
+        p.append(("privacy.delta", pv.delta, "a number in (0, 1), well below 1 / number of clients"))
+    ac = pv.adaptive_clipping
+    if ac.enabled:
+        if pv.mechanism == "dp_sgd":
+            p.append(("privacy.adaptive_clipping.enabled", True, "false with privacy.mechanism dp_sgd (per-example "
+                                                                  "clipping is fixed)"))
+        if not 0 <= ac.target_quantile <= 1:
+            p.append(("privacy.adaptive_clipping.target_quantile", ac.target_quantile, "a number in [0, 1]"))
+        if not ac.learning_rate > 0:
+            p.append(("privacy.adaptive_clipping.learning_rate", ac.learning_rate, "a positive number"))
+        stddev = ac.count_stddev if ac.count_stddev is not None else r.sampled_per_round() / 20
+        if ac.count_stddev is not None and ac.count_stddev < 0:
+            p.append(("privacy.adaptive_clipping.count_stddev", ac.count_stddev, "a number >= 0"))
+        elif pv.noise_multiplier is not None and pv.noise_multiplier >= 2 * stddev:
+            p.append(("privacy.adaptive_clipping.count_stddev", ac.count_stddev,
+                      f"more than noise_multiplier / 2 = {pv.noise_multiplier / 2:g} (default: clients per round "
+                      f"/ 20 = {r.sampled_per_round() / 20:g}); the count noise spends part of the budget"))
+    if pv.mechanism == "dp_sgd":
+        tr = r.train
+        for key, ok, expected in (("grad_accum", tr.grad_accum == 1, "1 with DP-SGD (each step is one Poisson batch)"),
+                                  ("clients_per_pass", tr.clients_per_pass == 1, "1 with DP-SGD"),
+                                  ("dtype", tr.dtype != "fp16", "fp32 or bf16 with DP-SGD (no loss scaling)"),
+                                  ("max_grad_norm", tr.max_grad_norm is None,
+                                   "null with DP-SGD (privacy.clipping_norm clips each example's gradient)")):
+            if not ok:
+                p.append((f"train.{key}", getattr(tr, key), expected))
+    return p

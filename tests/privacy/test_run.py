@@ -1,0 +1,72 @@
+"""Client-level DP in a real (tiny) run: ε per round in metrics.jsonl and summary.json, the budget stop with a
+checkpoint, and recipe validation of the privacy section."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedllm.client_faults import RoundStopped
+from fedllm.config import parse_recipe
+from fedllm.errors import InputError
+from fedllm.privacy import accounting
+from fedllm.server import run
+
+DP = {"mechanism": "central", "noise_multiplier": 1.0, "clipping_norm": 0.5, "delta": 1e-3}
+
+
+def test_epsilon_is_written_every_round_and_in_the_summary(tiny_recipe):
+    raw = tiny_recipe(federation={"rounds": 3, "num_clients": 4, "clients_per_round": 2}, privacy=DP)
+    result = run(parse_recipe(raw))
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    eps = [line["epsilon"] for line in lines]
+    want = [accounting.central_epsilon("without_replacement", 1.0, 4, 2, r, 1e-3) for r in (1, 2, 3)]
+    assert eps == pytest.approx(want, rel=1e-12) and eps[0] < eps[1] < eps[2]
+    assert lines[-1]["privacy"]["accounting"] == "without_replacement"
+    assert lines[0]["privacy"]["noise_std"] == pytest.approx(1.0 * 0.5 / 2)
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["epsilon"] == eps[-1] and summary["privacy"]["releases"] == 3
+
+
+def test_the_run_stops_with_a_checkpoint_before_the_budget_is_exceeded(tiny_recipe):
+    budget = accounting.central_epsilon("no_amplification", 1.0, 3, 3, 2, 1e-3) * 1.01  # room for 2 rounds
+    raw = tiny_recipe(federation={"rounds": 4, "clients_per_round": 3},
+                      privacy={**DP, "target_epsilon": budget}, checkpoint={"every": 1})
+    with pytest.raises(RoundStopped, match="privacy budget is spent: aggregating round 3"):
+        run(parse_recipe(raw))
+    out = parse_recipe(raw).output_dir
+    lines = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == [1, 2] and lines[-1]["epsilon"] <= budget
+    assert Path(out, "checkpoints", "round-0002").is_dir()
+
+
+@pytest.mark.parametrize("privacy,federation,key,expected", [
+    ({"mechanism": "central", "noise_multiplier": 1.0}, {"strategy": "krum"}, "privacy.mechanism", "Krum scores"),
+    ({"mechanism": "central", "noise_multiplier": 1.0}, {"strategy": "scaffold"}, "privacy.mechanism",
+     "control-variate"),
+    ({"mechanism": "dp_sgd", "noise_multiplier": 1.0}, {"strategy": "fedprox"}, "privacy.mechanism", "proximal"),
+    ({"mechanism": "central"}, {}, "privacy.noise_multiplier", "or give privacy.target_epsilon"),
+    ({"mechanism": "central", "noise_multiplier": -1.0}, {}, "privacy.noise_multiplier", "positive"),
+    ({"mechanism": "central", "target_epsilon": 1.0, "delta": 1.5}, {}, "privacy.delta", "in \\(0, 1\\)"),
+    ({"mechanism": "central", "noise_multiplier": 1.0, "accounting": "no_amplification"}, {"clients_per_round": 2},
+     "privacy.accounting", "not every client trains every round"),
+    ({"noise_multiplier": 1.0}, {}, "privacy.noise_multiplier", "mechanism is none"),
+    ({"secure_aggregation": True}, {}, "privacy.secure_aggregation", "SecAgg\\+"),
+    ({"mechanism": "central", "noise_multiplier": 1.0, "adaptive_clipping": {"enabled": True}}, {},
+     "privacy.adaptive_clipping.count_stddev", "noise_multiplier / 2"),
+    ({"mechanism": "centrall"}, {}, "privacy.mechanism", "one of"),
+])
+def test_bad_privacy_settings_name_the_key(privacy, federation, key, expected):
+    raw = {"data": {"path": "unused.jsonl"}, "train": {"local_steps": 1},
+           "federation": {"num_clients": 3, **federation}, "privacy": privacy}
+    with pytest.raises(InputError, match=expected) as err:
+        parse_recipe(raw)
+    assert f"- {key}:" in str(err.value)
+
+
+def test_dp_sgd_refuses_gradient_accumulation_and_loss_scaling():
+    raw = {"data": {"path": "unused.jsonl"}, "train": {"local_steps": 1, "grad_accum": 2, "dtype": "fp16"},
+           "federation": {"num_clients": 3}, "privacy": {"mechanism": "dp_sgd", "target_epsilon": 3.0}}
+    with pytest.raises(InputError) as err:
+        parse_recipe(raw)
+    assert "train.grad_accum" in str(err.value) and "train.dtype" in str(err.value)
