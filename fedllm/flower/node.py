@@ -103,12 +103,12 @@ class Node:
 
         from fedllm import checkpoint as ckpt_io
         from fedllm.config import dump_recipe
-        from fedllm.server import base_weights
+        from fedllm.server import base_fields
 
         strategy = self.fed.strategy
         ckpt_io.save_checkpoint(self.dir / f"step-{step:04d}", ckpt_io.Checkpoint(
             round=self.synced, adapter=adapter, strategy=strategy.state_dict(), clients=self.store.flat(),
-            base=base_weights(self.fed.loaded.model) if strategy.modifies_base else {},
+            **base_fields(self.fed.loaded.model, strategy),
             meta={"client_id": self.config.client_id, "strategy": self.recipe.federation.strategy},
             recipe_yaml=dump_recipe(self.recipe)))
         keep = max(2, (self.recipe.checkpoint.every or 0) + 1)  # a resumed server may go back that far
