@@ -37,14 +37,6 @@ CASES = {  # every strategy whose merges change the base, in both residual modes
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build(name, args, comm="fp32"):
     model = load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=4, alpha=8), seed=0).model
     strategy = get_strategy(name, **args)
