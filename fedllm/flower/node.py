@@ -8,8 +8,10 @@ the state the client had then), holding
 
 - ``clients.safetensors``: this client's per-client state (SCAFFOLD's ``c_i``, private factors, optimizer
   moments: :class:`fedllm.client_store.ClientStore`), which never leaves the node;
-- ``base.safetensors`` / ``strategy.safetensors``: the node's replica of what ``after_aggregate`` changes
-  on every client (FRLoRA's and FedLoRU's merges into the base), and the round it is synced to.
+- ``base.safetensors`` / ``strategy.safetensors``: the node's replica of what every client changes (FRLoRA's,
+  FedLoRU's, FedEx-LoRA's and FLoRA's merges into the base), and the round it is synced to; the base as a
+  snapshot hard-linked from the previous step plus a log of low-rank merges (:mod:`fedllm.base_history`), so a
+  step writes adapter-sized bytes.
 
 Catch-up (FRLoRA's non-participant sync, DESIGN.md §4): the server keeps each round's aggregate and sends
 a client the rounds it missed with its next message (and every client the rest after the last round);
