@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
 
+from fedllm.base_history import load_base  # noqa: E402
 from fedllm.config import parse_recipe  # noqa: E402
 from fedllm.server import run  # noqa: E402
 
@@ -137,7 +138,7 @@ def test_flower_deployment_matches_the_simulation(federation, tiny_recipe, tmp_p
         node_base = {}
         for s in step:
             if (s / "base.safetensors").is_file():
-                node_base = load_file(str(s / "base.safetensors"))
+                node_base = load_base(s)  # the snapshot with the log of merges since it replayed
         assert node_base.keys() == want_base.keys()
         assert max(float((want_base[k] - node_base[k]).abs().max()) for k in want_base) <= 1e-6
     kept = [load_file(str(p)) for s in states for p in s.glob("*/client-*/step-*/clients.safetensors")]
