@@ -48,7 +48,7 @@ def measure(out: Path) -> dict:
                 written += p.stat().st_size
         rounds.append({"checkpoint": ck.name, "written": written,
                        "apparent": sum(p.stat().st_size for p in ck.iterdir())})
-    first = sorted(root.glob("round-*"))[0]
+    first = min(root.glob("round-*"))
     return {"rounds": rounds, "kept": sum(r["written"] for r in rounds),
             "adapter": (first / "adapter.safetensors").stat().st_size,
             "dense_base": (first / "base.safetensors").stat().st_size}

@@ -110,7 +110,6 @@ def test_checkpoints_share_one_snapshot_and_grow_by_the_adapter_until_the_log_ou
     model, strategy = build("frlora", {})
     state = read_state(model, strategy.global_keys(model))
     factors = sum(v.numel() * 4 for v in state.values())  # B and A of every layer, fp32
-    snapshot = sum(v.numel() * 4 for v in base_weights(model).values())
     root = tmp_path / "checkpoints"
     inodes, rebuilt_snapshots = [], 0
     for rnd in range(1, 13):

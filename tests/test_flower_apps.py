@@ -125,6 +125,8 @@ def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_id
         on_node = node_state(tmp_path, cid)
         if "base" in expected:  # every node, participating or not, ends with the server's base W^T
             assert_close(expected["base"], on_node["base"], f"base on node {cid}")
+            newest = sorted((tmp_path / f"node{cid}").glob("*/client-*/step-*"))[-1]
+            assert (newest / "base-history.json").is_file()  # kept as a snapshot plus a log of merges
         sim_entry = {k.split("/", 1)[1]: v for k, v in expected.get("clients", {}).items()
                      if k.startswith(f"client{cid}/")}
         node_entry = {k.split("/", 1)[1]: v for k, v in on_node.get("clients", {}).items()}
