@@ -3,8 +3,11 @@
 A checkpoint directory holds
 
 - ``adapter.safetensors``  the global trainable state (LoRA factors, classifier head)
-- ``base.safetensors``     current values of the LoRA-wrapped base weights, when the
-                           strategy changes them (FRLoRA, FedLoRU merges)
+- ``base.safetensors``     values of the LoRA-wrapped base weights, when the strategy changes them
+                           (FRLoRA, FedLoRU, FedEx-LoRA, FLoRA merges): a snapshot, shared between
+                           checkpoints by a hard link, plus ``base-log-NNNN.safetensors`` (the low-rank
+                           merges since it) and ``base-history.json`` (format 3; :mod:`fedllm.base_history`).
+                           Format 2 held the dense current values only.
 - ``strategy.safetensors`` server-side strategy tensors (moments, private client states ...)
 - ``clients.safetensors``  per-client state (``client<k>/<name>``: control variates, private factors,
                            optimizer moments under ``optimizer/``; see :mod:`fedllm.client_store`).
@@ -34,6 +37,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from fedllm import base_history
 from fedllm.errors import InputError
 from fedllm.state import StateDict
 
@@ -41,7 +45,9 @@ log = logging.getLogger("fedllm")
 
 FORMAT_VERSION = 2
 """Format written: 2 carries ``manifest.json``; 1 (the first release, no manifest) is still read, unverified."""
-READABLE_VERSIONS = (1, 2)
+BASE_HISTORY_VERSION = 3
+"""Format of a checkpoint whose base is a snapshot plus a log (:mod:`fedllm.base_history`)."""
+READABLE_VERSIONS = (1, 2, 3)
 META = "meta.json"
 MANIFEST = "manifest.json"
 _CHECKPOINT_FILES = (META, MANIFEST, "adapter.safetensors")
@@ -62,6 +68,9 @@ class Checkpoint:
     clients: StateDict = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     recipe_yaml: str = ""
+    base_history: Any = None
+    """Saving: the strategy's live :class:`fedllm.base_history.BaseHistory`; loading: a
+    :class:`fedllm.base_history.StoredHistory` (None when the base, if any, is in ``base``)."""
 
 
 def _contiguous(state: StateDict) -> StateDict:
@@ -89,10 +98,15 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path) -> dict[str, Any]:
-    """Hash every file of ``directory`` into its ``manifest.json`` (atomically, after everything else)."""
+def write_manifest(directory: Path, known: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Hash every file of ``directory`` into its ``manifest.json`` (atomically, after everything else).
+
+    ``known`` gives the entries of files hard-linked from another checkpoint: they keep the hash they were
+    written with (not re-read, and damage to the shared file is still named).
+    """
     directory = Path(directory)
-    files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    known = known or {}
+    files = {p.name: known.get(p.name) or {"sha256": sha256_file(p), "bytes": p.stat().st_size}
              for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
     manifest = {"format_version": FORMAT_VERSION, "files": files}
     atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
@@ -152,15 +166,20 @@ def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
             part = getattr(ckpt, name)
             if part:
                 save_file(_contiguous(part), str(tmp / f"{name}.safetensors"))
+        linked = ckpt.base_history.write(tmp) if ckpt.base_history is not None else {}
         (tmp / "recipe.yaml").write_text(ckpt.recipe_yaml)
         meta = {"format_version": FORMAT_VERSION, "round": ckpt.round, **ckpt.meta}
+        if ckpt.base_history is not None:
+            meta["format_version"] = BASE_HISTORY_VERSION
         (tmp / META).write_text(json.dumps(meta, indent=2))
-        write_manifest(tmp)
+        write_manifest(tmp, linked)
         old = None
         if directory.exists():
             old = directory.parent / f".{directory.name}.old-{os.getpid()}"
             os.replace(directory, old)
         os.replace(tmp, directory)
+        if ckpt.base_history is not None:
+            ckpt.base_history.committed(directory)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -206,13 +225,19 @@ def load_checkpoint(directory: Path) -> Checkpoint:
         version = meta.get("format_version") if isinstance(meta, dict) else meta
         raise CheckpointError(f"{directory}: checkpoint format {version!r}, this fedllm reads "
                               f"{', '.join(map(str, READABLE_VERSIONS))}")
+    history = None
+    if (directory / base_history.INDEX).is_file():
+        try:
+            history = base_history.StoredHistory(directory)
+        except (ValueError, OSError) as e:
+            raise CheckpointError(str(e)) from None
+    names = ("adapter", "strategy", "clients", "optimizer") + (() if history is not None else ("base",))
     parts = {name: _tensors(directory / f"{name}.safetensors")
-             if (directory / f"{name}.safetensors").is_file() else {}
-             for name in ("adapter", "base", "strategy", "clients", "optimizer")}
+             if (directory / f"{name}.safetensors").is_file() else {} for name in names}
     legacy = parts.pop("optimizer")  # format of the first release: optimizer moments only
     parts["clients"].update({k.replace("/", "/optimizer/", 1): v for k, v in legacy.items()})
     recipe_path = directory / "recipe.yaml"
-    return Checkpoint(round=int(meta["round"]), meta=meta,
+    return Checkpoint(round=int(meta["round"]), meta=meta, base_history=history,
                       recipe_yaml=recipe_path.read_text() if recipe_path.is_file() else "", **parts)
 
 
@@ -290,4 +315,10 @@ def restore_into(model: torch.nn.Module, strategy: Any, ck: Checkpoint) -> None:
 
     write_state(model, ck.base)
     strategy.load_state_dict(ck.strategy)
+    if ck.base_history is not None:
+        base = getattr(strategy, "base", None)
+        if base_history.history_of(strategy) is None:
+            raise CheckpointError(f"{ck.base_history.directory}: holds a base history, which strategy "
+                                  f"{getattr(strategy, 'name', strategy)!r} as configured does not keep")
+        base.restore(ck.base_history)
     write_state(model, ck.adapter)

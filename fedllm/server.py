@@ -122,6 +122,19 @@ def base_weights(model: torch.nn.Module) -> StateDict:
     return {params[id(layer.weight)]: layer.weight.detach().clone() for layer in lora_layers(model).values()}
 
 
+def base_fields(model: torch.nn.Module, strategy: Any, snapshot: bool = False) -> dict[str, Any]:
+    """A checkpoint's ``base`` and ``base_history``: the strategy's snapshot-and-log history of its merges when it
+    keeps one (a fresh dense snapshot with ``snapshot``, e.g. ``final/``), else the dense base weights when the
+    strategy changes them otherwise (FedLoRA-PFL's ``shared: full`` trains them: not low-rank)."""
+    from fedllm.base_history import history_of
+
+    history = history_of(strategy)
+    if history is not None:
+        history.snapshot_next = history.snapshot_next or snapshot
+        return {"base": {}, "base_history": history}
+    return {"base": base_weights(model) if strategy.modifies_base else {}}
+
+
 class LocalExecutor:
     """Trains a round's sampled clients in this job: in process, or dealt out over torch.distributed processes.
 
@@ -240,12 +253,13 @@ class RoundLoop:
         self.final_written = False  # resumed from final/ (stopped before summary.json): only the summary is left
 
     # ----- persistence
-    def checkpoint(self, rnd: int, directory: Path) -> None:
+    def checkpoint(self, rnd: int, directory: Path, snapshot: bool = False) -> None:
+        """Write a checkpoint after round ``rnd`` (``snapshot``: with the base as one dense file, for ``final/``)."""
         if not self.executor.is_main:
             return
         ckpt = ckpt_io.Checkpoint(
             round=rnd, adapter=self.global_state, strategy=self.fed.strategy.state_dict(), clients=self.store.flat(),
-            base=base_weights(self.model) if self.fed.strategy.modifies_base else {},
+            **base_fields(self.model, self.fed.strategy, snapshot),
             meta={"strategy": self.recipe.federation.strategy, "task": self.fed.loaded.task,
                   "model_type": self.fed.loaded.model_type, "label_names": self.fed.data.label_names,
                   "client_sizes": [len(ix) for ix in self.fed.data.clients], "executor": self.executor.state()},
@@ -440,7 +454,7 @@ class RoundLoop:
                     ckpt_io.prune(self.run_dir, recipe.checkpoint.keep_last)
         bar.close()
         if self.start_round < rounds or not self.final_written:
-            self.checkpoint(rounds, self.run_dir / "final")
+            self.checkpoint(rounds, self.run_dir / "final", snapshot=True)
         if self.executor.is_main:
             summary = self.write_summary()
             write_run_plot(self.run_dir)

@@ -16,6 +16,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
+from fedllm.base_history import load_base  # noqa: E402
 from fedllm.config import parse_recipe  # noqa: E402
 from fedllm.flower import records  # noqa: E402
 from fedllm.flower.client_app import app as client_app  # noqa: E402
@@ -30,6 +31,7 @@ class LoopbackGrid(Grid):
     def __init__(self, node_configs):
         self.nodes = {100 + i: cfg for i, cfg in enumerate(node_configs)}
         self.sent = []
+        self.messages = []
         self.replies = []
 
     def get_node_ids(self):
@@ -39,6 +41,7 @@ class LoopbackGrid(Grid):
         replies = []
         for m in messages:
             self.sent.append(m.metadata.message_type)
+            self.messages.append(m)
             node = m.metadata.dst_node_id
             replies.append(client_app(m, Context(run_id=1, node_id=node, node_config=self.nodes[node],
                                                  state=RecordDict(), run_config={})))
@@ -79,9 +82,11 @@ def parts(run_dir):
 
 
 def node_state(tmp_path, cid):
-    """Newest saved state of client ``cid`` on its node."""
+    """Newest saved state of client ``cid`` on its node (its base rebuilt from the snapshot and log)."""
     steps = sorted((tmp_path / f"node{cid}").glob("*/client-*/step-*"))
-    return {p: load_file(str(f)) for p in ("base", "clients") if (f := steps[-1] / f"{p}.safetensors").is_file()}
+    state = {p: load_file(str(f)) for p in ("clients",) if (f := steps[-1] / f"{p}.safetensors").is_file()}
+    base = load_base(steps[-1])
+    return {**state, "base": base} if base else state
 
 
 def assert_close(a, b, what, tol=1e-6):
@@ -103,6 +108,7 @@ CASES = {
     "fedavg-client-dp": ("fedavg", {}, {"privacy": {"mechanism": "central_client_clipping", "noise_multiplier": 0.5,
                                                     "clipping_norm": 0.05, "noise_seed": 3, "adaptive_clipping": {
                                                         "enabled": True, "count_stddev": 1}}}),
+    "fedex_lora": ("fedex_lora", {}, {}),  # merges in aggregate: nodes replay the server's logged low-rank merges
 }
 
 
@@ -123,6 +129,8 @@ def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_id
         on_node = node_state(tmp_path, cid)
         if "base" in expected:  # every node, participating or not, ends with the server's base W^T
             assert_close(expected["base"], on_node["base"], f"base on node {cid}")
+            newest = sorted((tmp_path / f"node{cid}").glob("*/client-*/step-*"))[-1]
+            assert (newest / "base-history.json").is_file()  # kept as a snapshot plus a log of merges
         sim_entry = {k.split("/", 1)[1]: v for k, v in expected.get("clients", {}).items()
                      if k.startswith(f"client{cid}/")}
         node_entry = {k.split("/", 1)[1]: v for k, v in on_node.get("clients", {}).items()}
@@ -135,6 +143,11 @@ def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_id
     if strategy == "frlora":
         # catch-up: the clients of round 1 applied nothing before it; 2 clients x rounds 1..3 arrive later
         assert grid.sent.count("train.sync") == 3
+    # catch-up is compact: factors (one side at most the rank r = 4, or a coefficient), never a dense matrix
+    synced = [a for m in grid.messages for name, rec in m.content.array_records.items() if name.startswith("sync.")
+              for a in rec.values()]
+    assert bool(synced) == (strategy in ("frlora", "pfedloru", "fedloru", "fedex_lora"))
+    assert all(min(a.shape) <= 4 for a in synced)
 
 
 @pytest.mark.parametrize("rounds,every", [(3, 1), (4, 2)])

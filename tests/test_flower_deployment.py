@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
 
+from fedllm.base_history import load_base  # noqa: E402
 from fedllm.config import parse_recipe  # noqa: E402
 from fedllm.server import run  # noqa: E402
 
@@ -117,9 +118,13 @@ def test_flower_deployment_with_workers_matches_the_simulation(federation, tiny_
         assert_matches(sim_dir, flower_dir, ["adapter", "base"] if name == "frlora" else ["adapter"], name)
         assert not (flower_dir / "final" / "clients.safetensors").exists()  # per-client state stays on the nodes
     want_base = load_file(str(sims["frlora"] / "final" / "base.safetensors"))
-    for state in states:  # both nodes, participating or not, end with the server's base W^T (FRLoRA: the one run
-        steps = sorted(state.glob("*/client-*/step-*"))  # here that changes the base)
-        node_base = load_file(str([s for s in steps if (s / "base.safetensors").is_file()][-1] / "base.safetensors"))
+    for state in states:  # both nodes, participating or not, end with the server's base W^T
+        step = sorted(state.glob("*/client-*/step-*"))
+        node_base = {}
+        for s in step:
+            if (s / "base.safetensors").is_file():
+                node_base = load_base(s)  # the snapshot with the log of merges since it replayed
+        assert node_base.keys() == want_base.keys()
         assert max(float((want_base[k] - node_base[k]).abs().max()) for k in want_base) <= 1e-6
     for i in range(2):  # each worker built each run's federation once, whatever the number of messages
         built = [line.split(" of run ")[1].split()[0] for line in (logs / f"supernode{i}.log").read_text().splitlines()

@@ -20,7 +20,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedllm.flower import records
-from fedllm.flower.node import needs_sync, phases_json
+from fedllm.flower.node import needs_sync, phases_json, replays_after_aggregate
 from fedllm.state import StateDict, cast
 from fedllm.strategies.base import ClientUpdate
 
@@ -56,16 +56,24 @@ class FedllmStrategy(FlowerStrategy):
 
     # ----- aggregates the nodes must replay (catch-up)
     def keep_aggregate(self, rnd: int, aggregated: StateDict) -> None:
-        """Keep round ``rnd``'s aggregate (as the wire carries it) until every node has applied it."""
+        """Keep what the nodes replay for round ``rnd`` until every node has applied it: the aggregate (as the
+        wire carries it) for ``after_aggregate``, the round's logged low-rank merges for a strategy that changes
+        the base in ``aggregate``."""
         import os
 
         from safetensors.torch import save_file
 
+        from fedllm.base_history import history_of, merges_to_state
+
         if not self.sync_needed:
             return
+        kept = dict(cast(aggregated, self.comm)) if replays_after_aggregate(self.strategy) else {}
+        history = history_of(self.strategy)
+        if getattr(self.strategy, "merges_in_aggregate", False) and history is not None:
+            kept.update(merges_to_state(history.round_merges(rnd)))
         self.sync_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.sync_dir / f".round-{rnd:04d}.tmp"
-        save_file({k: v.detach().contiguous().cpu() for k, v in cast(aggregated, self.comm).items()}, str(tmp))
+        save_file({k: v.detach().contiguous().cpu() for k, v in kept.items()}, str(tmp))
         os.replace(tmp, self.sync_dir / f"round-{rnd:04d}.safetensors")
 
     def prune_aggregates(self, synced: dict[int, int]) -> None:

@@ -8,13 +8,17 @@ the state the client had then), holding
 
 - ``clients.safetensors``: this client's per-client state (SCAFFOLD's ``c_i``, private factors, optimizer
   moments: :class:`fedllm.client_store.ClientStore`), which never leaves the node;
-- ``base.safetensors`` / ``strategy.safetensors``: the node's replica of what ``after_aggregate`` changes
-  on every client (FRLoRA's and FedLoRU's merges into the base), and the round it is synced to.
+- ``base.safetensors`` / ``strategy.safetensors``: the node's replica of what every client changes (FRLoRA's,
+  FedLoRU's, FedEx-LoRA's and FLoRA's merges into the base), and the round it is synced to; the base as a
+  snapshot hard-linked from the previous step plus a log of low-rank merges (:mod:`fedllm.base_history`), so a
+  step writes adapter-sized bytes.
 
 Catch-up (FRLoRA's non-participant sync, DESIGN.md §4): the server keeps each round's aggregate and sends
 a client the rounds it missed with its next message (and every client the rest after the last round);
 the node replays :meth:`Strategy.after_aggregate` on them, the very code the server runs, so its base
-is the server's ``Ŵ^t``.
+is the server's ``Ŵ^t``. A strategy that changes the base inside ``aggregate`` (FedEx-LoRA, FLoRA: no node
+runs it) sends instead the round's logged low-rank merges (:mod:`fedllm.base_history`), which the node
+replays with the server's exact arithmetic. Either way a catch-up carries factors, never a dense matrix.
 """
 
 from __future__ import annotations
@@ -51,11 +55,16 @@ class NodeConfig:
         return cls(cid, Path(str(state_dir)).expanduser(), str(data_path) if data_path else None)
 
 
-def needs_sync(strategy: Any) -> bool:
+def replays_after_aggregate(strategy: Any) -> bool:
     """True when every client must apply ``after_aggregate`` too (it changes more than the global state)."""
     from fedllm.strategies.base import Strategy
 
     return type(strategy).after_aggregate is not Strategy.after_aggregate
+
+
+def needs_sync(strategy: Any) -> bool:
+    """True when every client must replay each round: ``after_aggregate``, or merges made in ``aggregate``."""
+    return replays_after_aggregate(strategy) or bool(getattr(strategy, "merges_in_aggregate", False))
 
 
 class Node:
@@ -112,12 +121,12 @@ class Node:
 
         from fedllm import checkpoint as ckpt_io
         from fedllm.config import dump_recipe
-        from fedllm.server import base_weights
+        from fedllm.server import base_fields
 
         strategy = self.fed.strategy
         ckpt_io.save_checkpoint(self.dir / f"step-{step:04d}", ckpt_io.Checkpoint(
             round=self.synced, adapter=adapter, strategy=strategy.state_dict(), clients=self.store.flat(),
-            base=base_weights(self.fed.loaded.model) if strategy.modifies_base else {},
+            **base_fields(self.fed.loaded.model, strategy),
             meta={"client_id": self.config.client_id, "strategy": self.recipe.federation.strategy},
             recipe_yaml=dump_recipe(self.recipe)))
         keep = max(2, (self.recipe.checkpoint.every or 0) + 1)  # a resumed server may go back that far
@@ -125,7 +134,9 @@ class Node:
             shutil.rmtree(old)
 
     def catch_up(self, synced_from: int, rounds: dict[int, dict]) -> None:
-        """Apply the aggregates of the rounds this node missed (``after_aggregate``, as on the server)."""
+        """Apply the rounds this node missed: the server's logged merges (``merge/...`` entries), then
+        ``after_aggregate`` on the aggregate, as on the server."""
+        from fedllm.base_history import merges_from_state
         from fedllm.models import write_state
 
         if not rounds:
@@ -133,9 +144,14 @@ class Node:
         if self.synced != synced_from:
             raise RuntimeError(f"client {self.config.client_id}: its state in {self.dir} is at round {self.synced}, "
                                f"the server expected round {synced_from} (state directory lost or replaced?)")
+        strategy = self.fed.strategy
         for rnd in sorted(rounds):
-            state = self.fed.strategy.after_aggregate(rnd, self.fed.loaded.model, rounds[rnd])
-            write_state(self.fed.loaded.model, state)
+            merges = merges_from_state(rounds[rnd])
+            if merges:
+                strategy.base.apply(rnd, merges)
+            if replays_after_aggregate(strategy):
+                aggregate = {k: v for k, v in rounds[rnd].items() if not k.startswith("merge/")}
+                write_state(self.fed.loaded.model, strategy.after_aggregate(rnd, self.fed.loaded.model, aggregate))
             self.synced = rnd
 
     def train(self, rnd: int, lr: float, state: dict, phases: list, extra: dict, local: dict) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.lowrank import product
+from fedllm.base_history import LowRankMerge
 from fedllm.registry import register_strategy
 from fedllm.state import DTYPES, StateDict
 from fedllm.strategies.base import ClientInfo, ClientUpdate
@@ -67,9 +67,9 @@ class FedExLoRA(MergesIntoBase, FedAvg):
         for name, layer in self.layers.items():
             b_bar = to_wire(out[layer.b_key], self.comm_dtype, out[layer.b_key])  # what every client receives
             a_bar = to_wire(out[layer.a_key], self.comm_dtype, out[layer.a_key])
-            mean = sum(product(u.state[layer.b_key].to(wire), u.state[layer.a_key].to(wire), layer.scale * w / total)
-                       for u, w in zip(updates, weights, strict=True))
-            self.base.add(name, mean - product(b_bar, a_bar, layer.scale))
+            terms = [(u.state[layer.b_key].to(wire), u.state[layer.a_key].to(wire), layer.scale * w / total)
+                     for u, w in zip(updates, weights, strict=True)]
+            self.base.add(name, LowRankMerge(terms + [(b_bar, a_bar, -layer.scale)]), rnd)
             out[layer.b_key], out[layer.a_key] = b_bar, a_bar
         self.clients_last_round = len(updates)
         return out

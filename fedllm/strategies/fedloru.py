@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.lowrank import product
+from fedllm.base_history import LowRankMerge
 from fedllm.registry import register_strategy
 from fedllm.state import DTYPES, StateDict
 from fedllm.strategies.base import ClientInfo, ClientUpdate
@@ -125,7 +125,7 @@ class FedLoRU(FedAvg):
             a = global_state[layer.a_key].to(DTYPES[self.comm_dtype])
             self.kept.append(name, b, a, layer.scale)
             if self.base is not None:
-                self.base.add(name, product(b, a, layer.scale))
+                self.base.add(name, LowRankMerge([(b, a, layer.scale)]), rnd)
             if self.reinit == "momentum_literal":
                 continue
             if self.reinit == "random":

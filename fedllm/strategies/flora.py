@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fedllm.lowrank import product
+from fedllm.base_history import LowRankMerge
 from fedllm.registry import register_strategy
 from fedllm.state import DTYPES, StateDict, weighted_mean
 from fedllm.strategies.base import ClientInfo, ClientUpdate
@@ -84,8 +84,8 @@ class FLoRA(MergesIntoBase, RankedClients, FedAvg):
             b_stack = torch.cat([u.state[layer.b_key].float() for u in updates], 1)
             a_stack = torch.cat([u.state[layer.a_key].float() * (w / total)
                                  for u, w in zip(updates, weights, strict=True)], 0)
-            self.base.add(name, product(b_stack.to(DTYPES[self.comm_dtype]), a_stack.to(DTYPES[self.comm_dtype]),
-                                        layer.scale))
+            self.base.add(name, LowRankMerge([(b_stack.to(DTYPES[self.comm_dtype]), a_stack.to(DTYPES[self.comm_dtype]),
+                                               layer.scale)]), rnd)
             _, a_new = standard_factors(layer, init, layer_seed(self.seed, name, 0xF10, rnd))
             out[layer.a_key] = to_wire(a_new, self.comm_dtype, global_state[layer.a_key])
             out[layer.b_key] = torch.zeros_like(global_state[layer.b_key])

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from fedllm.base_history import LowRankMerge
 from fedllm.lowrank import SVD_METHODS, principal_factors, product
 from fedllm.registry import register_strategy
 from fedllm.state import DTYPES, StateDict
@@ -122,7 +123,7 @@ class FRLoRA(FedAvg):
                     b0, a0 = self._principal(name, self.base.weight(name), 0)
                     b_param.copy_(self._wire(b0, b_param))
                     a_param.copy_(self._wire(a0, a_param))
-                    self.base.add(name, -product(b_param, a_param, layer.scale))
+                    self.base.add(name, LowRankMerge([(b_param, a_param, -layer.scale)]))
                 elif self.init == "gaussian":
                     b0, a0 = self._gaussian(name, 0)
                     b_param.copy_(self._wire(b0, b_param))
@@ -137,16 +138,17 @@ class FRLoRA(FedAvg):
             b_bar = global_state[layer.b_key].to(DTYPES[self.comm_dtype])  # what every client receives
             a_bar = global_state[layer.a_key].to(DTYPES[self.comm_dtype])
             b_now, a_now = self.start[name]
-            learned = product(b_bar, a_bar, layer.scale).to(b_now.device)
             if self.reinit == "principal":
                 b_next, a_next = b_now, a_now
             else:
                 if self.reinit == "gaussian":
                     b_new, a_new = self._gaussian(name, rnd)
                 else:  # resvd: the principal factors of the new full weight
+                    learned = product(b_bar, a_bar, layer.scale).to(b_now.device)
                     b_new, a_new = self._principal(name, self.base.weight(name).to(learned.device) + learned, rnd)
                 b_next, a_next = self._wire(b_new, b_now), self._wire(a_new, a_now)
-            self.base.add(name, learned - product(b_next, a_next, layer.scale))
+            # s·B̄Ā − s·B_next A_next: low rank in every variant (v3's re-SVD only chooses B_next, A_next)
+            self.base.add(name, LowRankMerge([(b_bar, a_bar, layer.scale), (b_next, a_next, -layer.scale)]), rnd)
             self.start[name] = (b_next.clone(), a_next.clone())
             out[layer.b_key] = b_next.clone().to(global_state[layer.b_key].dtype)
             out[layer.a_key] = a_next.clone().to(global_state[layer.a_key].dtype)

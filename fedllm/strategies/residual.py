@@ -6,7 +6,9 @@
   the base weights in place (the sum is taken in fp32); ``dense`` keeps them as an fp32 residual
   matrix beside the base and adds ``x @ Rᵀ`` to the layer's output through a forward hook. Dense
   is what a 4/8-bit base needs (re-quantising the merged weight would lose the update) and what
-  a bf16/fp16 base needs (small updates vanish when rounded into half precision).
+  a bf16/fp16 base needs (small updates vanish when rounded into half precision). Every change is
+  a low-rank :class:`~fedllm.base_history.LowRankMerge`, logged in a
+  :class:`~fedllm.base_history.BaseHistory` so that checkpoints carry factors, not dense copies.
 - :class:`KeptFactors`: low-rank pieces ``(B, A, s)`` kept per layer instead of merged (FedLoRU's
   accumulated updates); optionally live, i.e. added to the layer's output through a forward hook
   so the in-memory model computes with them (FedLoRU's plug-and-play fine-tuning variant).
@@ -42,7 +44,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from fedllm.lowrank import add_to_weight_, dense_weight, is_quantized, lora_init_
+from fedllm.base_history import BaseHistory, LowRankMerge, StoredHistory, apply_
+from fedllm.lowrank import dense_weight, is_quantized, lora_init_
 from fedllm.state import DTYPES, StateDict
 
 RESIDUAL_MODES = ("auto", "merge", "dense")
@@ -57,6 +60,7 @@ class AdapterLayer:
     a_key: str
     b_key: str
     scale: float
+    base_key: str = ""  # state key of the wrapped base weight
 
     @property
     def base(self) -> torch.nn.Module:
@@ -89,7 +93,8 @@ def adapter_layers(model: torch.nn.Module, adapter: str = "default") -> dict[str
         if getattr(module, "fan_in_fan_out", False):
             raise ValueError(f"{name}: fan_in_fan_out (Conv1D) layers are not supported by merge-and-reinit strategies")
         out[name] = AdapterLayer(name, module, names[id(module.lora_A[adapter].weight)],
-                                 names[id(module.lora_B[adapter].weight)], float(module.scaling[adapter]))
+                                 names[id(module.lora_B[adapter].weight)], float(module.scaling[adapter]),
+                                 names.get(id(module.get_base_layer().weight), ""))
     return out
 
 
@@ -161,6 +166,9 @@ def resolve_residual_mode(mode: str, layers: dict[str, AdapterLayer]) -> str:
 class BaseUpdates:
     """Changes of the frozen base weights, merged in place (``merge``) or kept in fp32 beside them (``dense``).
 
+    Every change is a :class:`~fedllm.base_history.LowRankMerge` applied by :func:`~fedllm.base_history.apply_`
+    and logged in :attr:`history`, from which a checkpoint's snapshot and log rebuild the targets bit for bit.
+
     Args:
         layers: from :func:`adapter_layers`.
         mode: ``merge`` or ``dense`` (see :func:`resolve_residual_mode`).
@@ -176,6 +184,10 @@ class BaseUpdates:
         if mode == "dense":
             for name, layer in layers.items():
                 self.handles.append(layer.module.register_forward_hook(self._hook(name)))
+            size = sum(4 * layer.shape[0] * layer.shape[1] for layer in layers.values())
+        else:
+            size = sum(layer.base.weight.numel() * layer.base.weight.element_size() for layer in layers.values())
+        self.history = BaseHistory(mode, self.targets, size)
 
     def _hook(self, name: str):
         def add_residual(module: Any, args: tuple, output: torch.Tensor) -> Optional[torch.Tensor]:
@@ -191,19 +203,48 @@ class BaseUpdates:
         """True when the base weights themselves change (``merge``)."""
         return self.mode == "merge"
 
-    @torch.no_grad()
-    def add(self, name: str, delta: torch.Tensor) -> None:
-        """Base weight of layer ``name`` ← base + ``delta`` (an fp32 ``out × in`` matrix)."""
-        layer = self.layers[name]
-        if delta.shape != layer.shape:
-            raise ValueError(f"{name}: update shape {tuple(delta.shape)} vs weight {layer.shape}")
+    def key(self, name: str) -> str:
+        """The history's key of layer ``name``: its base weight's state key (``merge``) or ``residual/<name>``."""
+        return self.layers[name].base_key if self.mode == "merge" else f"residual/{name}"
+
+    def targets(self) -> dict[str, torch.Tensor]:
+        """What a snapshot holds: the base weights (``merge``) or the residuals made so far (``dense``)."""
         if self.mode == "merge":
-            add_to_weight_(layer.base, delta)
-            return
-        device = layer.module.lora_A["default"].weight.device
+            return {self.key(name): layer.base.weight for name, layer in self.layers.items()}
+        return {self.key(name): r for name, r in self.residual.items()}
+
+    def _target(self, name: str) -> torch.Tensor:
+        layer = self.layers[name]
+        if self.mode == "merge":
+            if is_quantized(layer.base):
+                raise TypeError(f"{type(layer.base).__name__}: cannot merge into a quantized weight")
+            return layer.base.weight
         if name not in self.residual:
+            device = layer.module.lora_A["default"].weight.device
             self.residual[name] = torch.zeros(layer.shape, dtype=torch.float32, device=device)
-        self.residual[name] += delta.to(device, torch.float32)
+        return self.residual[name]
+
+    @torch.no_grad()
+    def add(self, name: str, merge: LowRankMerge | torch.Tensor, rnd: int = 0) -> None:
+        """Base weight of layer ``name`` ← base + the merge's change (a dense fp32 ``out × in`` tensor is logged
+        as a dense entry); logged as made in round ``rnd`` (0: at setup)."""
+        if torch.is_tensor(merge):
+            merge = LowRankMerge(dense=merge)
+        layer = self.layers[name]
+        shape = (merge.dense.shape if merge.dense is not None
+                 else (merge.terms[0][0].shape[0], merge.terms[0][1].shape[1]))
+        if tuple(shape) != layer.shape:
+            raise ValueError(f"{name}: update shape {tuple(shape)} vs weight {layer.shape}")
+        apply_(self._target(name), merge)
+        self.history.record(rnd, self.key(name), merge)
+
+    def apply(self, rnd: int, merges: list[tuple[str, LowRankMerge]]) -> None:
+        """Replay merges logged elsewhere (keyed as :meth:`key` keys them; a Flower node's catch-up)."""
+        names = {self.key(name): name for name in self.layers}
+        for key, merge in merges:
+            if key not in names:
+                raise KeyError(f"a merge of {key!r}, which is not a {self.mode} target of this model")
+            self.add(names[key], merge, rnd)
 
     def weight(self, name: str) -> torch.Tensor:
         """The current base weight of layer ``name`` (dequantised, plus the residual) in fp32."""
@@ -212,20 +253,50 @@ class BaseUpdates:
         return w if r is None else w + r.to(w.device)
 
     def state_dict(self, prefix: str = "residual/") -> StateDict:
-        """The dense residuals (``merge`` keeps nothing here: the server checkpoints the base weights)."""
-        return {f"{prefix}{name}": r for name, r in self.residual.items()}
+        """Nothing: the residuals (``dense``) and base weights (``merge``) are checkpointed by :attr:`history`."""
+        return {}
 
     def load_state_dict(self, state: StateDict, prefix: str = "residual/") -> None:
+        """Dense residuals of a checkpoint written before the base history (``residual/<name>`` keys)."""
         loaded = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         unknown = sorted(set(loaded) - set(self.layers))
         if unknown:
             raise KeyError(f"residuals of unknown layers: {unknown[:3]}")
         if loaded and self.mode != "dense":
             raise ValueError("checkpoint holds dense residuals but this run merges into the base (residual mode)")
+        if not loaded:
+            return
         self.residual = {}
         for name, value in loaded.items():
             device = self.layers[name].module.lora_A["default"].weight.device
             self.residual[name] = value.to(device, torch.float32).clone()
+        self.history.resumed(None)
+
+    @torch.no_grad()
+    def restore(self, stored: StoredHistory) -> None:
+        """Rebuild the targets from a checkpoint's snapshot and log, on their devices (bit for bit the live ones).
+
+        A history of base weights restores into a model whose base is kept dense (e.g. evaluated in another
+        dtype) by writing the rebuilt fp32 weights into it, as a dense ``base.safetensors`` would.
+        """
+        if stored.mode == "dense" and self.mode != "dense":
+            raise ValueError("checkpoint holds dense residuals but this run merges into the base (residual mode)")
+        by_key = {layer.base_key if stored.mode == "merge" else f"residual/{name}": name
+                  for name, layer in self.layers.items()}
+        unknown = sorted(set(stored.keys()) - set(by_key))
+        if unknown:
+            raise KeyError(f"base history of unknown layers: {unknown[:3]}")
+        if stored.mode == "dense":
+            self.residual = {}
+        for key in stored.keys():
+            layer = self.layers[by_key[key]]
+            if stored.mode == "merge":
+                weight = layer.base.weight
+                weight.copy_(stored.rebuild(key, weight.device))
+            else:
+                device = layer.module.lora_A["default"].weight.device
+                self.residual[by_key[key]] = stored.rebuild(key, device, torch.empty(layer.shape))
+        self.history.resumed(stored if stored.mode == self.mode else None)
 
 
 class KeptFactors:
@@ -323,6 +394,7 @@ class MergesIntoBase:
     exports its dense residuals and checkpoints it."""
 
     base: BaseUpdates
+    merges_in_aggregate = True  # the base changes in ``aggregate``: a Flower node replays the logged merges
 
     def base_residuals(self) -> dict[str, torch.Tensor]:
         return dict(self.base.residual)
