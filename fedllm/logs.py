@@ -63,8 +63,8 @@ def unblock_bitsandbytes() -> None:
 
 
 def quiet_loading_bars() -> None:
-    """In quiet mode, no per-load bars from transformers ("Loading weights", "Converting and de-quantizing GGUF
-    tensors"); download bars of the hub client stay."""
+    """In quiet mode, no per-load or per-save bars from transformers ("Loading weights", "Converting and
+    de-quantizing GGUF tensors", "Writing model shards"); download bars of the hub client stay."""
     if not _quiet:
         return
     import importlib
@@ -79,3 +79,6 @@ def quiet_loading_bars() -> None:
             continue
         if hasattr(module, "tqdm"):
             module.tqdm = partial(tqdm, disable=True)
+    from transformers.utils import logging as hf_logging  # save_pretrained's "Writing model shards"
+
+    hf_logging.tqdm = partial(tqdm, disable=True)

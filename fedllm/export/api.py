@@ -109,8 +109,11 @@ def _check_out(out: Path, source: Source, overwrite: bool) -> None:
 
 def _write_one(fmt: str, source: Source, client: Optional[int], directory: Path, dtype: str, rank: Optional[int],
                with_base: bool, command: str, final: Optional[Path] = None) -> dict[str, Any]:
+    from fedllm import logs
+
     directory.mkdir(parents=True, exist_ok=True)
     model, tokenizer, strategy = load_run_model(source, client)
+    logs.quiet_loading_bars()  # no "Writing model shards" bar (unless --verbose)
     if fmt == "merged":
         info = write_merged(model, tokenizer, strategy, source, directory, dtype)
     else:
