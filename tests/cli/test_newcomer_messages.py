@@ -62,3 +62,17 @@ def test_impossible_split_names_the_file_and_the_keys(arith_file):
                             "data.eval_fraction / data.max_examples), federation.num_clients=5000, "
                             "federation.partition.method='iid': cannot split 36 examples into 5000 clients: "
                             "more clients than examples")
+
+
+def test_quiet_mode_filters_library_deprecations_only():
+    import warnings
+
+    from fedllm import logs
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # not pytest's own ignore::FutureWarning (setup.cfg)
+        logs.configure(verbose=False)
+        for module in ("transformers.configuration_utils", "peft.utils.other", "fedllm.server"):
+            warnings.warn_explicit("`x` is deprecated", FutureWarning, "f.py", 1, module=module)
+    assert [str(w.message) for w in seen] == ["`x` is deprecated"]  # fedllm's own still shows
+    assert seen[0].filename == "f.py"
