@@ -221,6 +221,9 @@ def model_problems(recipe: Any) -> list[tuple[str, Any, str]]:
     model, problems = recipe.model, []
     name = model.name
     local = name.startswith((".", "/", "~")) or name.endswith(".gguf") or Path(name).expanduser().exists()
+    if local and not Path(name).expanduser().exists():
+        return [("model.name", name, f"an existing local model directory or .gguf file (looked for "
+                                     f"{Path(name).expanduser().resolve()}), a preset or a hub id")]
     if name not in preset_names() and not local:
         reason = hub.unavailable(name, model.gguf_file or "config.json", model.revision)
         if reason is None and "/" not in name and did_you_mean(name, preset_names()) and not hub.cached(

@@ -70,6 +70,7 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
         ("rank-gguf", ["train", "recipe.yaml", "model.name=smollm2-135m-instruct", "lora.r=1024"]),
         ("all-at-once", ["train", "recipe.yaml", "model.name=smollm2-135m-instuct", "federation.strategy=fedavgg",
                          "data.path=data/missing.jsonl"]),
+        ("gguf-missing", ["train", "recipe.yaml", "model.name=models/nope.gguf"]),
         ("yaml", ["train", "bad.yaml"]),
         ("export-non-empty", ["export", "runs/quickstart", "--format", "merged", "--out", "mine"]),
         ("serve-busy-port", ["serve", "runs/quickstart", "--port", str(port)]),
@@ -99,6 +100,8 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
     assert "(did you mean 'fedavg'" in said["all-at-once"]
     assert f"looked for {work / 'data' / 'missing.jsonl'} (relative to the working directory {work})" \
         in said["all-at-once"]
+    assert f"model.name: got 'models/nope.gguf'; expected an existing local model directory or .gguf file " \
+           f"(looked for {work / 'models' / 'nope.gguf'})" in said["gguf-missing"]
     assert "<yaml> line 4, column 2" in said["yaml"]
     assert "--out mine: already exists and is not empty" in said["export-non-empty"]
     assert f"--port {port}: cannot listen there" in said["serve-busy-port"]
