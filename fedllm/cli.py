@@ -64,8 +64,10 @@ def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
                         help="show debug logs and every third-party warning (also: FEDLLM_LOG=debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = _chosen_command(argv) if argv is not None else None
+    parser.set_defaults(subparsers={})
     for name, (help_text, module, add, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        parser.get_default("subparsers")[name] = p
         p.add_argument("--verbose", action="store_true",
                        help="show debug logs and every third-party warning (also: FEDLLM_LOG=debug)")
         if argv is None or name == chosen:
@@ -73,6 +75,44 @@ def build_parser(argv: Optional[list[str]] = None) -> argparse.ArgumentParser:
             getattr(mod, add)(p)
             p.set_defaults(func=getattr(mod, run))
     return parser
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; ``dotted.key=value`` overrides may come after options too (``train RECIPE --overwrite k=v``).
+
+    argparse takes a command's positional words in one run, so overrides after an option would be
+    "unrecognized"; they are appended to the command's overrides instead. Any other unknown word is
+    an error reported with the command's own usage.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command_parser = parser.get_default("subparsers").get(args.command, parser)
+        stray = [w for w in extra if w.startswith("-") or "=" not in w or not hasattr(args, "overrides")]
+        if stray:
+            hint = " (an override is dotted.key=value)" if hasattr(args, "overrides") else ""
+            command_parser.error(f"unrecognized arguments: {' '.join(stray)}{hint}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def _close_progress_bars() -> None:
+    """End open tqdm bars (an interrupted run's) so that the next message starts on a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", None) or []):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001 — a bar that cannot close leaves the line as it is
+            pass
+
+
+def interrupt_hint(argv: list[str], args: argparse.Namespace) -> str:
+    """How to continue an interrupted ``fedllm train``: ``--resume`` if the run directory holds anything."""
+    if args.command != "train" or getattr(args, "dry_run", False):
+        return ""
+    out = getattr(args, "output_dir", None)
+    if out is not None and not (os.path.isdir(out) and os.listdir(out)):
+        return f"; nothing was written to {out} yet: run the same command again"
+    return f"; resume with: {resume_command(argv)}"
 
 
 def resume_command(argv: list[str]) -> str:
@@ -87,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from fedllm.redact import RedactingFilter, redact_text
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    args = parse_arguments(build_parser(argv), argv)
     logs.configure(verbose=args.verbose or args.verbose_top)
     for handler in logging.getLogger().handlers:  # no credential reaches a log line
         handler.addFilter(RedactingFilter())
@@ -99,8 +139,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fedllm {args.command}: error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        hint = (f"; resume with: {resume_command(argv)}" if args.command == "train" and not
-                getattr(args, "dry_run", False) else "")
+        _close_progress_bars()
+        hint = interrupt_hint(argv, args)
         masked = redact_text(hint)
         if masked != hint:
             masked += " (credentials masked: give them again)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Iterable
 
 
@@ -19,3 +20,35 @@ def did_you_mean(given: object, choices: Iterable[str]) -> str:
         lowered = {c.lower(): c for c in choices}
         close = [lowered[given.lower()]] if given.lower() in lowered else []
     return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def check_local_path(given: str, what: str, hub_ok: bool = True) -> None:
+    """Refuse a path that does not exist, suggesting the closest names beside it.
+
+    Args:
+        given: The argument as typed (``runs/quickstartt``).
+        what: How the message names it (``RUN_DIR_OR_CHECKPOINT``).
+        hub_ok: Whether ``given`` may also be a hub id; then only a path-like string is checked: one
+            starting with ``.``, ``/`` or ``~``, or whose first directory exists here (``runs/...``).
+            A path-like string is never taken for a hub id.
+
+    Raises:
+        InputError: ``given`` is path-like and does not exist.
+    """
+    path = Path(given).expanduser()
+    if path.exists():
+        return
+    first = Path(given).parts[0] if Path(given).parts else ""
+    path_like = (not hub_ok or given.startswith((".", "/", "~"))
+                 or (len(Path(given).parts) > 1 and Path(first).expanduser().is_dir()))
+    if not path_like:
+        return
+    parent = path.parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    names = sorted(c.name for c in parent.iterdir()) if parent.is_dir() and parent == path.parent else []
+    close = difflib.get_close_matches(path.name, names, n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(str(Path(given).parent / c)) for c in close)}?)" if close else ""
+    where = f"{path.parent.resolve()} has no {path.name!r}" if parent == path.parent else \
+        f"{parent.resolve()} has no {path.relative_to(parent).parts[0]!r}" if path.is_relative_to(parent) else ""
+    raise InputError(f"{what} {given!r}: no such file or directory ({where}){hint}")

@@ -1,7 +1,7 @@
 """Logging and third-party noise: quiet by default, everything with ``--verbose`` or ``FEDLLM_LOG=debug``.
 
 Quiet mode filters what says nothing to a fedllm user: transformers' advisory and
-deprecation chatter (``TRANSFORMERS_VERBOSITY=error``), the ``is_gradient_checkpointing``
+deprecation chatter (``TRANSFORMERS_VERBOSITY=error``, and their FutureWarnings), the ``is_gradient_checkpointing``
 FutureWarning, bitsandbytes' optional-kernel warnings (and ``fedllm train`` does not let
 peft import bitsandbytes at all unless the recipe quantises) and huggingface_hub's retry
 warnings (offline runs fail at once instead, see :mod:`fedllm.hub`). fedllm's own
@@ -21,6 +21,9 @@ NOISY_WARNINGS = (
     (FutureWarning, r".*`resume_download` is deprecated"),
     (UserWarning, r".*TypedStorage is deprecated"),
 )
+#: Modules whose FutureWarnings (deprecations inside the library, nothing a fedllm user can act on) are
+#: filtered in quiet mode.
+NOISY_DEPRECATIONS = (r"transformers(\.|$)", r"peft(\.|$)", r"accelerate(\.|$)")
 #: Third-party loggers lowered to ERROR in quiet mode.
 NOISY_LOGGERS = ("bitsandbytes", "huggingface_hub.utils._http", "huggingface_hub.file_download", "accelerate")
 _quiet = False  # set by configure(); the Python API (no configure) changes nothing
@@ -42,6 +45,8 @@ def configure(verbose: bool = False) -> bool:
     os.environ.setdefault("WANDB_SILENT", "true")
     for category, message in NOISY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+    for module in NOISY_DEPRECATIONS:  # their own deprecation notices, about their own internals
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     return False
@@ -63,8 +68,8 @@ def unblock_bitsandbytes() -> None:
 
 
 def quiet_loading_bars() -> None:
-    """In quiet mode, no per-load bars from transformers ("Loading weights", "Converting and de-quantizing GGUF
-    tensors"); download bars of the hub client stay."""
+    """In quiet mode, no per-load or per-save bars from transformers ("Loading weights", "Converting and
+    de-quantizing GGUF tensors", "Writing model shards"); download bars of the hub client stay."""
     if not _quiet:
         return
     import importlib
@@ -79,3 +84,6 @@ def quiet_loading_bars() -> None:
             continue
         if hasattr(module, "tqdm"):
             module.tqdm = partial(tqdm, disable=True)
+    from transformers.utils import logging as hf_logging  # save_pretrained's "Writing model shards"
+
+    hf_logging.tqdm = partial(tqdm, disable=True)

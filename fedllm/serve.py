@@ -1,8 +1,10 @@
 """`fedllm serve CHECKPOINT`: an OpenAI-compatible chat server for a checkpoint or exported model.
 
 Endpoints: ``GET /v1/models`` and ``POST /v1/chat/completions`` (non-streaming,
-or streamed as server-sent events). Conversations are rendered with the
-tokenizer's chat template (or a FastChat template), generation is greedy at
+or streamed as server-sent events). Conversations are rendered in the prompt
+style the run trained with, as ``fedllm eval`` does (the Alpaca template for
+instruction data with ``data.template: alpaca``, else the tokenizer's chat
+template or a FastChat template; ``--prompt-style`` overrides), generation is greedy at
 temperature 0 and sampled otherwise; requests are served one at a time. Any
 OpenAI client can talk to it, e.g. to chat with a trained model or to use a
 local model as the LLM judge of ``fedllm eval``. Binds 127.0.0.1 by default.
@@ -189,7 +191,8 @@ def check_limits(max_new_tokens: int, max_queue: int, request_timeout: float) ->
 
 def build_app(model, tokenizer, model_name: str, chat_template: Optional[str] = None,
               max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
-              request_timeout: float = DEFAULT_REQUEST_TIMEOUT, context_length: Optional[int] = None) -> FastAPI:
+              request_timeout: float = DEFAULT_REQUEST_TIMEOUT, context_length: Optional[int] = None,
+              prompt_style: str = "chat") -> FastAPI:
     """The FastAPI app serving ``model`` under the name ``model_name``.
 
     Args:
@@ -201,6 +204,8 @@ def build_app(model, tokenizer, model_name: str, chat_template: Optional[str] = 
         max_queue: requests that may wait while one generates (more answer 429).
         request_timeout: seconds a request may wait for its turn (then 503) and generate.
         context_length: the model's context window (default: from its config).
+        prompt_style: how a conversation becomes the prompt: ``chat`` (the chat template), ``alpaca``
+            (the Alpaca instruction template a run trained with) or ``plain``.
 
     Returns:
         The app; ``app.state.requests`` counts the completions served, ``app.state.rejected`` the 429
@@ -214,10 +219,11 @@ def build_app(model, tokenizer, model_name: str, chat_template: Optional[str] = 
     from fedllm.evaluation.generation import generate_completions
     from fedllm.evaluation.prompt_styles import make_prompt_style
 
-    if not chat_template and not getattr(tokenizer, "chat_template", None):
-        raise InputError("the tokenizer has no chat template: pass a FastChat template name (--chat-template)")
+    if prompt_style == "chat" and not chat_template and not getattr(tokenizer, "chat_template", None):
+        raise InputError("the tokenizer has no chat template: pass a FastChat template name (--chat-template) "
+                         "or --prompt-style alpaca|plain")
     check_limits(max_new_tokens_limit, max_queue, request_timeout)
-    style = make_prompt_style("chat", tokenizer, chat_template)
+    style = make_prompt_style(prompt_style, tokenizer, chat_template)
     window = context_length or context_window(model, tokenizer)
     longest = longest_token_chars(tokenizer)
     _set_time_limit(model, request_timeout)
@@ -265,6 +271,7 @@ def build_app(model, tokenizer, model_name: str, chat_template: Optional[str] = 
         bad = not_utf8(messages, stop)
         if bad:
             return _error(400, bad)
+        stop += list(style.stop)  # the run's prompt style ends a turn where it trained to
         if not admitted.acquire(blocking=False):  # before any tokenizing: at most max_queue + 1 prompts in memory
             app.state.rejected += 1
             return _error(429, f"server busy: {max_queue} request(s) already waiting; retry later",
@@ -339,6 +346,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     parser.add_argument("--model-name", default=None, help="model id served (default: the checkpoint's name)")
+    parser.add_argument("--prompt-style", choices=["chat", "alpaca", "plain"], default=None,
+                        help="how a conversation becomes the prompt (default: as the run was trained — alpaca for "
+                             "instruction data with the Alpaca template — else chat, the tokenizer's chat template)")
     parser.add_argument("--chat-template", default=None,
                         help="FastChat conversation template (default: the tokenizer's chat template)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype")
@@ -372,23 +382,76 @@ def request_log_line(method: str, path: str, status: int, usage: Optional[tuple[
     return f"{method} {path} {status} {tokens} {seconds:.2f} s"
 
 
+def bind(host: str, port: int) -> Any:
+    """A listening socket on ``host:port`` (taken before the model loads, handed to the server).
+
+    Raises:
+        InputError: the address is in use or cannot be bound.
+    """
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InputError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); "
+                         "pick another --port (or stop what uses it)") from None
+    sock.listen(128)
+    return sock
+
+
+def run_prompt_style(checkpoint: str) -> str:
+    """The prompt style the run behind ``checkpoint`` trained with (as ``fedllm eval`` picks it), else ``chat``.
+
+    An export records it in its ``export.json``; a run directory or checkpoint in its ``recipe.yaml``.
+    """
+    from fedllm.evaluation.cli import find_run_recipe
+
+    path = Path(checkpoint).expanduser()
+    facts = path / "export.json"
+    if facts.is_file():
+        return json.loads(facts.read_text()).get("prompt_style") or "chat"
+    recipe = find_run_recipe(checkpoint)
+    if recipe is None:
+        return "chat"
+    from fedllm.config import load_recipe
+    from fedllm.evaluation.runner import prompt_style_for_data
+
+    return prompt_style_for_data(load_recipe(recipe).data) or "chat"
+
+
 def run_serve_command(args: argparse.Namespace) -> int:
     """``fedllm serve``: load the checkpoint and serve it until interrupted; returns the exit code.
 
-    Raises:
-        InputError: an unloadable checkpoint or no chat template (exit code 2 on the CLI).
-    """
-    import uvicorn
+    The port is taken, and the limits checked, before the model loads, so a busy port is refused at once.
 
-    from fedllm.inference import load_for_inference
+    Raises:
+        InputError: a busy port, a path that does not exist, an unloadable checkpoint or no chat template
+            (exit code 2 on the CLI).
+    """
+    from fedllm.errors import check_local_path
 
     check_limits(args.max_new_tokens, args.max_queue, args.request_timeout)
-    model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype)
-    name = args.model_name or default_model_name(args.checkpoint)
-    app = build_app(model, tokenizer, name, args.chat_template, args.max_new_tokens, args.max_queue,
-                    args.request_timeout)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: serving on {args.host}: anyone who can reach it can use the model", file=sys.stderr)
-    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI-compatible; Ctrl-C stops)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    check_local_path(args.checkpoint, "checkpoint")
+    sock = bind(args.host, args.port)
+    try:
+        import uvicorn
+
+        from fedllm.inference import load_for_inference
+
+        style = args.prompt_style or run_prompt_style(args.checkpoint)
+        model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype)
+        name = args.model_name or default_model_name(args.checkpoint)
+        app = build_app(model, tokenizer, name, args.chat_template, args.max_new_tokens, args.max_queue,
+                        args.request_timeout, prompt_style=style)
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"warning: serving on {args.host}: anyone who can reach it can use the model", file=sys.stderr)
+        print(f"serving {name!r} at http://{args.host}:{sock.getsockname()[1]}/v1 (OpenAI-compatible, "
+              f"{style} prompts; Ctrl-C stops)", flush=True)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

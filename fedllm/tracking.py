@@ -17,11 +17,17 @@ imported only when a recipe asks for it.
 from __future__ import annotations
 
 import abc
+import contextlib
+import io
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 #: Tracker names accepted in ``logging.report_to`` (read by config validation without importing anything).
+log = logging.getLogger("fedllm")
+
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 
 
@@ -127,17 +133,37 @@ class MLflow(Tracker):
 
 
 class Trackio(Tracker):
+    """trackio prints its progress ("* Created new run", "* Run finished. Uploading logs ...") on stdout, where
+    ``fedllm train`` prints only the run directory: those lines go to fedllm's debug log instead."""
+
     def start(self, run_dir: Path, run_name: str, params: dict[str, Any], recipe_yaml: str) -> None:
         import trackio
 
-        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "fedllm"), name=run_name, config=params,
-                                resume="allow")
+        with _stdout_to_debug_log():
+            self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "fedllm"), name=run_name,
+                                    config=params, resume="allow")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
     def finish(self) -> None:
-        self.run.finish()
+        import trackio
+
+        with _stdout_to_debug_log():
+            trackio.finish()  # also clears trackio's current run, so its exit hook does not finish it again
+
+
+@contextlib.contextmanager
+def _stdout_to_debug_log() -> Iterator[None]:
+    """Capture what is printed on stdout inside the block and log it at debug level."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        for line in buffer.getvalue().splitlines():
+            if line.strip():
+                log.debug("%s", line)
 
 
 BACKENDS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow,

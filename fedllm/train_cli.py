@@ -1,7 +1,7 @@
 """``fedllm train RECIPE.yaml [dotted.key=value ...] [--resume] [--dry-run]``: the command-line front end.
 
-The recipe is read and validated before torch is imported (a recipe error comes back
-at once); the CLI has applied the CPU threading policy before that, and a recipe's
+The recipe is read and validated, and the run directory checked (``--overwrite`` /
+``--resume`` refusals), before torch is imported (an error comes back at once); the CLI has applied the CPU threading policy before that, and a recipe's
 ``train.threads`` then sets the thread count.
 """
 
@@ -28,14 +28,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train_command(args: argparse.Namespace) -> int:
     """Run ``fedllm train`` from parsed arguments; prints the run directory (rank 0)."""
     from fedllm import logs, threads
-    from fedllm.config import load_recipe
+    from fedllm.config import check_strategy, load_recipe
 
     overrides = list(args.overrides)
     if args.quiet:
         overrides.append("logging.quiet=true")
     blocked = logs.block_bitsandbytes()  # bitsandbytes only when the recipe quantises
     try:
-        recipe = load_recipe(args.recipe, overrides, check_files=True)
+        recipe = load_recipe(args.recipe, overrides, check_files=True, ask_strategy=False)
+        args.output_dir = recipe.output_dir  # for the interrupt message's resume hint
+        if not args.dry_run:  # --overwrite / --resume refusals, before torch loads
+            from fedllm.rundir import check_run_dir
+
+            check_run_dir(recipe, args.resume, args.overwrite)
+        check_strategy(recipe)  # the strategy's own checks import torch
         if recipe.model.quantization != "none":
             logs.unblock_bitsandbytes()
         if recipe.train.threads is not None:  # the CLI applied the policy before torch loaded; now the count

@@ -283,7 +283,14 @@ def build_federated_data(
         eval_ids = [] if _has_eval_source(data_cfg) else list(manifest.get("eval", []))
     else:
         train_ids, eval_ids = select_records(records, data_cfg, seed)
-        parts = partition_ids(records, train_ids, num_clients, seed, partition_cfg)
+        try:
+            parts = partition_ids(records, train_ids, num_clients, seed, partition_cfg)
+        except PartitionError as e:  # name the file and the keys behind the numbers
+            held = f", {len(records) - len(train_ids)} held out or left out by data.eval_fraction / " \
+                   f"data.max_examples" if len(train_ids) < len(records) else ""
+            raise PartitionError(f"data.path={source_path!r} ({len(records)} records{held}), "
+                                 f"federation.num_clients={num_clients}, federation.partition.method="
+                                 f"{partition_cfg.method!r}: {e}") from None
         manifest = partition_manifest(
             parts, records, partition_cfg.column, partition_cfg.method, seed=seed, beta=partition_cfg.beta,
             source={"path": source_path, "name": data_cfg.name, "split": data_cfg.split}, eval=eval_ids,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedllm.config import EvalConfig, Recipe
-from fedllm.errors import InputError
+from fedllm.errors import InputError, check_local_path, did_you_mean
 from fedllm.evaluation.personal import client_choice
 from fedllm.evaluation.prompt_styles import prompt_styles
 from fedllm.evaluation.report import markdown_table
@@ -76,7 +76,8 @@ def parse_task_list(text: Optional[str]) -> list[str]:
 
     unknown = [t for t in names if not known_task(t)]
     if unknown:
-        raise InputError(f"--tasks: unknown task(s) {', '.join(unknown)}; known: {', '.join(tasks.names())} "
+        hints = "".join(did_you_mean(t, tasks.names()) for t in unknown)
+        raise InputError(f"--tasks: unknown task(s) {', '.join(unknown)}{hints}; known: {', '.join(tasks.names())} "
                          f"and lm_eval:<lm-evaluation-harness task>")
     return names
 
@@ -152,6 +153,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     Raises:
         InputError: bad flags, unknown tasks, missing data or judge settings (exit code 2).
     """
+    check_local_path(args.checkpoint, "checkpoint")  # before torch: a mistyped run directory is not a hub id
+    parse_task_list(args.tasks)
     from fedllm.config import load_recipe
     from fedllm.evaluation.runner import evaluate, prompt_style_for_data
     from fedllm.inference import load_for_inference

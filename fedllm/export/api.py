@@ -17,11 +17,10 @@ from fedllm.export.card import model_card
 from fedllm.export.errors import ExportInputError
 from fedllm.export.formats import DTYPE_CHOICES, FORMATS
 from fedllm.export.merged import write_merged
+from fedllm.export.out_dir import REPORT, check_out_dir
 from fedllm.export.source import Source, load_run_model, open_source
 from fedllm.redact import redact, redact_text
 
-REPORT = "export.json"
-"""Machine-readable facts of an export (ranks, errors, probe difference, command), beside README.md."""
 
 ClientChoice = Union[None, int, str]
 
@@ -105,29 +104,24 @@ def _check_out(out: Path, source: Source, overwrite: bool) -> None:
             raise ExportInputError(f"--out {out}: would replace the run being exported ({protected})")
     if checkpoint in resolved.parents:
         raise ExportInputError(f"--out {out}: inside the checkpoint being exported ({checkpoint}); write it elsewhere")
-    if out.exists() and not out.is_dir():
-        raise ExportInputError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportInputError(f"--out {out}: already exists and is not empty; pass --overwrite to replace it")
-    if out.is_dir() and any(out.iterdir()):  # --overwrite: only an earlier export, never anything else
-        from fedllm.rundir import protected_reason
-
-        reason = protected_reason(out, [])
-        if reason is None and not ((out / REPORT).is_file() or any(out.glob(f"client-*/{REPORT}"))):
-            reason = f"it is not a fedllm export (no {REPORT}) and fedllm deletes only what it created"
-        if reason is not None:
-            raise ExportInputError(f"--overwrite refuses --out {out}: {reason}; pick another --out")
+    check_out_dir(out, overwrite)
 
 
 def _write_one(fmt: str, source: Source, client: Optional[int], directory: Path, dtype: str, rank: Optional[int],
                with_base: bool, command: str, final: Optional[Path] = None) -> dict[str, Any]:
+    from fedllm import logs
+
     directory.mkdir(parents=True, exist_ok=True)
     model, tokenizer, strategy = load_run_model(source, client)
+    logs.quiet_loading_bars()  # no "Writing model shards" bar (unless --verbose)
     if fmt == "merged":
         info = write_merged(model, tokenizer, strategy, source, directory, dtype)
     else:
         info = write_adapter(model, tokenizer, strategy, source, directory, dtype, rank, with_base)
-    info.update(dtype=dtype, client=client, with_base=with_base)
+    from fedllm.evaluation.runner import prompt_style_for_data
+
+    info.update(dtype=dtype, client=client, with_base=with_base,
+                prompt_style=prompt_style_for_data(source.recipe.data) or "chat")  # fedllm serve reads it
     (directory / "README.md").write_text(redact_text(model_card(fmt, source, info, command,
                                                                 final.resolve() if final is not None else None)))
     facts = {"format": fmt, "source": str(source.checkpoint), "round": source.round,

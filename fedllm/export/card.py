@@ -85,6 +85,27 @@ def _usage(fmt: str, source: Source, info: dict[str, Any], where: Optional[Path]
             f"tokenizer = AutoTokenizer.from_pretrained({here!r})\n```\n\n" + note)
 
 
+def _prompt_format(source: Source, info: dict[str, Any]) -> str:
+    """Which prompt the model was trained to answer (what ``fedllm serve`` uses by default)."""
+    data = source.recipe.data
+    if info.get("prompt_style") == "alpaca":
+        from fedllm.data.templates import INSTRUCTION_TEMPLATES
+
+        template = INSTRUCTION_TEMPLATES["alpaca"].no_input.format(instruction="{instruction}")
+        return ("Trained on instruction records with the Alpaca template: prompt it with the text below "
+                "(the `### Input:` variant when there is an input) and read the answer after `### Response:`. "
+                "`fedllm serve` renders chat requests this way by default (`--prompt-style chat` uses the "
+                f"tokenizer's chat template instead).\n\n```text\n{template}\n```")
+    if data.format == "chat":
+        how = ("the tokenizer's chat template (`tokenizer.apply_chat_template`)" if data.template == "tokenizer"
+               else f"the FastChat conversation template `{data.template}`")
+        return f"Trained on conversations rendered with {how}; `fedllm serve` uses the same by default."
+    if data.format == "classification":
+        return "A sequence classifier: give it the text (and `text_pair`, if trained with one) as is."
+    return (f"Trained on instruction records with the template `{data.template}`; prompt it in that format "
+            "(`fedllm serve` defaults to the tokenizer's chat template for it: pass `--prompt-style`).")
+
+
 def _training_table(source: Source) -> str:
     r = source.recipe
     fed, tr = r.federation, r.train
@@ -173,6 +194,7 @@ def model_card(fmt: str, source: Source, info: dict[str, Any], command: str, whe
         f"# fedllm {title}: {source.recipe.federation.strategy} on {source.recipe.model.name}{who}",
         f"Exported from the fedllm checkpoint `{source.checkpoint}` (round {source.round}).",
         "## Usage", _usage(fmt, source, info, where),
+        "## Prompt format", _prompt_format(source, info),
         "## Training", _training_table(source),
         "## Results", _results(source, info.get("client")),
         "## Export", _export_facts(fmt, info),

@@ -38,6 +38,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export_command(args: argparse.Namespace) -> int:
     """Run ``fedllm export`` from parsed arguments; prints the export directory (or directories)."""
+    from pathlib import Path
+
+    from fedllm.errors import check_local_path
+    from fedllm.export.out_dir import check_out_dir
+
+    check_local_path(args.source, "RUN_DIR_OR_CHECKPOINT", hub_ok=False)  # before torch loads
+    check_out_dir(Path(args.out), args.overwrite, Path(args.source))
     from fedllm.export.api import export
 
     result = export(args.source, args.format, args.out, dtype=args.dtype, rank=args.rank,

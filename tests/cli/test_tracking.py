@@ -104,6 +104,9 @@ def test_trackio_local_store(tracked_run):
     logs = SQLiteStorage.get_logs("fedllm-test", "run")
     assert [(x["step"], x["train/loss"]) for x in logs] == [(h["round"], pytest.approx(h["train_loss"]))
                                                            for h in history]
+    from trackio import context_vars
+
+    assert context_vars.current_run.get() is None  # finished: trackio's exit hook has nothing left to print
 
 
 def test_only_rank_0_tracks(tiny_recipe, monkeypatch):

@@ -24,8 +24,16 @@ def test_cli_writes_a_model_card_with_the_run_and_the_exact_command(tiny_recipe,
     result = run(parse_recipe(tiny_recipe(checkpoint={"every": 1})))
     out = tmp_path / "exports" / "merged"
     assert main(["export", str(result.run_dir), "--format", "merged", "--out", str(out)]) == 0
-    assert capsys.readouterr().out.strip() == str(out)
+    printed = capsys.readouterr()
+    assert printed.out.strip() == str(out)
+    assert "Writing model shards" not in printed.err
     card = (out / "README.md").read_text()
+    # the prompt the model was trained on (Alpaca instruction data), which fedllm serve uses by default
+    assert "## Prompt format" in card and "### Instruction:\n{instruction}\n\n### Response:" in card
+    assert json.loads((out / "export.json").read_text())["prompt_style"] == "alpaca"
+    from fedllm.serve import run_prompt_style
+
+    assert run_prompt_style(str(out)) == run_prompt_style(str(result.run_dir)) == "alpaca"
     command = f"fedllm export {result.run_dir} --format merged --out {out}"
     assert f"```bash\n{command}\n```" in card
     assert json.loads((out / "export.json").read_text())["command"] == command

