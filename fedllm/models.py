@@ -99,7 +99,7 @@ def _packaged(package: str, subdir: str, gguf_file: Optional[str], task: str) ->
 
     def present() -> Optional[str]:
         try:
-            _package_dir(package)
+            package_dir(package)
         except ModelError as e:
             return str(e)
         return None
@@ -118,16 +118,16 @@ def _save_once(obj: Any, target: Path) -> None:
     try:
         obj.save_pretrained(str(tmp))
         tmp.rename(target)
-    except OSError:  # another process saved it first, or the disk is full: the GGUF still works
-        shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, ValueError):  # saved first by another process, a full disk, or (ValueError) transformers
+        shutil.rmtree(tmp, ignore_errors=True)  # will not serialise GGUF-loaded weights: the GGUF still works
 
 
 def _chunked(shipped: ChunkedFile) -> Preset:
     """A causal LM whose GGUF ships split over several packages, assembled once into fedllm's cache.
 
     Converting a GGUF is slow (the tokenizer of a 262k vocabulary, the dequantisation of every tensor), so
-    the first load saves what it converted beside the GGUF — the tokenizer, and the fp32 weights when loaded
-    in fp32 — and later loads read those (the same values).
+    the first load saves what it converted beside the GGUF — the tokenizer (transformers refuses to serialise
+    GGUF-loaded weights, so those are converted at every load) — and later loads read it.
     """
 
     def where() -> tuple[str, Optional[str]]:

@@ -65,7 +65,6 @@ def test_missing_chunk_packages_are_named_with_the_install_command(monkeypatch):
 def test_gemma3_270m_trains_a_round_and_its_exports_load_in_plain_transformers_and_peft(tmp_path):
     """The real Gemma 3 270M (base model, Q4_K_M dequantised to fp32): one FedAvg round, then the merged export in
     plain transformers and the adapter on the base in plain peft compute the same logits and generate the same."""
-    from pathlib import Path
 
     import torch
     import transformers
@@ -95,9 +94,7 @@ def test_gemma3_270m_trains_a_round_and_its_exports_load_in_plain_transformers_a
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "merged"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     directory, gguf = model_presets.get("gemma3-270m").location()
-    converted = Path(directory) / "model-fp32"  # the fp32 weights fedllm saved at its first load of the GGUF
-    assert (converted / "config.json").is_file()
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
     adapter = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     enc = tok("### Instruction:\nWhat is 3 + 4?\n\n### Response:\n", return_tensors="pt")
     with torch.no_grad():

@@ -8,7 +8,7 @@ from flwr.serverapp import strategy as flower
 
 from fedllm.config import parse_recipe
 from fedllm.errors import InputError
-from fedllm.strategies import get_strategy
+from fedllm.strategies import ClientUpdate, get_strategy
 from flower_reference import ROUNDS, SIZES, client_arrays, fedllm_rounds, flower_rounds
 
 CASES = [
