@@ -68,10 +68,13 @@ class LowRankMerge:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def detached(self) -> LowRankMerge:
-        """A CPU copy (what the log keeps)."""
+        """A CPU copy (what the log keeps; a meta-device merge of a dry run stays on the meta device)."""
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().clone() if t.is_meta else t.detach().cpu().clone()
+
         if self.dense is not None:
-            return LowRankMerge(dense=self.dense.detach().cpu().clone())
-        return LowRankMerge([(b.detach().cpu().clone(), a.detach().cpu().clone(), float(c)) for b, a, c in self.terms])
+            return LowRankMerge(dense=copy(self.dense))
+        return LowRankMerge([(copy(b), copy(a), float(c)) for b, a, c in self.terms])
 
 
 @torch.no_grad()

@@ -35,7 +35,8 @@ def run_train_command(args: argparse.Namespace) -> int:
         overrides.append("logging.quiet=true")
     blocked = logs.block_bitsandbytes()  # bitsandbytes only when the recipe quantises
     try:
-        recipe = load_recipe(args.recipe, overrides, check_files=True, ask_strategy=False)
+        # a dry run needs neither the weights nor the data files: it builds the model from its shipped config
+        recipe = load_recipe(args.recipe, overrides, check_files=not args.dry_run, ask_strategy=False)
         args.output_dir = recipe.output_dir  # for the interrupt message's resume hint
         if not args.dry_run:  # --overwrite / --resume refusals, before torch loads
             from fedllm.rundir import check_run_dir
