@@ -90,7 +90,11 @@ def test_log_lines_are_redacted():
 def test_the_interrupt_hint_masks_credentials_given_on_the_command_line(tiny_recipe, tmp_path, monkeypatch, capsys):
     import fedllm.server
 
-    def interrupted(*args, **kwargs):
+    def interrupted(recipe, *args, **kwargs):  # stopped after writing something: the hint is the resume command
+        from pathlib import Path
+
+        Path(recipe.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(recipe.output_dir) / "metrics.jsonl").write_text("")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(fedllm.server, "run", interrupted)
