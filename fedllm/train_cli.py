@@ -39,9 +39,11 @@ def run_train_command(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, overrides, check_files=not args.dry_run, ask_strategy=False)
         args.output_dir = recipe.output_dir  # for the interrupt message's resume hint
         if not args.dry_run:  # --overwrite / --resume refusals, before torch loads
+            from fedllm import runlock
             from fedllm.rundir import check_run_dir
 
-            check_run_dir(recipe, args.resume, args.overwrite)
+            with runlock.hold(recipe.output_dir):  # a run being written is named first (server.run locks again)
+                check_run_dir(recipe, args.resume, args.overwrite)
         check_strategy(recipe)  # the strategy's own checks import torch
         if recipe.model.quantization != "none":
             logs.unblock_bitsandbytes()
