@@ -42,7 +42,8 @@ def run_train_command(args: argparse.Namespace) -> int:
             from fedllm import runlock
             from fedllm.rundir import check_run_dir
 
-            with runlock.hold(recipe.output_dir):  # a run being written is named first (server.run locks again)
+            # a run being written is named first (server.run locks again); rank 0 alone holds the lock
+            with runlock.hold(recipe.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
                 check_run_dir(recipe, args.resume, args.overwrite)
         check_strategy(recipe)  # the strategy's own checks import torch
         if recipe.model.quantization != "none":
