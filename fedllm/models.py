@@ -20,7 +20,7 @@ import transformers
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
-from fedllm import hub, logs
+from fedllm import gguf_cache, hub, logs
 from fedllm.chunked_weights import GEMMA3_270M_Q4_K_M, ChunkedFile, ChunkError
 from fedllm.config import LoraConfig, ModelConfig, RecipeError
 from fedllm.errors import did_you_mean
@@ -109,26 +109,9 @@ def _packaged(package: str, subdir: str, gguf_file: Optional[str], task: str) ->
                   location=lambda: (where(), gguf_file), present=present)
 
 
-def _save_once(obj: Any, target: Path) -> None:
-    """``obj.save_pretrained`` into ``target`` through a temporary directory renamed into place (first writer wins)."""
-    import shutil
-    import tempfile
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        obj.save_pretrained(str(tmp))
-        tmp.rename(target)
-    except (OSError, ValueError):  # saved first by another process, a full disk, or (ValueError) transformers
-        shutil.rmtree(tmp, ignore_errors=True)  # will not serialise GGUF-loaded weights: the GGUF still works
-
-
 def _chunked(shipped: ChunkedFile) -> Preset:
-    """A causal LM whose GGUF ships split over several packages, assembled once into fedllm's cache.
-
-    Converting a GGUF is slow (the tokenizer of a 262k vocabulary, the dequantisation of every tensor), so
-    the first load saves what it converted beside the GGUF — the tokenizer (transformers refuses to serialise
-    GGUF-loaded weights, so those are converted at every load) — and later loads read it.
-    """
+    """A causal LM whose GGUF ships split over several packages, assembled once into fedllm's cache (and, like
+    every GGUF, converted once: :mod:`fedllm.gguf_cache`)."""
 
     def where() -> tuple[str, Optional[str]]:
         try:
@@ -137,26 +120,9 @@ def _chunked(shipped: ChunkedFile) -> Preset:
             raise ModelError(str(e)) from None
         return str(path.parent), path.name
 
-    def tokenizer(cfg: ModelConfig) -> Any:
-        directory, gguf = where()
-        saved = Path(directory) / "tokenizer"
-        if (saved / "tokenizer_config.json").is_file():
-            return _tokenizer(str(saved), None, cfg)
-        tok = _tokenizer(directory, gguf, cfg)
-        _save_once(tok, saved)
-        return tok
-
-    def model(cfg: ModelConfig, num_labels: int, tok: Any) -> Any:
-        directory, gguf = where()
-        saved = Path(directory) / "model-fp32"
-        if (saved / "config.json").is_file():
-            return _model(str(saved), None, cfg, "causal_lm", num_labels, tok)
-        built = _model(directory, gguf, cfg, "causal_lm", num_labels, tok)
-        if cfg.dtype == "fp32" and cfg.quantization == "none" and cfg.device_map is None:
-            _save_once(built, saved)
-        return built
-
-    return Preset(tokenizer=tokenizer, model=model, task="causal_lm", location=where, present=shipped.missing)
+    return Preset(tokenizer=lambda cfg: _tokenizer(*where(), cfg),
+                  model=lambda cfg, n, tok: _model(*where(), cfg, "causal_lm", n, tok), task="causal_lm",
+                  location=where, present=shipped.missing)
 
 
 for _name, (_package, _subdir, _gguf, _task) in PACKAGED.items():
@@ -185,12 +151,15 @@ def _load_error(name: str, e: Exception) -> ModelError:
 
 
 def _tokenizer(name: str, gguf_file: Optional[str], cfg: ModelConfig) -> Any:
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    kept = gguf_cache.tokenizer_dir(name, gguf_file) if gguf_file else None  # converted by an earlier load
+    kwargs = {"gguf_file": gguf_file} if gguf_file and not kept else {}
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(name, revision=cfg.revision,
+        tok = transformers.AutoTokenizer.from_pretrained(kept or name, revision=cfg.revision,
                                                          trust_remote_code=cfg.trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error(name, e) from None
+    if gguf_file and not kept:
+        gguf_cache.keep_tokenizer(tok, name, gguf_file)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -199,11 +168,14 @@ def _tokenizer(name: str, gguf_file: Optional[str], cfg: ModelConfig) -> Any:
 def _model(name: str, gguf_file: Optional[str], cfg: ModelConfig, task: str, num_labels: int, tok: Any) -> Any:
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
                                   dtype=DTYPES[cfg.dtype])
-    if gguf_file:
+    quant = _quantization(cfg)
+    # a causal LM converted from this GGUF by an earlier fp32 load (the cast to another dtype is the same)
+    cacheable = bool(gguf_file) and task == "causal_lm" and quant is None and cfg.device_map is None
+    kept = gguf_cache.model_dir(name, gguf_file) if cacheable else None
+    if gguf_file and not kept:
         kwargs["gguf_file"] = gguf_file
     if task == "classification":
         kwargs["num_labels"] = num_labels
-    quant = _quantization(cfg)
     if quant is not None:
         kwargs["quantization_config"] = quant
     if cfg.device_map is not None:
@@ -212,9 +184,11 @@ def _model(name: str, gguf_file: Optional[str], cfg: ModelConfig, task: str, num
             else transformers.AutoModelForCausalLM)
     logs.quiet_loading_bars()
     try:
-        model = auto.from_pretrained(name, **kwargs)
+        model = auto.from_pretrained(kept or name, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error(name, e) from None
+    if cacheable and not kept and cfg.dtype == "fp32":
+        gguf_cache.keep_model(model, name, gguf_file)
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
     return model

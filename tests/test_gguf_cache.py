@@ -1,0 +1,56 @@
+"""A GGUF is converted once: later loads read the kept conversion, equal bit for bit (slow: real SmolLM2)."""
+
+import pytest
+import torch
+import transformers
+
+from fedllm import gguf_cache
+from fedllm.config import LoraConfig, ModelConfig
+from fedllm.models import load_base_model, load_model, load_tokenizer, lora_layers
+from fedllm.registry import model_presets
+
+CHAT = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.mark.slow
+def test_a_gguf_is_converted_once_and_read_back_bit_for_bit(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDLLM_CACHE_DIR", str(tmp_path / "cache"))  # a cache of its own: the first load converts
+    cfg = ModelConfig(name="smollm2-135m-instruct")
+    directory, gguf = model_presets.get(cfg.name).location()
+    sources = []  # what transformers was asked to read, load by load
+    original = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, name, *args, **kwargs):
+        sources.append(kwargs.get("gguf_file") or name)
+        return original(cls, name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+
+    converted_tok = load_tokenizer(cfg)
+    converted = load_base_model(cfg, converted_tok)
+    kept_model, kept_tok = gguf_cache.model_dir(directory, gguf), gguf_cache.tokenizer_dir(directory, gguf)
+    assert kept_model and kept_tok and str(tmp_path / "cache") in kept_model
+    tok = load_tokenizer(cfg)
+    model = load_base_model(cfg, tok)
+    assert sources == [gguf, kept_model]
+
+    want, got = converted.state_dict(), model.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) and want[k].dtype == got[k].dtype for k in want)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    assert model.generation_config.to_dict() == converted.generation_config.to_dict()
+    assert tok.get_vocab() == converted_tok.get_vocab() and tok.pad_token == converted_tok.pad_token
+    text = converted_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == text
+    assert tok(text)["input_ids"] == converted_tok(text)["input_ids"]
+
+    half = load_base_model(ModelConfig(name=cfg.name, dtype="bf16"), tok)  # other dtypes are cast from the copy
+    assert sources[-1] == kept_model
+    assert all(torch.equal(v, want[k].to(torch.bfloat16)) for k, v in half.state_dict().items())
+
+    lm = load_model(cfg, LoraConfig(r=8, alpha=16))  # the real model, from the kept copy, answers as itself
+    assert lm.model_type == "llama" and len(lora_layers(lm.model)) == 4 * 30
+    ids = lm.tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        nxt = lm.model(**ids).logits[0, -1].argmax()
+    assert "Paris" in lm.tokenizer.decode(nxt)
