@@ -21,19 +21,9 @@ from typing import Any, Optional
 
 from fedllm.config import LoraConfig, ModelConfig
 
-CONFIGS_DIR = Path(__file__).parent / "assets" / "configs"
+from fedllm.model_info import CONFIGS_DIR, shipped_config_dir, shipped_names  # noqa: F401 (re-exported)
+
 META = "meta"
-
-
-def shipped_config_dir(name: str) -> Optional[Path]:
-    """The shipped config directory of hub id / preset ``name`` (``org/name`` -> ``org--name``), or None."""
-    path = CONFIGS_DIR / name.replace("/", "--")
-    return path if (path / "config.json").is_file() else None
-
-
-def shipped_names() -> list[str]:
-    """Hub ids and preset names whose config fedllm ships."""
-    return sorted(p.name.replace("--", "/") for p in CONFIGS_DIR.iterdir() if (p / "config.json").is_file())
 
 
 def weights_unavailable(cfg: ModelConfig) -> Optional[str]:
@@ -173,14 +163,20 @@ def target_shapes(cfg: ModelConfig, lora: LoraConfig, num_labels: int = 2) -> di
 
     Builds the model on the meta device only (no weights, no memory); usable before any model load.
     """
+    import warnings
+
     import torch
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
 
-    from fedllm.models import lora_layers, lora_targets
+    from fedllm.models import lora_targets
 
     model, _ = meta_base_model(cfg, num_labels)
     probe = PeftLoraConfig(r=1, target_modules=lora_targets(model, lora))  # rank 1: shapes only, never rejected
-    with torch.device(META):
+    with torch.device(META), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "fan_in_fan_out", UserWarning)  # PEFT's note on GPT-2's Conv1D (a probe)
         peft_model = get_peft_model(model, probe)
-    return {name: (layer.out_features, layer.in_features) for name, layer in lora_layers(peft_model).items()}
+    # PEFT's wrapper knows (out, in) of every base kind (nn.Linear, GPT-2's transposed Conv1D, ...)
+    return {name: (layer.out_features, layer.in_features) for name, layer in peft_model.named_modules()
+            if isinstance(layer, LoraLayer)}

@@ -50,6 +50,9 @@ CHUNKED = ("gemma3-270m",)
 
 BUILTIN_PRESETS = tuple(f"tiny-{f}" for f in TINY_FAMILIES) + tuple(PACKAGED) + CHUNKED
 
+#: The ``config.json`` (no weights) of every model a shipped recipe names: ``<org>--<name>/`` or ``<preset>/``.
+CONFIGS_DIR = Path(__file__).parent / "assets" / "configs"
+
 
 class ModelError(InputError):
     """A model could not be found or loaded as asked."""
@@ -142,8 +145,30 @@ def _hub_config(repo_id: str, revision: Optional[str]) -> Optional[Path]:
     return Path(found) if isinstance(found, str) else None
 
 
+def shipped_config_dir(name: str) -> Optional[Path]:
+    """The shipped config directory of hub id / preset ``name`` (``org/name`` -> ``org--name``), or None."""
+    path = CONFIGS_DIR / name.replace("/", "--")
+    return path if (path / "config.json").is_file() else None
+
+
+def shipped_names() -> list[str]:
+    """Hub ids and preset names whose config fedllm ships."""
+    return sorted(p.name.replace("--", "/") for p in CONFIGS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def _read_json(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def model_config(model: Any) -> Optional[dict[str, Any]]:
     """The model's configuration as a dict (``model_type``, ``hidden_size`` ...), or None if unknown here.
+
+    The model's own (a preset's dimensions, a local or cached ``config.json``, a GGUF header), else the copy
+    fedllm ships (``fedllm/assets/configs``) for a model whose files are not on this machine.
 
     Args:
         model: The recipe's :class:`~fedllm.config.ModelConfig`.
@@ -155,6 +180,14 @@ def model_config(model: Any) -> Optional[dict[str, Any]]:
         return {"model_type": family, "num_key_value_heads": TINY_KV_HEADS, **TINY_DIMS, **extra}
     if name == "tiny-roberta":
         return {"model_type": "roberta", **TINY_DIMS}
+    found = _own_config(model)
+    shipped = shipped_config_dir(name)
+    return found if found is not None or shipped is None else _read_json(shipped / "config.json")
+
+
+def _own_config(model: Any) -> Optional[dict[str, Any]]:
+    """The config of a packaged preset, a local directory or ``.gguf`` file, or a hub id's cached files."""
+    name = model.name
     gguf_file = model.gguf_file
     if name in PACKAGED:
         package, sub, gguf_file, _ = PACKAGED[name]
@@ -170,12 +203,7 @@ def model_config(model: Any) -> Optional[dict[str, Any]]:
         path = directory / gguf_file
         return _gguf_config(path) if path.is_file() else None
     path = directory / "config.json" if directory.is_dir() else _hub_config(name, model.revision)
-    if path is None or not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    return _read_json(path) if path is not None and path.is_file() else None
 
 
 def _layers(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -237,13 +265,32 @@ def model_problems(recipe: Any) -> list[tuple[str, Any, str]]:
             problems.append(("model.name", name, f"a preset ({', '.join(preset_names())}), a local model directory, "
                                                  f"a .gguf file or a hub id this machine can load ({reason})"
                                                  f"{did_you_mean(name, preset_names())}"))
-            return problems
-    config = model_config(model)
-    shapes = target_shapes(config, recipe.lora.target_modules) if config else {}
-    too_small = [(n, s) for n, s in shapes.items() if recipe.lora.r > min(s)]
-    if too_small:
-        layer, shape = min(too_small, key=lambda item: min(item[1]))
-        problems.append(("lora.r", recipe.lora.r, f"<= min(out, in) of every target layer; the "
-                                                  f"{layer.split('.0.', 1)[-1]} layers are {shape} (out, in), "
-                                                  f"from the model's config"))
-    return problems
+    config = model_config(model)  # (a hub id not loadable here may still have a shipped config: its rank is checked)
+    return problems + rank_problems(recipe.lora.r, target_shapes(config, recipe.lora.target_modules) if config else {})
+
+
+def rank_problems(r: int, shapes: dict[str, tuple[int, int]]) -> list[tuple[str, Any, str]]:
+    """A ``lora.r`` problem when ``r`` exceeds ``min(out, in)`` of a layer of ``shapes`` (name -> (out, in))."""
+    too_small = [(n, s) for n, s in shapes.items() if r > min(s)]
+    if not too_small:
+        return []
+    layer, shape = min(too_small, key=lambda item: min(item[1]))
+    kind = layer.split(".0.", 1)[-1] if ".0." in layer else layer
+    return [("lora.r", r, f"<= min(out, in) of every target layer; the {kind} layers are {shape} (out, in), "
+                          f"from the model's config")]
+
+
+def meta_rank_problems(recipe: Any) -> list[tuple[str, Any, str]]:
+    """``lora.r`` against the layers of a model whose shapes :func:`model_problems` could not tell without torch (a
+    family outside :data:`ATTENTION_TARGETS` and BERT/RoBERTa), read from its config by building the model on the
+    meta device (torch, no weights); [] when the config cannot be read here (the loader checks after loading)."""
+    config = model_config(recipe.model)
+    if config is not None and _layers(config) or recipe.model.trust_remote_code:
+        return []  # checked before torch / not built from remote code before the load asks for it
+    from fedllm.model_configs import target_shapes as meta_target_shapes
+
+    try:
+        shapes = meta_target_shapes(recipe.model, recipe.lora, recipe.model.num_labels or 2)
+    except Exception:  # noqa: BLE001 — no config here, an unknown architecture, bad targets: the loader reports it
+        return []
+    return rank_problems(recipe.lora.r, shapes)

@@ -27,7 +27,7 @@ for name, argv in json.loads(sys.argv[1]):
         except SystemExit as e:
             code = e.code
     report.append({"name": name, "code": code, "stderr": err.getvalue(),
-                   "heavy": [m for m in heavy if m in sys.modules]})
+                   "heavy": [m for m in heavy if m in sys.modules], "loader": "fedllm.server" in sys.modules})
 print("@@BATCH@@" + json.dumps(report))
 """ % (HEAVY,)
 
@@ -72,6 +72,9 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
         ("split-json-dir", ["train", "recipe.yaml", "data.path=./split", "federation.num_clients=6"]),
         ("rank-tiny", ["train", "recipe.yaml", "lora.r=64"]),
         ("rank-gguf", ["train", "recipe.yaml", "model.name=smollm2-135m-instruct", "lora.r=1024"]),
+        # no weights here (chunk packages / the hub cache): the shipped config's shapes
+        ("rank-shipped-preset", ["train", "recipe.yaml", "model.name=gemma3-270m", "lora.r=1024"]),
+        ("rank-shipped-hub-id", ["train", "recipe.yaml", "model.name=Qwen/Qwen2-0.5B", "lora.r=1024"]),
         ("all-at-once", ["train", "recipe.yaml", "model.name=smollm2-135m-instuct", "federation.strategy=fedavgg",
                          "data.path=data/missing.jsonl"]),
         ("gguf-missing", ["train", "recipe.yaml", "model.name=models/nope.gguf"]),
@@ -87,6 +90,7 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
         busy.close()
     for name, _ in cases:
         assert got[name]["code"] == 2, (name, got[name]["stderr"])
+        assert not got[name]["loader"], (name, got[name]["stderr"])  # never reached the model loader
         assert got[name]["heavy"] == [], (name, got[name]["heavy"], got[name]["stderr"])
     said = {name: " ".join(r["stderr"].split()) for name, r in got.items()}
     assert "it is the home directory" in said["overwrite-home"]
@@ -104,6 +108,11 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
     assert "lora.r: got 64; expected <= min(out, in) of every target layer; the self_attn.k_proj layers are " \
            "(32, 64)" in said["rank-tiny"]
     assert "the self_attn.k_proj layers are (192, 576)" in said["rank-gguf"]
+    # gemma3-270m (shipped config): 1 kv head x 256 = 256 from 640; Qwen2-0.5B: 2 kv heads x 64 = 128 from 896
+    assert "lora.r: got 1024; expected <= min(out, in) of every target layer; the self_attn.k_proj layers are " \
+           "(256, 640)" in said["rank-shipped-preset"]
+    assert "model.name: got 'Qwen/Qwen2-0.5B'" in said["rank-shipped-hub-id"]  # both problems at once
+    assert "the self_attn.k_proj layers are (128, 896)" in said["rank-shipped-hub-id"]
     assert "3 problem(s)" in said["all-at-once"]
     assert "model.name: got 'smollm2-135m-instuct'" in said["all-at-once"]
     assert "(did you mean 'smollm2-135m-instruct'?)" in said["all-at-once"]
