@@ -12,7 +12,6 @@ import shutil
 import subprocess
 
 import pytest
-import yaml
 
 from fedllm.cli import main
 from tests.cli.conftest import ROOT
