@@ -475,9 +475,12 @@ def _holds_nothing(path: Path, split: Optional[str]) -> bool:
 def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool = True) -> list[tuple[str, Any, str]]:
     p: list[tuple[str, Any, str]] = missing_files(r) if check_files else []
     if check_files:  # the model's name and the LoRA rank against its layers, from its config (no weights, no torch)
+        from fedllm.data.federated import split_problems
         from fedllm.model_info import model_problems
 
         p.extend(model_problems(r))
+        if not any(key == "data.path" for key, _, _ in p):  # more clients than a local file's records
+            p.extend(split_problems(r.data, r.federation.partition, r.federation.num_clients))
     fed, tr = r.federation, r.train
     if r.lora.r <= 0:
         p.append(("lora.r", r.lora.r, "a positive integer"))

@@ -1,7 +1,7 @@
 """What a recipe costs, computed from the model's shapes and fedllm's own strategy accounting.
 
 Works the same on a real model and on one built on the meta device from its config
-(:mod:`fedllm.model_configs`): every figure is a function of parameter shapes and dtypes,
+(:mod:`fedllm.model_info`): every figure is a function of parameter shapes and dtypes,
 of the strategy's hooks (``configure_client``, ``download_bytes``, ``client_upload``,
 ``extra_download_bytes``, ``state_dict``) and of the recipe. ``fedllm train RECIPE --dry-run``
 prints it; the paper tests (tests/meta/) compare it with the papers' tables.
@@ -368,7 +368,7 @@ def _sizes(values: list[int]) -> str:
 def cost_report(recipe: Recipe, model: Any, strategy: Any, task: str, source: str, on_meta: bool,
                 steps: Optional[int], notes: Optional[list[str]] = None) -> CostReport:
     """The report for ``model`` (PEFT-wrapped, strategy set up) under ``recipe``."""
-    from fedllm.model_configs import target_counts
+    from fedllm.model_info import target_counts
     from fedllm.strategies.frlora import FRLoRA
 
     rows = parameter_rows(model, recipe.model.quantization, on_meta, frozenset(strategy.global_keys(model)))

@@ -8,7 +8,7 @@ and per round, state bytes, a peak-memory estimate, FRLoRA's SVD-init cost).
 
 Without the model's weights on this machine (a hub id offline, a preset's package not
 installed) the model is built on the meta device from fedllm's shipped config
-(:mod:`fedllm.model_configs`) and the same cost report is printed, without timing;
+(:mod:`fedllm.model_info`) and the same cost report is printed, without timing;
 without the data set the figures that need it use the recipe's batch size and
 ``max_length``, and the report says what it could not check. Nothing is written to
 ``output_dir``.
@@ -120,7 +120,7 @@ def dry_run(recipe: Recipe) -> "DryRunReport | UntimedReport":
     """Build the federation and time :data:`TIMED_STEPS` local steps of the largest sampled client; without
     the weights or the data, the untimed cost report of the model (on the meta device without weights)."""
     from fedllm.data.errors import DataError
-    from fedllm.model_configs import weights_unavailable
+    from fedllm.model_info import weights_unavailable
     from fedllm.server import build_federation
 
     missing = weights_unavailable(recipe.model)
@@ -159,7 +159,7 @@ def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
 
     from fedllm.client import derived_seed
     from fedllm.cost_report import cost_report
-    from fedllm.model_configs import check_targets, meta_model, shipped_config_dir
+    from fedllm.model_info import check_targets, meta_model, shipped_config_dir
     from fedllm.models import load_model
     from fedllm.strategies import get_strategy
     from fedllm.strategies.base import ClientInfo
@@ -199,7 +199,7 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
     from fedllm.cost_report import cost_report, upload_bytes
     from fedllm.data import collate
     from fedllm.evaluation.runner import eval_due
-    from fedllm.model_configs import check_targets
+    from fedllm.model_info import check_targets
     from fedllm.models import read_state
     from fedllm.server import sample_clients
     from fedllm.state import cast

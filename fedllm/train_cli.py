@@ -46,6 +46,13 @@ def run_train_command(args: argparse.Namespace) -> int:
             with runlock.hold(recipe.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
                 check_run_dir(recipe, args.resume, args.overwrite)
         check_strategy(recipe)  # the strategy's own checks import torch
+        if not args.dry_run:  # lora.r of a family whose layers need torch to tell: the meta model, before the load
+            from fedllm.config import RecipeError
+            from fedllm.model_info import meta_rank_problems
+
+            problems = meta_rank_problems(recipe)
+            if problems:
+                raise RecipeError(recipe.source, problems)
         if recipe.model.quantization != "none":
             logs.unblock_bitsandbytes()
         if recipe.train.threads is not None:  # the CLI applied the policy before torch loaded; now the count

@@ -111,16 +111,56 @@ def select_records(records: list[dict], data_cfg: DataConfig, seed: int) -> tupl
         DataError: The hold-out would leave no training record.
     """
     order = _rng(seed, _SHUFFLE_STREAM).permutation(len(records)).tolist()
-    if data_cfg.max_examples is not None:
-        order = order[: data_cfg.max_examples]
-    n_eval = 0
-    if data_cfg.eval_fraction > 0 and not _has_eval_source(data_cfg):
-        n_eval = max(1, round(data_cfg.eval_fraction * len(order)))
+    kept, n_eval = selected_counts(len(records), data_cfg)
+    order = order[:kept]
     if n_eval >= len(order):
         raise DataError(
             f"data.eval_fraction={data_cfg.eval_fraction} of {len(order)} records leaves no training record"
         )
     return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def selected_counts(num_records: int, data_cfg: DataConfig) -> tuple[int, int]:
+    """``(kept, held_out)``: of ``num_records``, how many :func:`select_records` keeps (``max_examples``) and how
+    many of those it holds out (``eval_fraction``, at least one when positive, none with an eval source)."""
+    kept = len(range(num_records)[: data_cfg.max_examples])
+    held = max(1, round(data_cfg.eval_fraction * kept)) if data_cfg.eval_fraction > 0 and \
+        not _has_eval_source(data_cfg) else 0
+    return kept, held
+
+
+#: Partitioners that give every client at least one record (they raise when there are more clients than records).
+_ONE_PER_CLIENT = ("iid", "dirichlet", "natural")
+
+
+def split_problems(data_cfg: DataConfig, partition_cfg: PartitionConfig,
+                   num_clients: int) -> list[tuple[str, Any, str]]:
+    """``(key, given, expected)`` when a local ``data.path`` cannot give every client a training record, found by
+    counting the file's records (no model, no tokenizer); [] when it can or cannot be told before loading."""
+    if partition_cfg.path or partition_cfg.method not in _ONE_PER_CLIENT or num_clients < 1 or not data_cfg.path \
+            or not 0 <= data_cfg.eval_fraction < 1:  # (a bad fraction is reported on its own)
+        return []
+    from fedllm.data.loading import count_local_records
+
+    total = count_local_records(data_cfg.path, data_cfg.split)
+    if not total:
+        return []
+    kept, held = selected_counts(total, data_cfg)
+    left = []
+    if data_cfg.max_examples is not None and kept < total:
+        left.append(f"data.max_examples={data_cfg.max_examples} keeps {kept}")
+    if held and kept:
+        left.append(f"data.eval_fraction={data_cfg.eval_fraction} holds out {held}")
+    where = f"data.path={data_cfg.path!r} holds {total} records" + (f" ({', '.join(left)})" if left else "")
+    if kept == 0:
+        return [("data.max_examples", data_cfg.max_examples, f"a number that keeps a training record: {where}")]
+    if held >= kept:
+        return [("data.eval_fraction", data_cfg.eval_fraction, f"a fraction that leaves a training record: {where}")]
+    if num_clients > kept - held:
+        return [("federation.num_clients", num_clients,
+                 f"at most {kept - held}, the training records to split (federation.partition.method="
+                 f"{partition_cfg.method!r} gives every client at least one): {where}")]
+    return []
 
 
 def _partition_cfg(data_cfg: DataConfig, partition_cfg: PartitionConfig) -> PartitionConfig:

@@ -114,6 +114,26 @@ def _read_dir(path: Path, split: str) -> list[dict]:
     )
 
 
+def count_local_records(path: str, split: str = "train") -> Optional[int]:
+    """How many records :func:`load_records` would return for a local ``.json``/``.jsonl`` file (or a directory's
+    ``<split>.json``/``.jsonl``), read without ``datasets``; None for anything else or a file it cannot read.
+
+    A ``.jsonl`` file's records are its non-blank lines (not parsed: the loader names a bad line later).
+    """
+    local = Path(path).expanduser()
+    if local.is_dir():  # the file the loader picks: the first of <split>.json, .jsonl, .csv, .parquet
+        local = next((f for f in (local / f"{split}{suffix}" for suffix in READERS) if f.is_file()), local)
+    if not local.is_file() or local.suffix.lower() not in (".json", ".jsonl"):
+        return None
+    try:
+        if local.suffix.lower() == ".jsonl":
+            with open(local, "rb") as f:
+                return sum(1 for line in f if line.strip())
+        return len(_read_json(local, split))
+    except (OSError, DataError):
+        return None
+
+
 def looks_local(path: str) -> bool:
     """Whether ``path`` names a local file rather than a hub id.
 

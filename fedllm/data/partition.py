@@ -268,7 +268,7 @@ def run_partition_command(args: argparse.Namespace) -> int:
     if args.recipe:
         from fedllm.config import load_recipe
 
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe, ask_strategy=False)  # the strategy plays no part in a split (and needs torch)
         data_cfg, partition_cfg = recipe.data, dataclasses.replace(recipe.federation.partition, path=None)
         num_clients = num_clients if num_clients is not None else recipe.federation.num_clients
         seed = seed if seed is not None else recipe.seed

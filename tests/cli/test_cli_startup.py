@@ -59,16 +59,36 @@ def test_missing_recipe_file_is_exit_2(probe, tmp_path):
     assert report["code"] == 2 and "nope.yaml" in err and report["heavy"] == []
 
 
-def test_registries_list_names_without_importing_and_import_on_get():
-    import subprocess
-    import sys
+# Run in the quiet dry run's process around the entry point (one launch for both tests).
+REGISTRIES_BEFORE = ("from fedllm.registry import strategies, tasks, partitioners\n"
+                     "extra['listed'] = ['fedavg' in strategies, 'gsm8k' in tasks, 'dirichlet' in partitioners]\n"
+                     "extra['torch_after_listing'] = 'torch' in sys.modules\n")
+REGISTRIES_AFTER = ("extra['fedavg_class'] = strategies.get('fedavg').__name__\n"
+                    "extra['torch_after_get'] = 'torch' in sys.modules\n")
 
-    code = ("import sys; from fedllm.registry import strategies, tasks, partitioners\n"
-            "assert 'fedavg' in strategies and 'gsm8k' in tasks and 'dirichlet' in partitioners\n"
-            "assert 'torch' not in sys.modules, 'listing imported torch'\n"
-            "cls = strategies.get('fedavg'); assert cls.__name__ == 'FedAvg', cls\n"
-            "assert 'torch' in sys.modules\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+@pytest.fixture(scope="module")
+def quiet_dry_run(tmp_path_factory):
+    """``(recipe, report, stdout, stderr)``: ``fedllm train RECIPE --dry-run`` of a tiny recipe in a fresh process,
+    the registries listed before the entry point and one strategy got after it."""
+    from tests.cli.conftest import run_probe
+    from tests.conftest import arith_records, write_jsonl
+
+    tmp_path = tmp_path_factory.mktemp("quiet")
+    data = write_jsonl(tmp_path / "a.jsonl", arith_records(24))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{name: tiny-llama}}\noutput_dir: {tmp_path / 'run'}\n"
+                      f"data: {{path: {data}, fields: {{instruction: question, output: answer}}}}\n"
+                      "train: {local_steps: 2, max_length: 48}\n")
+    return (recipe, *run_probe("train", str(recipe), "--dry-run", before=REGISTRIES_BEFORE, after=REGISTRIES_AFTER))
+
+
+def test_registries_list_names_without_importing_and_import_on_get(quiet_dry_run):
+    _, report, _, err = quiet_dry_run
+    assert report["code"] == 0, err
+    assert report["extra"]["listed"] == [True, True, True]
+    assert report["extra"]["torch_after_listing"] is False  # listing imported nothing heavy
+    assert report["extra"]["fedavg_class"] == "FedAvg" and report["extra"]["torch_after_get"] is True
 
 
 def test_registry_reads_new_files_and_suggests(tmp_path, monkeypatch):
@@ -114,16 +134,9 @@ def test_interrupt_prints_the_resume_command(monkeypatch, capsys, tmp_path):
         f"interrupted; resume with: fedllm train {tmp_path / 'r.yaml'} train.lr=0.1 --resume")
 
 
-def test_quiet_by_default_and_everything_with_verbose(probe, tmp_path):
+def test_quiet_by_default_and_everything_with_verbose(probe, quiet_dry_run):
     """A dry run of a tiny recipe: no third-party warnings, bitsandbytes never imported; --verbose shows them."""
-    from tests.conftest import arith_records, write_jsonl
-
-    data = write_jsonl(tmp_path / "a.jsonl", arith_records(24))
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {{name: tiny-llama}}\noutput_dir: {tmp_path / 'run'}\n"
-                      f"data: {{path: {data}, fields: {{instruction: question, output: answer}}}}\n"
-                      "train: {local_steps: 2, max_length: 48}\n")
-    report, out, err = probe("train", str(recipe), "--dry-run")
+    recipe, report, out, err = quiet_dry_run
     assert report["code"] == 0, err
     assert "per round:" in out
     assert not report["bitsandbytes"]

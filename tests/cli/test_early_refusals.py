@@ -27,7 +27,7 @@ for name, argv in json.loads(sys.argv[1]):
         except SystemExit as e:
             code = e.code
     report.append({"name": name, "code": code, "stderr": err.getvalue(),
-                   "heavy": [m for m in heavy if m in sys.modules]})
+                   "heavy": [m for m in heavy if m in sys.modules], "loader": "fedllm.server" in sys.modules})
 print("@@BATCH@@" + json.dumps(report))
 """ % (HEAVY,)
 
@@ -55,6 +55,8 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
         "output_dir: runs/new\nmodel: {name: tiny-llama}\nlora: {r: 4}\n"
         f"data: {{path: {data}, fields: {{instruction: question, output: answer}}}}\n"
         "federation: {num_clients: 3}\ntrain: {local_steps: 1}\n")
+    (work / "split").mkdir()  # a directory's train.json: 5 records
+    (work / "split" / "train.json").write_text(json.dumps({"data": [{"question": "q", "answer": "a"}] * 5}))
     (work / "bad.yaml").write_text("seed: 0\nmodel:\n  name: tiny-llama\n lora: {r: 4}\n")
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -66,8 +68,13 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
         ("overwrite-not-a-run", ["train", "recipe.yaml", "output_dir=mine", "--overwrite"]),
         ("resume-nothing", ["train", "recipe.yaml", "--resume", "output_dir=runs/typo"]),
         ("empty-data", ["train", "recipe.yaml", "data.path=empty.jsonl"]),
+        ("split-too-many", ["train", "recipe.yaml", "federation.num_clients=5000", "data.eval_fraction=0.25"]),
+        ("split-json-dir", ["train", "recipe.yaml", "data.path=./split", "federation.num_clients=6"]),
         ("rank-tiny", ["train", "recipe.yaml", "lora.r=64"]),
         ("rank-gguf", ["train", "recipe.yaml", "model.name=smollm2-135m-instruct", "lora.r=1024"]),
+        # no weights here (chunk packages / the hub cache): the shipped config's shapes
+        ("rank-shipped-preset", ["train", "recipe.yaml", "model.name=gemma3-270m", "lora.r=1024"]),
+        ("rank-shipped-hub-id", ["train", "recipe.yaml", "model.name=Qwen/Qwen2-0.5B", "lora.r=1024"]),
         ("all-at-once", ["train", "recipe.yaml", "model.name=smollm2-135m-instuct", "federation.strategy=fedavgg",
                          "data.path=data/missing.jsonl"]),
         ("gguf-missing", ["train", "recipe.yaml", "model.name=models/nope.gguf"]),
@@ -83,6 +90,7 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
         busy.close()
     for name, _ in cases:
         assert got[name]["code"] == 2, (name, got[name]["stderr"])
+        assert not got[name]["loader"], (name, got[name]["stderr"])  # never reached the model loader
         assert got[name]["heavy"] == [], (name, got[name]["heavy"], got[name]["stderr"])
     said = {name: " ".join(r["stderr"].split()) for name, r in got.items()}
     assert "it is the home directory" in said["overwrite-home"]
@@ -90,10 +98,21 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
     assert "not a fedllm run directory" in said["overwrite-not-a-run"]
     assert f"nothing to resume at output_dir='runs/typo' (resolved: {work / 'runs' / 'typo'})" in said["resume-nothing"]
     assert "data.path: got 'empty.jsonl'; expected a data file with at least one record" in said["empty-data"]
+    # 48 records, round(0.25 * 48) = 12 held out: 36 to split
+    assert f"federation.num_clients: got 5000; expected at most 36, the training records to split " \
+           f"(federation.partition.method='iid' gives every client at least one): data.path={data!r} holds 48 " \
+           f"records (data.eval_fraction=0.25 holds out 12)" in said["split-too-many"]
+    assert "federation.num_clients: got 6; expected at most 5," in said["split-json-dir"]
+    assert "data.path='./split' holds 5 records" in said["split-json-dir"]
     # tiny-llama: k/v project 64 -> 2 kv heads x 16 = 32; SmolLM2-135M: 576 -> 3 kv heads x 64 = 192
     assert "lora.r: got 64; expected <= min(out, in) of every target layer; the self_attn.k_proj layers are " \
            "(32, 64)" in said["rank-tiny"]
     assert "the self_attn.k_proj layers are (192, 576)" in said["rank-gguf"]
+    # gemma3-270m (shipped config): 1 kv head x 256 = 256 from 640; Qwen2-0.5B: 2 kv heads x 64 = 128 from 896
+    assert "lora.r: got 1024; expected <= min(out, in) of every target layer; the self_attn.k_proj layers are " \
+           "(256, 640)" in said["rank-shipped-preset"]
+    assert "model.name: got 'Qwen/Qwen2-0.5B'" in said["rank-shipped-hub-id"]  # both problems at once
+    assert "the self_attn.k_proj layers are (128, 896)" in said["rank-shipped-hub-id"]
     assert "3 problem(s)" in said["all-at-once"]
     assert "model.name: got 'smollm2-135m-instuct'" in said["all-at-once"]
     assert "(did you mean 'smollm2-135m-instruct'?)" in said["all-at-once"]

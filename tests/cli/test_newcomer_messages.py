@@ -36,6 +36,34 @@ def test_gguf_header_gives_smollm2s_architecture():
     assert sorted(shapes.values()) == [(192, 576), (192, 576), (576, 576), (576, 576)]
 
 
+def test_rank_of_a_family_known_only_to_transformers_is_refused_before_the_load(tmp_path, arith_file, monkeypatch,
+                                                                                capsys):
+    """GPT-2 (no shape table here): its fused q/k/v Conv1D is read from the model built on the meta device from the
+    config.json alone (the directory holds no weights), and the run is refused before the model loader is called."""
+    import json
+
+    import fedllm.server
+    from fedllm.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run (and its model load) was reached")
+
+    monkeypatch.setattr(fedllm.server, "run", never)
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 64}))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'run'}\nmodel: {{name: {tmp_path / 'gpt2'}}}\n"
+                      f"lora: {{r: 100, target_modules: [c_attn, c_fc]}}\ndata: {{path: {arith_file}, fields: "
+                      "{instruction: question, output: answer}}\ntrain: {local_steps: 1}\n")
+    assert main(["train", str(recipe)]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    # c_attn: out 3 x n_embd = 192, in 64 (the smallest of the targets); c_fc: 4 x 64 = 256 from 64
+    assert "lora.r: got 100; expected <= min(out, in) of every target layer; the attn.c_attn layers are (192, 64)" \
+        in said
+    assert not (tmp_path / "run").exists()
+
+
 def test_interrupt_line_starts_clean_and_says_what_to_run(tmp_path):
     from tqdm import tqdm
 

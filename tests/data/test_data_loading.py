@@ -87,3 +87,21 @@ def test_bad_contents(tmp_path):
     with pytest.raises(DataError, match="unsupported file type"):
         load_records(str(tmp_path / "d.xml"))
     assert issubclass(DataError, ValueError)
+
+
+def test_early_record_count_equals_the_loaders(tmp_path):
+    """What validation counts before loading (json/jsonl, a directory's split file) is what load_records returns."""
+    from fedllm.data.loading import count_local_records
+
+    rec = {"q": "1"}
+    (tmp_path / "a.jsonl").write_text("\n" + json.dumps(rec) + "\n  \n" + json.dumps(rec) + "\n\n" + json.dumps(rec))
+    (tmp_path / "b.json").write_text(json.dumps({"test": [rec] * 4, "data": [rec] * 2}))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.json").write_text(json.dumps([rec] * 5))
+    (tmp_path / "d" / "train.jsonl").write_text(json.dumps(rec) + "\n")  # the loader reads train.json first
+    for path, split in (("a.jsonl", "train"), ("b.json", "train"), ("b.json", "test"), ("d", "train")):
+        assert count_local_records(str(tmp_path / path), split) == len(load_records(str(tmp_path / path), None, split))
+    assert [count_local_records(str(tmp_path / p)) for p in ("a.jsonl", "b.json", "d")] == [3, 2, 5]
+    (tmp_path / "c.csv").write_text("q\n1\n")
+    assert count_local_records(str(tmp_path / "c.csv")) is None  # csv/parquet: left to the loader
+    assert count_local_records(str(tmp_path / "missing.jsonl")) is None

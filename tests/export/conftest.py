@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from exportkit import CASES, build_case, reload_plain, write_data
+from exportkit import CASES, build_case, card_snippet_jobs, reload_plain, write_data
 
 
 @contextlib.contextmanager
@@ -33,11 +33,16 @@ def export_root(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def cases(export_root):
-    """``{case name: Case}`` with runs, reference logits, exports and their plain reloads (one process)."""
-    with one_thread():
+    """``{case name: Case}`` with runs, reference logits, exports and their plain reloads (one process, which
+    also runs the fedavg exports' model-card snippets)."""
+    import fedllm.server
+
+    with one_thread(), pytest.MonkeyPatch.context() as patch:
+        # a run's plot.png (a third of a tiny run's time) plays no part in an export; tests/cli checks it is written
+        patch.setattr(fedllm.server, "write_run_plot", lambda run_dir: None)
         data = write_data(export_root)
         built = {name: build_case(export_root, name, data) for name in CASES}
-        meta = reload_plain(export_root, list(built.values()))
+        meta = reload_plain(export_root, list(built.values()), card_snippet_jobs(built["fedavg"]))
     for case in built.values():
         case.meta = meta
     return built

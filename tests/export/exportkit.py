@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -64,20 +65,64 @@ def logits(model, ids):
     with torch.no_grad():
         return model(input_ids=torch.tensor(ids)).logits.float().contiguous()
 
+snippets = {}
+
+def run_snippet(job):
+    # a model card's usage snippet as written, in a namespace of its own; what it imported of peft / fedllm
+    import traceback
+    before = {m.split(".")[0] for m in sys.modules}
+    scope = {"__name__": "__main__"}
+    try:
+        exec(job["code"], scope)
+        got = {"result": scope.get("result")}
+    except Exception:
+        got = {"error": traceback.format_exc()[-3000:]}
+    got["imported"] = sorted(({m.split(".")[0] for m in sys.modules} - before) & {"peft", "fedllm"})
+    snippets[job["id"]] = got
+
 for job in spec["plain"]:
     model = getattr(transformers, job["auto"]).from_pretrained(job["dir"]).eval()
     for name, ids in job["inputs"].items():
         out[job["id"] + "/" + name] = logits(model, ids)
 leaked = sorted({m.split(".")[0] for m in sys.modules} & {"peft", "fedllm"})
+fedllm_imported = "fedllm" in sys.modules
+for job in spec["snippets"]["plain"]:  # merged cards: transformers alone
+    run_snippet(job)
 from peft import PeftModel
 for job in spec["adapter"]:
     base = getattr(transformers, job["auto"]).from_pretrained(job["base"]).eval()
     model = PeftModel.from_pretrained(base, job["dir"]).eval()
     for name, ids in job["inputs"].items():
         out[job["id"] + "/" + name] = logits(model, ids)
+fedllm_imported = fedllm_imported or "fedllm" in sys.modules
+sys.path.insert(0, spec["root"])  # an adapter card of a tiny preset rebuilds its base with this checkout's fedllm
+for job in spec["snippets"]["fedllm"]:
+    run_snippet(job)
 save_file(out, spec["out"])
-json.dump({"leaked_before_peft": leaked, "fedllm_imported": "fedllm" in sys.modules}, open(spec["meta"], "w"))
+json.dump({"leaked_before_peft": leaked, "fedllm_imported": fedllm_imported, "snippets": snippets},
+          open(spec["meta"], "w"))
 """
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def card_snippet(export_dir: Path) -> str:
+    """The python block under ``## Usage`` of an export's model card."""
+    return re.search(r"## Usage\n\n```python\n(.*?)```", (export_dir / "README.md").read_text(), re.S).group(1)
+
+
+def card_snippet_jobs(case: Case) -> dict[str, list[dict[str, str]]]:
+    """The usage snippets of ``case``'s merged and adapter cards, run by :func:`reload_plain`: the merged one with
+    transformers alone, the adapter one then compared (logits) with the merged export loaded by transformers."""
+    merged, adapter = case.dirs["merged/global"], case.dirs["adapter/global"]
+    compare = ("\nimport torch\nfrom transformers import AutoModelForCausalLM\n"
+               f"merged = AutoModelForCausalLM.from_pretrained({str(merged)!r})\n"
+               "ids = tokenizer('What is 3 + 4?', return_tensors='pt')\n"
+               "with torch.no_grad():\n"
+               "    diff = (model(**ids).logits - merged(**ids).logits).abs().max().item()\n"
+               "result = [type(model).__name__, diff]\n")
+    return {"plain": [{"id": "merged", "code": card_snippet(merged) + "\nresult = type(model).__name__\n"}],
+            "fedllm": [{"id": "adapter", "code": card_snippet(adapter) + compare}]}
 
 
 def base_recipe(root: Path, name: str, data_file: Path, **sections: Any) -> dict[str, Any]:
@@ -188,10 +233,12 @@ def build_case(root: Path, name: str, data: tuple[Path, Path]) -> Case:
     return case
 
 
-def reload_plain(root: Path, cases: list[Case]) -> dict[str, Any]:
-    """Reload every export (and each original base) in one fresh process; fill ``case.plain``."""
+def reload_plain(root: Path, cases: list[Case], snippets: Optional[dict[str, list]] = None) -> dict[str, Any]:
+    """Reload every export (and each original base) in one fresh process; fill ``case.plain``; run ``snippets``
+    (:func:`card_snippet_jobs`) there too, their outcome under ``["snippets"]`` of what it returns."""
     spec: dict[str, Any] = {"plain": [], "adapter": [], "out": str(root / "plain.safetensors"),
-                            "meta": str(root / "plain.json")}
+                            "meta": str(root / "plain.json"), "root": str(ROOT),
+                            "snippets": snippets or {"plain": [], "fedllm": []}}
     for case in cases:
         spec["plain"].append({"id": f"{case.name}/original/global", "dir": str(case.original), "auto": case.auto,
                               "inputs": case.inputs})

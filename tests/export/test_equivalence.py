@@ -14,7 +14,7 @@ ATOL = 1e-4
 
 def test_the_reload_process_used_transformers_alone_for_merged_models(cases):
     meta = next(iter(cases.values())).meta
-    assert meta == {"leaked_before_peft": [], "fedllm_imported": False}
+    assert (meta["leaked_before_peft"], meta["fedllm_imported"]) == ([], False)  # (the cards' snippets: apart)
 
 
 @pytest.mark.parametrize("name", list(CASES))

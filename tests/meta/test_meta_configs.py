@@ -28,7 +28,7 @@ def recipe_models():
 
 
 def test_every_recipe_model_has_a_shipped_config():
-    from fedllm.model_configs import shipped_config_dir
+    from fedllm.model_info import shipped_config_dir
 
     names = recipe_models()
     assert {"meta-llama/Llama-2-7b-hf", "Qwen/Qwen2-0.5B", "google/gemma-2b", "FacebookAI/roberta-base"} <= set(names)
@@ -39,7 +39,7 @@ def test_every_recipe_model_has_a_shipped_config():
 def test_meta_model_has_the_published_size(name):
     import torch
 
-    from fedllm.model_configs import meta_base_model
+    from fedllm.model_info import meta_base_model
 
     model, task = meta_base_model(ModelConfig(name=name, dtype="bf16"))
     assert task == "causal_lm"
@@ -49,7 +49,7 @@ def test_meta_model_has_the_published_size(name):
 
 
 def test_roberta_base_encoder_size_and_classifier_task():
-    from fedllm.model_configs import meta_base_model
+    from fedllm.model_info import meta_base_model
 
     model, task = meta_base_model(ModelConfig(name="FacebookAI/roberta-base"), num_labels=3)
     assert task == "classification" and model.config.num_labels == 3
@@ -57,21 +57,21 @@ def test_roberta_base_encoder_size_and_classifier_task():
 
 
 def test_target_shapes_from_the_config_alone():
-    from fedllm.model_configs import target_shapes
+    from fedllm.model_info import meta_target_shapes
 
-    shapes = target_shapes(ModelConfig(name="Qwen/Qwen2-0.5B"), LoraConfig(r=8, target_modules=["k_proj", "o_proj"]))
+    shapes = meta_target_shapes(ModelConfig(name="Qwen/Qwen2-0.5B"), LoraConfig(r=8, target_modules=["k_proj", "o_proj"]))
     assert len(shapes) == 48
     assert shapes["base_model.model.model.layers.0.self_attn.k_proj"] == (128, 896)  # 2 KV heads of 64
     assert shapes["base_model.model.model.layers.23.self_attn.o_proj"] == (896, 896)
-    gemma = target_shapes(ModelConfig(name="gemma3-270m"), LoraConfig(r=4))  # default targets: q, k, v, o
+    gemma = meta_target_shapes(ModelConfig(name="gemma3-270m"), LoraConfig(r=4))  # default targets: q, k, v, o
     assert gemma["base_model.model.model.layers.0.self_attn.q_proj"] == (1024, 640)  # 4 heads of 256 > hidden 640
     assert len(gemma) == 18 * 4
-    tiny = target_shapes(ModelConfig(name="tiny-llama"), LoraConfig(r=2, target_modules=["k_proj"]))
+    tiny = meta_target_shapes(ModelConfig(name="tiny-llama"), LoraConfig(r=2, target_modules=["k_proj"]))
     assert set(tiny.values()) == {(32, 64)} and len(tiny) == 2  # tiny presets build their config in code
 
 
 def test_weights_unavailable_offline(monkeypatch):
-    from fedllm.model_configs import weights_unavailable
+    from fedllm.model_info import weights_unavailable
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert "HF_HUB_OFFLINE" in weights_unavailable(ModelConfig(name="meta-llama/Llama-2-7b-hf"))

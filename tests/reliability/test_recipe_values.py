@@ -56,7 +56,7 @@ def test_good_boundary_values_pass():
 def test_all_problems_at_once_and_exit_2(tmp_path, capsys):
     recipe = tmp_path / "bad.yaml"
     out = tmp_path / "out"
-    (tmp_path / "x.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    (tmp_path / "x.jsonl").write_text('{"instruction": "a", "output": "b"}\n' * 2)  # one per client (default 2)
     recipe.write_text(f"output_dir: {out}\ndata: {{path: {tmp_path / 'x.jsonl'}}}\n"
                       "train: {local_steps: 1, lr: .nan}\ncheckpoint: {keep_last: -1}\n"
                       "eval: {limit: -1, max_new_tokens: 0}\n")

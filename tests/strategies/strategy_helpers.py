@@ -1,8 +1,6 @@
 """Helpers of the strategy tests: tiny models, fixture data, weights read through the model, fake rounds."""
 
-import json
 import random
-from pathlib import Path
 
 import torch
 
@@ -11,6 +9,7 @@ from fedllm.client_store import ClientStore
 from fedllm.config import LoraConfig, ModelConfig, parse_recipe
 from fedllm.models import load_model, lora_layers, write_state
 from fedllm.strategies import ClientInfo, ClientUpdate, get_strategy
+from tests.conftest import arith_records, tiny_raw, write_jsonl  # noqa: F401 (re-exported)
 
 SENTIMENT = [("the movie was wonderful", "positive"), ("a dull and boring film", "negative"),
              ("i loved every minute", "positive"), ("the plot made no sense", "negative"),
@@ -18,49 +17,20 @@ SENTIMENT = [("the movie was wonderful", "positive"), ("a dull and boring film",
              ("a joy to watch", "positive"), ("the worst film of the year", "negative")]
 
 
-def arith_records(n: int, seed: int = 0) -> list[dict]:
-    """GSM8K-format one-step sums/products with a ``category`` column (for label-skewed splits)."""
-    rng = random.Random(seed)
-    ops = {"add": ("+", lambda a, b: a + b), "sub": ("-", lambda a, b: a - b), "mul": ("*", lambda a, b: a * b)}
-    out = []
-    for _ in range(n):
-        cat = rng.choice(sorted(ops))
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        sym, fn = ops[cat]
-        out.append({"question": f"What is {a} {sym} {b}?", "answer": f"{a} {sym} {b} = {fn(a, b)}\n#### {fn(a, b)}",
-                    "category": cat})
-    return out
-
-
 def sentiment_records(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     return [dict(zip(("text", "label"), rng.choice(SENTIMENT))) for _ in range(n)]
 
 
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 def make_raw(data_files, out_dir, strategy="fedavg", args=None, classification=False, **sections):
-    """A raw tiny recipe (3 clients, 2 per round, 2 rounds, 2 local steps) for ``strategy``."""
-    raw = {
-        "seed": 0, "output_dir": str(out_dir),
-        "model": {"name": "tiny-roberta" if classification else "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
-        "data": ({"path": str(data_files["sentiment"]), "format": "classification"} if classification else
-                 {"path": str(data_files["arith"]), "format": "instruction",
-                  "fields": {"instruction": "question", "output": "answer"}}),
-        "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 2, "partition": {"method": "iid"},
-                       "strategy": strategy, "strategy_args": dict(args or {})},
-        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 48},
-        "logging": {"progress": False, "quiet": True},
-    }
-    for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(raw.get(key), dict):
-            raw[key] = {**raw[key], **value}
-        else:
-            raw[key] = value
-    return raw
+    """A raw tiny recipe (3 clients, 2 per round, 2 rounds, 2 local steps) for ``strategy``: tests/conftest.py's
+    ``tiny_raw`` with ``max_length`` 48, or a tiny RoBERTa classifier on the sentiment file."""
+    own = {"federation": {"strategy": strategy, "strategy_args": dict(args or {})}, "train": {"max_length": 48}}
+    if classification:
+        own.update(model={"name": "tiny-roberta"}, data={"format": "classification", "fields": {}})
+    given = {k: {**own[k], **v} if isinstance(v, dict) and isinstance(own.get(k), dict) else v
+             for k, v in sections.items()}
+    return tiny_raw(out_dir, data_files["sentiment" if classification else "arith"], **{**own, **given})
 
 
 def unit_recipe(**federation):

@@ -1,0 +1,92 @@
+"""What README promises a newcomer, checked against the repository: its worked "your own data" example runs as
+written, every document it sends a reader to is in the repository, its example commands do not collide, and
+what its commands write into the clone is git-ignored."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from fedllm.cli import main
+from tests.cli.conftest import ROOT
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def section(title: str) -> str:
+    start = README.index(f"\n## {title}\n")
+    return README[start:README.index("\n## ", start + 1)]
+
+
+def blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+
+
+def test_your_own_data_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The recipe and the two ``fedllm partition`` commands of "Your own data", on a file with its columns: the
+    recipe validates (data, split, model and rank checks included), and the recipe-driven and the flag-driven
+    partition write the same split."""
+    own = section("Your own data")
+    recipe_text = blocks(own, "yaml")[0]
+    commands = [line.split("#", 1)[0].strip() for line in blocks(own, "bash")[0].splitlines()]
+    alternative = next(line.split("# or:", 1)[1].strip() for line in blocks(own, "bash")[0].splitlines()
+                       if "# or:" in line)
+    rng = random.Random(0)
+    rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b), "topic": rng.choice(["add", "sum", "plus"])}
+            for a, b in ((rng.randint(1, 9), rng.randint(1, 9)) for _ in range(60))]
+    (tmp_path / "my.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "my-recipe.yaml").write_text(recipe_text)
+    monkeypatch.chdir(tmp_path)
+    from fedllm.config import load_recipe
+
+    recipe = load_recipe("my-recipe.yaml", check_files=True, ask_strategy=False)
+    assert (recipe.data.path, recipe.federation.num_clients, recipe.federation.partition.column) == \
+        ("my.jsonl", 8, "topic")
+    partition = next(c for c in commands if c.startswith("fedllm partition"))
+    assert main(shlex.split(partition)[1:]) == 0
+    assert main(shlex.split(alternative)[1:-1] + ["parts-by-flags/"]) == 0  # its --out, renamed
+    capsys.readouterr()
+    written = sorted(p.name for p in (tmp_path / "parts").iterdir())
+    assert written == [f"client_{c:03d}.jsonl" for c in range(8)] + ["eval.jsonl", "manifest.json"]
+    by_recipe, by_flags = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("parts",
+                                                                                         "parts-by-flags"))
+    assert by_recipe["clients"] == by_flags["clients"] and by_recipe["eval"] == by_flags["eval"]
+    assert len(by_recipe["eval"]) == 6  # 10 % of 60 held out
+    train = next(c for c in commands if "federation.partition.path=parts/" in c)
+    overrides = shlex.split(train)[3:]
+    assert load_recipe("my-recipe.yaml", overrides, check_files=True, ask_strategy=False).federation.partition.path \
+        == "parts/"
+
+
+def test_every_file_readme_links_to_is_in_the_repository():
+    """README's relative links (docs/DESIGN.md, the docs, recipes, figures) all resolve in the clone."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    assert "docs/DESIGN.md" in targets
+    assert [t for t in targets if "://" not in t and not (ROOT / t).exists()] == []
+
+
+def test_example_commands_of_one_block_write_to_different_run_directories():
+    """Run one after another, the commands of a block must not refuse each other (the N-process examples)."""
+    for block in blocks(README, "bash"):
+        dirs = re.findall(r"\boutput_dir=(\S+)", block)
+        assert len(dirs) == len(set(dirs)), block
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")
+def test_what_readmes_commands_write_into_the_clone_is_git_ignored():
+    """The quickstart's data (``--out data/arith``), Flower's keys (``certs/``, holding ``ca.key``), runs (the
+    default ``output_dir``) and ``fedllm eval``'s results for a hub model."""
+    from fedllm.config import Recipe
+
+    assert "--out data/arith" in README and "fedllm flower certs certs/" in README
+    written = ["data/arith/train.jsonl", "certs/ca.key", f"{Recipe().output_dir}/metrics.jsonl",
+               "eval_results/tiny-llama/results.json"]
+    out = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True,
+                         check=False)
+    assert sorted(out.stdout.split()) == sorted(written), out.stderr
