@@ -52,3 +52,21 @@ def check_local_path(given: str, what: str, hub_ok: bool = True) -> None:
     where = f"{path.parent.resolve()} has no {path.name!r}" if parent == path.parent else \
         f"{parent.resolve()} has no {path.relative_to(parent).parts[0]!r}" if path.is_relative_to(parent) else ""
     raise InputError(f"{what} {given!r}: no such file or directory ({where}){hint}")
+
+
+def install_hint(extra: str) -> str:
+    """How to add fedllm's optional ``extra`` (``flower``, ``eval`` ...), for a missing-package message.
+
+    fedllm is not on PyPI, so ``pip install "fedllm[EXTRA]"`` fails: the hint names the extra's own packages
+    (read from fedllm's installed metadata) and how to reinstall fedllm with the extra, from a clone or a wheel.
+    """
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("fedllm") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    packages = [r.split(";")[0].strip() for r in requires if r.replace("'", '"').endswith(f'extra == "{extra}"')]
+    direct = "pip install " + " ".join(f'"{p}"' for p in packages) + ", or " if packages else ""
+    return (f'{direct}reinstall fedllm with its [{extra}] extra (fedllm is not on PyPI): pip install ".[{extra}]" '
+            f'in a clone of the repository, or pip install "fedllm-VERSION-py3-none-any.whl[{extra}]" from a wheel')

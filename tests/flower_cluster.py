@@ -1,5 +1,12 @@
-"""A real Flower deployment on 127.0.0.1 for the deployment tests: ``fedllm flower superlink`` and
-``fedllm flower supernode`` as subprocesses on free ports, readiness by polling, everything stopped at the end."""
+"""The real Flower deployment of the deployment tests (tests/test_flower_deployment.py and
+tests/test_flower_security.py), on 127.0.0.1: ``fedllm flower superlink`` and ``fedllm flower supernode`` as
+subprocesses on free ports, readiness by polling, everything stopped at the end.
+
+One deployment serves both modules (:func:`deployment`): a TLS SuperLink with SuperNode authentication and
+the SuperNodes of clients 0 and 1 with their workers. Each module submits all of its runs at once, at its first
+test (:class:`Launch`), and every test then waits on its own run: the runs wait on Flower's polling and timers
+side by side instead of one after another.
+"""
 
 import json
 import os
@@ -8,7 +15,11 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
+import yaml
 
 
 def free_port() -> int:
@@ -105,3 +116,160 @@ def write_flwr_home(home: Path, address: str, ca: Path | None = None) -> None:
     home.mkdir(parents=True, exist_ok=True)
     conn = f'address = "{address}"\n' + (f'root-certificates = "{ca}"\n' if ca else "insecure = true\n")
     (home / "config.toml").write_text(f'[superlink]\ndefault = "fedllm"\n\n[superlink.fedllm]\n{conn}')
+
+
+@dataclass
+class Run:
+    """A ``fedllm flower run`` submitted in the background: its process, log and output directory."""
+
+    proc: subprocess.Popen
+    log: Path
+    out: Path
+    raw: dict
+
+    def wait(self, timeout_s: float) -> int:
+        """The exit code, within ``timeout_s`` (else the test fails with the log's tail)."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"no result within {timeout_s:.0f}s; log:\n{self.log.read_text()[-3000:]}")
+
+    def finish(self, timeout_s: float = 900) -> None:
+        """Wait for the run and require exit code 0."""
+        rc = self.wait(timeout_s)
+        assert rc == 0, self.log.read_text()[-3000:]
+
+    def run_id(self) -> str:
+        """The SuperLink's id of this run (once ``fedllm flower run`` has printed it)."""
+        wait_until(lambda: logged(self.log, "fedllm flower run: run "), 240, "the run's id", self.log)
+        return self.log.read_text().split("fedllm flower run: run ", 1)[1].split()[0]
+
+
+class Deployment:
+    """A TLS SuperLink with SuperNode authentication (``fedllm flower superlink --certificates``; the keys of
+    clients 0..3 registered) and the SuperNodes of clients 0 and 1, each with its fedllm node worker."""
+
+    CLIENT_KEYS = 4
+
+    def __init__(self, root: Path):
+        from fedllm.flower.certs import write_certificates
+
+        self.root = root
+        self.certs = root / "certs"
+        write_certificates(self.certs, ["127.0.0.1"], clients=self.CLIENT_KEYS)
+        self.env = env_for(root / "flwr-home")
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        write_flwr_home(root / "flwr-home", self.address, self.certs / "ca.crt")
+        self.procs = [start(["flower", "superlink", "--certificates", str(self.certs), "--host", "127.0.0.1",
+                             "--port", str(port)], root / "superlink.log", self.env)]
+        self.nodes: dict[int, subprocess.Popen] = {}
+        self.logs: dict[int, Path] = {}  # client -> log of the SuperNode serving it now
+        self.states = {cid: root / f"node{cid}" for cid in range(2)}
+        try:
+            last = f"client-{self.CLIENT_KEYS - 1}.pub registered"
+            wait_until(lambda: port_open(port) and logged(root / "superlink.log", last), 180,
+                       "SuperLink with node keys registered", root / "superlink.log")
+            for cid in range(2):
+                self.serve(cid)
+        except BaseException:
+            self.close()
+            raise
+
+    def key(self, cid: int) -> Path:
+        return self.certs / "nodes" / f"client-{cid}.key"
+
+    def node(self, cid: int, name: str, state: Path, *options: str, key: Path | None = None,
+             ca: Path | None = None, logs: Path | None = None) -> subprocess.Popen:
+        """``fedllm flower supernode --client cid`` (key: client ``cid``'s unless given), logging to ``name``.log."""
+        proc = start(["flower", "supernode", "--superlink", self.address, "--client", str(cid), "--root-certificates",
+                      str(ca or self.certs / "ca.crt"), "--auth-key", str(key or self.key(cid)), "--state-dir",
+                      str(state), "--port", str(free_port()), *options], (logs or self.root) / f"{name}.log",
+                     self.env)
+        self.procs.append(proc)
+        return proc
+
+    def serve(self, cid: int, name: str | None = None) -> None:
+        """(Re)start the SuperNode of client ``cid`` (0 or 1) on its state directory."""
+        name = name or f"node{cid}"
+        self.nodes[cid] = self.node(cid, name, self.states[cid], "--warm-runs", "4")
+        self.logs[cid] = self.root / f"{name}.log"
+
+    def submit(self, name: str, raw: dict, where: Path, *options: str) -> Run:
+        """``fedllm flower run`` of ``raw`` (output in ``where/flower-NAME``, log ``where/run-NAME.log``)."""
+        out = where / f"flower-{name}"
+        path = where / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**raw, "output_dir": str(out)}))
+        log = where / f"run-{name}.log"
+        proc = start(["flower", "run", str(path), "--superlink", self.address, "--root-certificates",
+                      str(self.certs / "ca.crt"), "--timeout", "600", *options], log, self.env)
+        self.procs.append(proc)
+        return Run(proc, log, out, raw)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            stop(proc)
+
+
+def assert_matches(sim_dir: Path, flower_dir: Path, parts: list[str], what: str) -> None:
+    """The final ``parts`` (adapter, base) of a Flower run equal the simulation's (<= 1e-6), and so do the losses."""
+    from safetensors.torch import load_file
+
+    for part in parts:
+        want = load_file(str(sim_dir / "final" / f"{part}.safetensors"))
+        got = load_file(str(flower_dir / "final" / f"{part}.safetensors"))
+        assert want.keys() == got.keys()
+        worst = max(float((want[k] - got[k]).abs().max()) for k in want)
+        assert worst <= 1e-6, f"{what} {part}: max abs difference {worst}"
+    sim_lines = [json.loads(x) for x in (sim_dir / "metrics.jsonl").read_text().splitlines()]
+    got_lines = [json.loads(x) for x in (flower_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["train_loss"] for x in got_lines] == pytest.approx([x["train_loss"] for x in sim_lines], abs=1e-6)
+
+
+_SHARED: dict[str, Deployment] = {}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, request):
+    """The session's one :class:`Deployment`: started by the first module that asks, stopped after the last
+    selected test that uses it (or when pytest exits)."""
+    if "it" not in _SHARED:
+        _SHARED["it"] = Deployment(tmp_path_factory.mktemp("flower"))
+        request.config.add_cleanup(_SHARED["it"].close)
+    yield _SHARED["it"]
+    items = request.session.items
+    mine = [i for i, item in enumerate(items) if item.module is request.module]
+    if not any("deployment" in item.fixturenames for item in items[max(mine, default=-1) + 1:]):
+        _SHARED.pop("it").close()
+
+
+class Launch:
+    """A module's background work, started together by its first test (only what its selected tests need)."""
+
+    def __init__(self):
+        self.started = False
+        self.items: dict = {}
+        self.procs: list[subprocess.Popen] = []
+
+    def begin(self, request) -> bool:
+        """True the first time (the caller then starts the module's work); which tests are selected: ``wanted``."""
+        if self.started:
+            return False
+        self.started = True
+        self.wanted = {item.originalname for item in request.session.items if item.module is request.module}
+        return True
+
+    def close(self) -> None:
+        for item in self.items.values():
+            if isinstance(item, (Run, subprocess.Popen)):
+                stop(item.proc if isinstance(item, Run) else item)
+        for proc in self.procs:
+            stop(proc)
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """The module's :class:`Launch` (what it started is stopped when the module ends)."""
+    launched = Launch()
+    yield launched
+    launched.close()

@@ -109,6 +109,9 @@ CASES = {
                                                     "clipping_norm": 0.05, "noise_seed": 3, "adaptive_clipping": {
                                                         "enabled": True, "count_stddev": 1}}}),
     "fedex_lora": ("fedex_lora", {}, {}),  # merges in aggregate: nodes replay the server's logged low-rank merges
+    # heterogeneous ranks (lora.r = 4): each node trains and keeps a rank-r_k slice of the shared adapter
+    "flora-ranks": ("flora", {"client_ranks": [2, 4, 3]}, {}),
+    "flexlora-ranks": ("flexlora", {"client_ranks": [2, 4, 3]}, {}),
 }
 
 
@@ -146,8 +149,9 @@ def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_id
     # catch-up is compact: factors (one side at most the rank r = 4, or a coefficient), never a dense matrix
     synced = [a for m in grid.messages for name, rec in m.content.array_records.items() if name.startswith("sync.")
               for a in rec.values()]
-    assert bool(synced) == (strategy in ("frlora", "pfedloru", "fedloru", "fedex_lora"))
-    assert all(min(a.shape) <= 4 for a in synced)
+    assert bool(synced) == (strategy in ("frlora", "pfedloru", "fedloru", "fedex_lora", "flora"))
+    stacked = 8 if strategy == "flora" else 4  # FLoRA's stack has the rank r_i + r_j of the round's two clients
+    assert all(min(a.shape) <= stacked for a in synced)
 
 
 @pytest.mark.parametrize("rounds,every", [(3, 1), (4, 2)])

@@ -1,26 +1,28 @@
-"""Secure by default: a TLS SuperLink from ``fedllm flower certs`` with SuperNode authentication, fedllm's
-ServerApp runner and node workers, for the whole module (``pytest -k flower_security``).
+"""Secure by default, on the session's shared deployment (tests/flower_cluster.py: a TLS SuperLink from
+``fedllm flower certs`` with SuperNode authentication, fedllm's ServerApp runner and node workers;
+``pytest -k flower_security``). Everything this module needs is started at once by its first test.
 
 - an app that is not fedllm's, submitted with ``flwr run``, runs nowhere (no code of it runs, the run fails
   with the refusal);
 - a SuperNode whose key was not registered never joins; one that does not trust the CA never connects;
-- a registered SuperNode claiming a client id that another node serves (and whose key is not that client's)
-  is refused, and the run goes on to the end;
-- a SuperNode restarted with its state directory intact is sampled again and continues: the run equals the
-  simulation.
+- one run (3 rounds) through every disruption a node may meet: a registered SuperNode claiming client 0 with
+  another client's key is refused (the run goes on); node 1's worker is killed with ``kill -9`` in the middle
+  of a round-2 message (``fedllm flower supernode`` restarts it and the new worker answers that message from
+  its journal); node 1's SuperNode is stopped after round 2 and restarted with its state directory (sampled
+  again, it continues); client 2 is served by a ``--no-worker`` SuperNode (Flower's own ClientApp process
+  per message). The run equals the simulation.
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
-import yaml
-from flower_cluster import (env_for, free_port, logged, port_open, run_status, start, stop, wait_until,
-                            write_flwr_home)
-from safetensors.torch import load_file
+from flower_cluster import (assert_matches, deployment, launch, logged, run_status, stop, wait_until,  # noqa: F401
+                            worker_pid)
 
 pytest.importorskip("flwr")
 
@@ -47,46 +49,7 @@ def train(msg, context):
     Path(context.run_config["marker"], "client-ran").write_text("mallory was here")
 '''
 
-
-@pytest.fixture(scope="module")
-def secure(tmp_path_factory):
-    """``(address, env, certs dir, {client: SuperNode process}, logs dir)``: a TLS SuperLink with node auth and
-    the SuperNodes of clients 0 and 1 (keys of clients 0, 1 and 2 registered)."""
-    logs = tmp_path_factory.mktemp("secure")
-    certs = logs / "certs"
-    write_certificates(certs, ["127.0.0.1"], clients=3)
-    env = env_for(logs / "flwr-home")
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    write_flwr_home(logs / "flwr-home", address, certs / "ca.crt")
-    procs = [start(["flower", "superlink", "--certificates", str(certs), "--host", "127.0.0.1", "--port", str(port)],
-                   logs / "superlink.log", env)]
-    nodes = {}
-    try:
-        wait_until(lambda: port_open(port) and logged(logs / "superlink.log", "client-2.pub registered"), 180,
-                   "SuperLink with node keys registered", logs / "superlink.log")
-        for cid in range(2):
-            nodes[cid] = node(address, cid, certs / "nodes" / f"client-{cid}.key", logs, env, certs)
-        procs += list(nodes.values())
-        yield address, env, certs, nodes, logs
-    finally:
-        for proc in reversed(procs + list(nodes.values())):
-            stop(proc)
-
-
-def node(address, cid, key, logs, env, certs, name=None):
-    name = name or f"node{cid}"
-    return start(["flower", "supernode", "--superlink", address, "--client", str(cid), "--root-certificates",
-                  str(certs / "ca.crt"), "--auth-key", str(key), "--state-dir", str(logs / name), "--port",
-                  str(free_port())], logs / f"{name}.log", env)
-
-
-def test_flower_security_foreign_app_runs_nowhere(secure, tmp_path):
-    _, env, _, _, _ = secure
-    app = tmp_path / "foreign"
-    app.mkdir()
-    (app / "foreign_app.py").write_text(FOREIGN_APP)
-    (app / "pyproject.toml").write_text('''[build-system]
+FOREIGN_PROJECT = '''[build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
 
@@ -107,69 +70,139 @@ clientapp = "foreign_app:client"
 
 [tool.flwr.app.config]
 marker = ""
-''')
-    out = subprocess.run([str(__import__("pathlib").Path(sys.executable).parent / "flwr"), "run", str(app), "fedllm",
-                          "--run-config", f"marker='{tmp_path}'", "--format", "json"],
-                         capture_output=True, text=True, env=env, timeout=120)
-    run_id = str(json.loads(out.stdout[out.stdout.index("{"):])["run-id"])
-    wait_until(lambda: run_status(env, run_id).get("status", "").startswith("finished"), 120, "foreign run to end")
-    status = run_status(env, run_id)
+'''
+
+DISRUPTED = "test_flower_security_second_claim_refused_and_restarted_node_rejoins"
+NEEDS_DISRUPTED = {DISRUPTED, "test_worker_killed_with_kill_9_mid_message_recovers",
+                   "test_no_worker_supernode_serves_its_client_and_matches_the_simulation"}
+
+
+@pytest.fixture
+def started(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa: F811
+    """What this module's tests wait on, all started by the first test that asks (name -> process or run)."""
+    if not launch.begin(request):
+        return launch.items
+    where = launch.items["where"] = tmp_path_factory.mktemp("security")
+    if "test_flower_security_foreign_app_runs_nowhere" in launch.wanted:
+        app = where / "foreign"
+        app.mkdir()
+        (app / "foreign_app.py").write_text(FOREIGN_APP)
+        (app / "pyproject.toml").write_text(FOREIGN_PROJECT)
+        with open(where / "foreign.json", "w") as out:
+            launch.procs.append(subprocess.Popen(
+                [str(Path(sys.executable).parent / "flwr"), "run", str(app), "fedllm", "--run-config",
+                 f"marker='{where}'", "--format", "json"], stdout=out, stderr=subprocess.STDOUT, env=deployment.env))
+    if "test_flower_security_unregistered_or_untrusting_node_is_refused" in launch.wanted:
+        write_node_keys(where / "stranger", 1)
+        write_certificates(where / "other", ["127.0.0.1"])
+        launch.items["stranger"] = deployment.node(5, "stranger", where / "stranger-state",
+                                                   key=where / "stranger" / "client-0.key", logs=where)
+        launch.items["untrusting"] = deployment.node(6, "untrusting", where / "untrusting-state", key=deployment.key(3),
+                                                     ca=where / "other" / "ca.crt", logs=where)
+    if launch.wanted & NEEDS_DISRUPTED:
+        # client 2 on a --no-worker SuperNode (key 2); an intruder claiming client 0 with client 3's key
+        launch.items["plain"] = deployment.node(2, "node2-plain", where / "node2", "--no-worker", logs=where)
+        intruder = deployment.node(0, "intruder", where / "intruder", key=deployment.key(3), logs=where)
+        launch.items["intruder"] = intruder
+        wait_until(lambda: logged(where / "intruder.log", "SuperNode ID"), 120, "intruder joined",
+                   where / "intruder.log")
+        raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 3, "rounds": 3, "strategy": "scaffold"},
+                          train={"local_steps": 6, "batch_size": 4, "lr": 1e-2, "max_length": 64})
+        launch.items["disrupted"] = deployment.submit("disrupted", raw, where)
+    return launch.items
+
+
+def test_flower_security_foreign_app_runs_nowhere(started, deployment):  # noqa: F811
+    where = started["where"]
+    wait_until(lambda: "run-id" in (where / "foreign.json").read_text(), 120, "foreign run submitted",
+               where / "foreign.json")
+    text = (where / "foreign.json").read_text()
+    run_id = str(json.loads(text[text.index("{"):])["run-id"])
+    wait_until(lambda: run_status(deployment.env, run_id).get("status", "").startswith("finished"), 120,
+               "foreign run to end")
+    status = run_status(deployment.env, run_id)
     assert status["status"] == "finished:failed", status
     assert "refused" in status.get("status-details", "") and "mallory/foreign" in status["status-details"]
-    assert not (tmp_path / "server-ran").exists() and not (tmp_path / "client-ran").exists()
+    assert not (where / "server-ran").exists() and not (where / "client-ran").exists()
 
 
-def test_flower_security_unregistered_or_untrusting_node_is_refused(secure, tmp_path):
-    address, env, certs, _, logs = secure
-    write_node_keys(tmp_path / "stranger", 1)
-    write_certificates(tmp_path / "other", ["127.0.0.1"])
-    procs = [node(address, 5, tmp_path / "stranger" / "client-0.key", tmp_path, env, certs, name="stranger"),
-             start(["flower", "supernode", "--superlink", address, "--client", "6", "--root-certificates",
-                    str(tmp_path / "other" / "ca.crt"), "--auth-key", str(certs / "nodes" / "client-2.key"),
-                    "--state-dir", str(tmp_path / "untrusting"), "--port", str(free_port())],
-                   tmp_path / "untrusting.log", env)]
-    try:
-        # a registered node joins within seconds on this federation (see the fixture); give these 15 s
-        time.sleep(15)
-        for name in ("stranger", "untrusting"):
-            assert not logged(tmp_path / f"{name}.log", "SuperNode ID"), (tmp_path / f"{name}.log").read_text()[-2000:]
-    finally:
-        for proc in procs:
-            stop(proc)
+def test_flower_security_unregistered_or_untrusting_node_is_refused(started):
+    where = started["where"]
+    # Flower's SuperNode gives up (exit code 305) on a key the SuperLink does not know and on a certificate its CA
+    # did not sign: no fixed sleep, the refusal itself is the signal
+    for name, why in (("stranger", "Failed to activate SuperNode"), ("untrusting", "CERTIFICATE_VERIFY_FAILED")):
+        log = where / f"{name}.log"
+        wait_until(lambda node=started[name]: node.poll() is not None, 120, f"{name} SuperNode refused", log)
+        assert logged(log, why) and not logged(log, "SuperNode ID"), log.read_text()[-2000:]
 
 
-def submit(name, raw, secure, tmp_path):
-    address, env, certs, _, _ = secure
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**raw, "output_dir": str(tmp_path / f"flower-{name}")}))
-    return start(["flower", "run", str(path), "--superlink", address, "--root-certificates", str(certs / "ca.crt"),
-                  "--timeout", "600"], tmp_path / f"run-{name}.log", env)
+def disrupted(started, deployment, tmp_path):  # noqa: F811
+    """Drive the disrupted run (once per module): kill -9 of node 1's worker mid round 2, node 1 restarted after
+    round 2. Returns ``(run, simulation run dir, pid of the killed worker, pid of its successor)``."""
+    if "result" in started:
+        return started["result"]
+    run_ = started["disrupted"]
+    journal = deployment.states[1] / ".worker-1.inflight"
+    metrics = run_.out / "metrics.jsonl"
+
+    def rounds() -> int:
+        return metrics.read_text().count("\n") if metrics.is_file() else 0
+
+    wait_until(lambda: rounds() >= 1 and journal.is_file(), 600, "node 1 answering a round-2 message",
+               deployment.logs[1], every_s=0.05)
+    victim = worker_pid(deployment.nodes[1])
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: worker_pid(deployment.nodes[1]) not in (None, victim), 120, "node 1's worker restarted",
+               deployment.logs[1])
+    successor = worker_pid(deployment.nodes[1])
+    killed_log = deployment.logs[1]
+    wait_until(lambda: rounds() >= 2, 600, "round 2", run_.log, every_s=0.1)
+    stop(deployment.nodes[1])  # node 1's machine restarts ...
+    deployment.serve(1, "node1-restarted")  # ... same state directory
+    sim = run(parse_recipe({**run_.raw, "output_dir": str(tmp_path / "sim")})).run_dir
+    run_.finish()
+    started["result"] = (run_, sim, victim, successor, killed_log)
+    return started["result"]
+
+
+def history_of(run_) -> list[dict]:
+    return [json.loads(x) for x in (run_.out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_flower_security_second_claim_refused_and_restarted_node_rejoins(secure, tiny_recipe, tmp_path):
-    """One run: a registered node claiming client 0 with client 2's key is refused (the run goes on); node 1,
-    stopped after round 1 and restarted with its state directory, continues; the run equals the simulation."""
-    address, env, certs, nodes, logs = secure
-    intruder = node(address, 0, certs / "nodes" / "client-2.key", tmp_path, env, certs, name="intruder")
-    wait_until(lambda: logged(tmp_path / "intruder.log", "SuperNode ID"), 120, "intruder joined",
-               tmp_path / "intruder.log")
-    raw = tiny_recipe(federation={"num_clients": 2, "clients_per_round": 2, "rounds": 3, "strategy": "scaffold"})
-    proc = submit("rejoin", raw, secure, tmp_path)
-    metrics = tmp_path / "flower-rejoin" / "metrics.jsonl"
-    try:
-        wait_until(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 600, "round 1",
-                   tmp_path / "run-rejoin.log", every_s=0.1)
-        stop(nodes[1])  # node 1's machine restarts ...
-        nodes[1] = node(address, 1, certs / "nodes" / "client-1.key", logs, env, certs)  # ... same state dir
-        sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")})).run_dir
-        assert proc.wait(timeout=900) == 0, (tmp_path / "run-rejoin.log").read_text()[-3000:]
-    finally:
-        stop(proc, signal.SIGTERM)
-        stop(intruder)
-    out = (tmp_path / "run-rejoin.log").read_text()
+def test_worker_killed_with_kill_9_mid_message_recovers(started, deployment, tmp_path):  # noqa: F811
+    """``kill -9`` of node 1's worker while it answers a message: ``fedllm flower supernode`` restarts it, the new
+    worker answers that message (same task) from its journal and the node's state, and the run equals the
+    simulation."""
+    run_, sim, victim, successor, killed_log = disrupted(started, deployment, tmp_path)
+    assert logged(killed_log, "node worker exited with code -9; restarting it")
+    assert logged(killed_log, "interrupted when the previous worker stopped")
+    assert successor not in (None, victim)
+    assert all("dropped" not in h for h in history_of(run_))
+    assert_matches(sim, run_.out, ["adapter"], "scaffold with a killed worker")
+
+
+@pytest.mark.slow
+def test_flower_security_second_claim_refused_and_restarted_node_rejoins(started, deployment, tmp_path):  # noqa: F811
+    """A registered node claiming client 0 with client 3's key is refused (the run goes on); node 1, stopped after
+    round 2 and restarted with its state directory, continues; the run equals the simulation."""
+    run_, sim, *_ = disrupted(started, deployment, tmp_path)
+    out = run_.log.read_text()
     assert "refused: it claims client 0 but did not authenticate with client 0's key" in out
-    history = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [h["clients"] for h in history] == [[0, 1]] * 3 and all("dropped" not in h for h in history)
-    want, got = (load_file(str(d / "final" / "adapter.safetensors")) for d in (sim, tmp_path / "flower-rejoin"))
-    assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
+    history = history_of(run_)
+    assert [h["clients"] for h in history] == [[0, 1, 2]] * 3 and all("dropped" not in h for h in history)
+    assert logged(deployment.logs[1], "SuperNode ID")  # the restarted node
+    assert_matches(sim, run_.out, ["adapter"], "scaffold with a restarted node")
+
+
+@pytest.mark.slow
+def test_no_worker_supernode_serves_its_client_and_matches_the_simulation(started, deployment, tmp_path):  # noqa: F811
+    """Client 2's SuperNode runs with ``--no-worker``: Flower starts fedllm's ClientApp in a new process for each
+    message, which rebuilds the node from the recipe and the state directory; the run equals the simulation."""
+    run_, sim, *_ = disrupted(started, deployment, tmp_path)
+    where = started["where"]
+    assert worker_pid(started["plain"]) is None and not logged(where / "node2-plain.log", "fedllm worker")
+    assert max(p.name for p in (where / "node2").glob("*/client-2/step-*")) == "step-0003"
+    assert [h["clients"] for h in history_of(run_)] == [[0, 1, 2]] * 3
+    assert_matches(sim, run_.out, ["adapter"], "scaffold with a --no-worker SuperNode")

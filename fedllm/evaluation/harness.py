@@ -1,6 +1,6 @@
 """lm-evaluation-harness as a back-end: ``lm_eval:<task>`` tasks and the ``lm_eval`` answer protocol.
 
-The harness (``pip install 'fedllm[eval]'``) runs its own task definitions -- prompts,
+The harness (fedllm's ``eval`` extra: ``lm-eval``) runs its own task definitions -- prompts,
 few-shot sampling, decoding, filters and metrics -- on the model in memory (base + adapter, or
 merged), through :func:`lm_eval.simple_evaluate` with an ``HFLM`` wrapped around it; fedllm
 re-implements none of it. Data:
@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from fedllm.errors import InputError
+from fedllm.errors import InputError, install_hint
 from fedllm.evaluation.context import EvalContext, file_suffix
 from fedllm.evaluation.results import write_json_atomic
 from fedllm.evaluation.task import Task
@@ -62,7 +62,7 @@ def _import_harness():
         from lm_eval.tasks import TaskManager
     except ImportError as e:
         raise InputError("lm_eval tasks and the lm_eval answer protocol need lm-evaluation-harness: "
-                         "pip install 'fedllm[eval]' (or 'lm-eval')") from e
+                         f"{install_hint('eval')}") from e
     return lm_eval, HFLM, TaskManager
 
 

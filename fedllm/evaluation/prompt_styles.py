@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 from typing import Optional
 
-from fedllm.errors import InputError
+from fedllm.errors import InputError, install_hint
 from fedllm.registry import Registry
 
 Message = dict
@@ -85,8 +85,8 @@ def _fastchat_prompt(template: str, messages: list[Message]) -> str:
         from fastchat.conversation import get_conv_template
     except ImportError as e:
         raise ImportError(
-            f"the FastChat conversation template {template!r} needs FastChat: pip install 'fschat' "
-            "(or 'fedllm[fastchat]'), or leave eval.chat_template unset to use the tokenizer's template"
+            f"the FastChat conversation template {template!r} needs FastChat: {install_hint('fastchat')}; "
+            "or leave eval.chat_template unset to use the tokenizer's template"
         ) from e
     conv = get_conv_template(template)
     system, pairs = _pairs(messages)

@@ -6,7 +6,7 @@
 - :mod:`fedllm.flower.node`: a SuperNode's client (its data, per-client state and catch-up);
 - :mod:`fedllm.flower.records`: tensors <-> Flower records; :mod:`fedllm.flower.commands`: ``fedllm flower``.
 
-Nothing here is imported by the rest of fedllm; it needs ``pip install "fedllm[flower]"``.
+Nothing here is imported by the rest of fedllm; it needs fedllm's ``flower`` extra (``pip install ".[flower]"`` in a clone; :func:`fedllm.errors.install_hint`).
 """
 
 from pathlib import Path

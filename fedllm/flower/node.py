@@ -122,8 +122,11 @@ class Node:
         from fedllm import checkpoint as ckpt_io
         from fedllm.config import dump_recipe
         from fedllm.server import base_fields
+        from fedllm.strategies.client_ranks import RankedClients
 
         strategy = self.fed.strategy
+        if isinstance(strategy, RankedClients):  # a rank-r_k plan (FLoRA, FlexLoRA): kept in the model's shapes
+            adapter = strategy.pad(adapter)
         ckpt_io.save_checkpoint(self.dir / f"step-{step:04d}", ckpt_io.Checkpoint(
             round=self.synced, adapter=adapter, strategy=strategy.state_dict(), clients=self.store.flat(),
             **base_fields(self.fed.loaded.model, strategy),

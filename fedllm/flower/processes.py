@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fedllm.errors import InputError
+from fedllm.errors import InputError, install_hint
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 GRACE_S = 10.0
@@ -31,8 +31,8 @@ def tool(name: str) -> str:
     here = Path(sys.executable).parent / name
     found = str(here) if here.exists() else shutil.which(name)
     if not found:
-        raise InputError(f"{name}: not found beside {sys.executable} nor on PATH; install Flower with "
-                         "pip install \"fedllm[flower]\"")
+        raise InputError(f"{name}: not found beside {sys.executable} nor on PATH; install Flower: "
+                         f"{install_hint('flower')}")
     return found
 
 

@@ -8,6 +8,7 @@ import pytest
 from fedllm.cli import _close_progress_bars, interrupt_hint
 from fedllm.config import DataConfig, ModelConfig, PartitionConfig
 from fedllm.data.errors import PartitionError
+from fedllm.errors import InputError
 from fedllm.model_info import gguf_metadata, model_config, package_dir, target_shapes
 
 
@@ -104,3 +105,24 @@ def test_quiet_mode_filters_library_deprecations_only():
             warnings.warn_explicit("`x` is deprecated", FutureWarning, "f.py", 1, module=module)
     assert [str(w.message) for w in seen] == ["`x` is deprecated"]  # fedllm's own still shows
     assert seen[0].filename == "f.py"
+
+
+def test_missing_extra_hints_say_how_to_install_fedllm_which_is_not_on_pypi(monkeypatch):
+    """``pip install "fedllm[flower]"`` cannot work (fedllm is not on PyPI): the hint names the extra's packages
+    from fedllm's metadata and the clone and wheel commands."""
+    from importlib import metadata
+
+    from fedllm.errors import install_hint
+    from fedllm.flower import processes
+
+    monkeypatch.setattr(metadata, "requires", lambda name: ['torch>=2.1', 'flwr>=1.41; extra == "flower"',
+                                                            "lm-eval>=0.4.13; extra == 'eval'"])
+    hint = install_hint("flower")
+    assert hint.startswith('pip install "flwr>=1.41", or reinstall fedllm with its [flower] extra')
+    assert 'pip install ".[flower]" in a clone' in hint and '"fedllm-VERSION-py3-none-any.whl[flower]"' in hint
+    assert install_hint("eval").startswith('pip install "lm-eval>=0.4.13", or')
+    monkeypatch.setattr(processes.sys, "executable", "/nowhere/python")
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(InputError, match=r'flower-superlink: not found .* pip install "flwr>=1\.41"') as err:
+        processes.tool("flower-superlink")
+    assert "fedllm[flower]" not in str(err.value)

@@ -74,7 +74,7 @@ def test_fastchat_template_by_name(monkeypatch, tokenizer):
 def test_fastchat_missing_is_a_clear_error(monkeypatch, tokenizer):
     monkeypatch.setitem(sys.modules, "fastchat", None)
     monkeypatch.setitem(sys.modules, "fastchat.conversation", None)
-    with pytest.raises(ImportError, match="pip install 'fschat'"):
+    with pytest.raises(ImportError, match=r"needs FastChat: .*pip install \"\.\[fastchat\]\" in a clone"):
         make_prompt_style("chat", tokenizer, "vicuna_v1.1").render(TWO_TURNS)
 
 
