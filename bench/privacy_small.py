@@ -9,7 +9,11 @@ uniform FedAvg. Runs FedAvg without DP, with client-level central DP (server-sid
 (central: the federation's ε, accounted for sampling without replacement; DP-SGD: the largest client ε) and the
 norm of the global model's step per round. Prints a table and plots accuracy against ε.
 
-    python bench/privacy_small.py --threads 1 --plot docs/privacy_small.png --json bench/out/privacy_small.json
+    python bench/privacy_small.py --clients 200 --per-round 40 --rounds 10 --local-steps 1 --lora-r 1 --clip 1.0 \\
+        --train 2000 --test 200 --delta 1e-4 --central 0.5 1 2 4 --threads 1 --plot docs/privacy_small.png \\
+        --json bench/out/privacy_small.json
+
+(the defaults; docs/privacy.md has the figures).
 """
 
 from __future__ import annotations
@@ -88,20 +92,20 @@ def plot(rows: list[dict], path: Path, opts) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="recipe seed and privacy.noise_seed")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--clients", type=int, default=100)
-    parser.add_argument("--per-round", type=int, default=20, help="clients sampled per round")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--clients", type=int, default=200)
+    parser.add_argument("--per-round", type=int, default=40, help="clients sampled per round")
     parser.add_argument("--local-steps", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--lora-r", type=int, default=8)
-    parser.add_argument("--delta", type=float, default=1e-3)
-    parser.add_argument("--clip", type=float, default=0.5, help="central: clipping norm of a client's update")
+    parser.add_argument("--lora-r", type=int, default=1)
+    parser.add_argument("--delta", type=float, default=1e-4)
+    parser.add_argument("--clip", type=float, default=1.0, help="central: clipping norm of a client's update")
     parser.add_argument("--sgd-clip", type=float, default=1.0, help="DP-SGD: clipping norm of one example's gradient")
     parser.add_argument("--central", type=float, nargs="*", default=[0.5, 1.0, 2.0, 4.0])
     parser.add_argument("--dp-sgd", type=float, nargs="*", default=[])
     parser.add_argument("--no-baseline", action="store_true", help="skip the run without DP")
     parser.add_argument("--plot", default=None)
-    add_task_arguments(parser, 1000, 200)
+    add_task_arguments(parser, 2000, 200)
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
