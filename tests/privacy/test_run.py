@@ -77,8 +77,7 @@ def test_the_secure_aggregation_refusal_cites_the_installed_flower():
     and Flower's Message API (``flwr.serverapp``) still has no SecAgg+."""
     import re
 
-    flwr = pytest.importorskip("flwr")
-    import flwr.serverapp
+    pytest.importorskip("flwr")
     import flwr.serverapp.strategy
 
     from fedllm.privacy.recipe_checks import SECURE_AGGREGATION_REFUSED as reason
