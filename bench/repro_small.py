@@ -90,21 +90,43 @@ def evaluate(model, examples: list[dict], pad_id: int, batch_size: int = 50) -> 
     return loss / len(examples), correct / len(examples)
 
 
-def run_one(strategy: str, args: dict, seed: int, data_dir: Path, opts: argparse.Namespace) -> list[dict]:
-    """One federated run driven round by round; returns per-round metrics."""
-    raw = {
-        "seed": seed, "output_dir": str(data_dir / f"run-{strategy}-{seed}"),
-        "model": {"name": "minilm-l6"}, "lora": {"r": 8, "alpha": 16},
+def write_splits(data_dir: Path, n_train: int, n_test: int) -> None:
+    """The task's ``train.jsonl`` and ``test.jsonl`` (``fedllm.data.synthetic.arith_splits``, seed 0) in ``data_dir``."""
+    train, test = arith_splits(n_train, n_test, seed=0)
+    for split, rows in (("train", train), ("test", test)):
+        (data_dir / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def task_recipe(data_dir: Path, run_name: str, seed: int, federation: dict, train: dict, lora_r: int = 8,
+                **sections) -> dict:
+    """The raw recipe of one run on the task: MiniLM-L6 + LoRA (alpha = 2r) classifying the operation of the
+    problems in ``data_dir``; ``train`` is merged into batch 8 / max length 48, ``sections`` added as they are."""
+    return {
+        "seed": seed, "output_dir": str(data_dir / run_name),
+        "model": {"name": "minilm-l6"}, "lora": {"r": lora_r, "alpha": 2 * lora_r},
         "data": {"path": str(data_dir / "train.jsonl"), "eval_path": str(data_dir / "test.jsonl"),
                  "format": "classification", "fields": {"text": "question", "label": "category"}},
-        "federation": {"num_clients": 4, "clients_per_round": 4, "rounds": opts.rounds, "strategy": strategy,
-                       "strategy_args": {**args, **({"tau": opts.tau} if strategy == "fedloru" else {})},
-                       "partition": {"method": "dirichlet", "beta": opts.beta, "column": "category",
-                                     "min_size": 8}},
-        "train": {"local_steps": opts.local_steps, "batch_size": opts.batch_size, "lr": opts.lr, "lr_schedule": "cosine",
-                  "min_lr": opts.lr / 10, "optimizer_state": "per_client", "max_length": 48},
-        "logging": {"progress": False, "quiet": True},
+        "federation": federation, "train": {"batch_size": 8, "max_length": 48, **train},
+        "logging": {"progress": False, "quiet": True}, **sections,
     }
+
+
+def add_task_arguments(parser: argparse.ArgumentParser, n_train: int, n_test: int) -> None:
+    """The options every bench on this task shares: split sizes, CPU threads, JSON output."""
+    parser.add_argument("--train", type=int, default=n_train, help="training problems")
+    parser.add_argument("--test", type=int, default=n_test, help="held-out problems")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None)
+
+
+def run_one(strategy: str, args: dict, seed: int, data_dir: Path, opts: argparse.Namespace) -> list[dict]:
+    """One federated run driven round by round; returns per-round metrics."""
+    federation = {"num_clients": 4, "clients_per_round": 4, "rounds": opts.rounds, "strategy": strategy,
+                  "strategy_args": {**args, **({"tau": opts.tau} if strategy == "fedloru" else {})},
+                  "partition": {"method": "dirichlet", "beta": opts.beta, "column": "category", "min_size": 8}}
+    raw = task_recipe(data_dir, f"run-{strategy}-{seed}", seed, federation,
+                      {"local_steps": opts.local_steps, "batch_size": opts.batch_size, "lr": opts.lr,
+                       "lr_schedule": "cosine", "min_lr": opts.lr / 10, "optimizer_state": "per_client"})
     fed = build_federation(parse_recipe(raw))
     loop = RoundLoop(fed, Path(raw["output_dir"]), progress=False)
     model, pad = fed.loaded.model, fed.loaded.tokenizer.pad_token_id
@@ -235,15 +257,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--beta", type=float, default=0.1, help="Dirichlet concentration (smaller = more skew)")
     parser.add_argument("--tau", type=int, default=2, help="FedLoRU's accumulation cycle")
-    parser.add_argument("--train", type=int, default=400, help="training problems")
-    parser.add_argument("--test", type=int, default=200, help="held-out problems")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="names from the FRLoRA comparison (default: all of them), or registry names with --all")
     parser.add_argument("--all", action="store_true",
                         help="every registered strategy with a global model, side by side (see the docstring)")
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--plot", default=None, help="default: docs/repro_small.png (docs/baselines_small.png with --all)")
-    parser.add_argument("--json", default=None)
+    add_task_arguments(parser, 400, 200)
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -257,9 +276,7 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp)
-        train, test = arith_splits(opts.train, opts.test, seed=0)
-        for split, rows in (("train", train), ("test", test)):
-            (data_dir / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_splits(data_dir, opts.train, opts.test)
         for name in opts.methods:
             strategy, args = methods[name]
             results[name] = []

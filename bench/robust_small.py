@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from repro_small import evaluate  # noqa: E402
+from repro_small import add_task_arguments, evaluate, task_recipe, write_splits  # noqa: E402
 
 from fedllm.config import parse_recipe  # noqa: E402
-from fedllm.data.synthetic import arith_splits  # noqa: E402
 from fedllm.server import LocalExecutor, RoundLoop, build_federation  # noqa: E402
 
 
@@ -68,16 +67,10 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def run_one(strategy: str, args: dict, factor: float, seed: int, data_dir: Path, opts) -> dict:
-    raw = {
-        "seed": seed, "output_dir": str(data_dir / f"run-{strategy}-{factor}-{seed}"),
-        "model": {"name": "minilm-l6"}, "lora": {"r": 8, "alpha": 16},
-        "data": {"path": str(data_dir / "train.jsonl"), "eval_path": str(data_dir / "test.jsonl"),
-                 "format": "classification", "fields": {"text": "question", "label": "category"}},
-        "federation": {"num_clients": opts.clients, "clients_per_round": opts.clients, "rounds": opts.rounds,
-                       "strategy": strategy, "strategy_args": args, "partition": {"method": "iid"}},
-        "train": {"local_steps": opts.local_steps, "batch_size": 8, "lr": opts.lr, "max_length": 48},
-        "logging": {"progress": False, "quiet": True},
-    }
+    federation = {"num_clients": opts.clients, "clients_per_round": opts.clients, "rounds": opts.rounds,
+                  "strategy": strategy, "strategy_args": args, "partition": {"method": "iid"}}
+    raw = task_recipe(data_dir, f"run-{strategy}-{factor}-{seed}", seed, federation,
+                      {"local_steps": opts.local_steps, "lr": opts.lr})
     fed = build_federation(parse_recipe(raw))
     executor = Attacked(opts.clients - 1, factor)
     loop = RoundLoop(fed, Path(raw["output_dir"]), progress=False, executor=executor)
@@ -99,10 +92,7 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--scale", type=float, default=10.0, help="the scaled attack's factor")
-    parser.add_argument("--train", type=int, default=200)
-    parser.add_argument("--test", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default=None)
+    add_task_arguments(parser, 200, 100)
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -111,9 +101,7 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp)
-        train, test = arith_splits(opts.train, opts.test, seed=0)
-        for split, rows in (("train", train), ("test", test)):
-            (data_dir / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_splits(data_dir, opts.train, opts.test)
         for name, (strategy, args) in methods(opts.clients).items():
             for attack, factor in ({"none": 1.0, **attacks} if strategy == "fedavg" else attacks).items():
                 runs = results.setdefault(name, {}).setdefault(attack, [])

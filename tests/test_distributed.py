@@ -43,6 +43,9 @@ STATEFUL = {
     "fedadam-dp": ("fedadam", {"eta": 1e-2}, {"privacy": {"mechanism": "central", "noise_multiplier": 0.5,
                                                           "clipping_norm": 0.05, "noise_seed": 3,
                                                           "adaptive_clipping": {"enabled": True, "count_stddev": 1}}}),
+    # DP-SGD: Poisson batches and noise seeded per (noise_seed, round, client), whichever rank trains the client
+    "fedavg-dp-sgd": ("fedavg", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8,
+                                                 "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5}}),
     "pflmf": ("pflmf", {"rank": 3, "eta_u": 0.5}, {"train": {"optimizer_state": "per_client"}}),
     "fedsa_lora": ("fedsa_lora", {}, {"train": {"optimizer_state": "per_client"}}),
     "flora": ("flora", {"client_ranks": [4, 1, 2, 4]}, {}),
@@ -168,8 +171,14 @@ def test_two_processes_match_one(two_processes, tmp_path):
 
 @pytest.mark.parametrize("case", sorted(STATEFUL))
 def test_per_client_state_follows_the_client_across_processes(case, two_processes, tmp_path):
-    single = final_tensors(run(parse_recipe(two_processes.recipe(f"stateful-{case}", tmp_path / "one"))).run_dir)
-    assert_same(single, final_tensors(two_processes.run_dir(f"stateful-{case}")))
+    one = run(parse_recipe(two_processes.recipe(f"stateful-{case}", tmp_path / "one")))
+    two = two_processes.run_dir(f"stateful-{case}")
+    assert_same(final_tensors(one.run_dir), final_tensors(two))
+    if "privacy" in STATEFUL[case][2]:  # the same epsilon (and per-client epsilons) in every round's metrics line
+        lines = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+        for key in ("epsilon", "client_epsilon"):
+            assert [h.get(key) for h in lines] == [h.get(key) for h in one.history], key
+        assert lines[-1]["epsilon"] > 0
 
 
 @pytest.mark.parametrize("case", RESUMED)

@@ -108,6 +108,9 @@ CASES = {
     "fedavg-client-dp": ("fedavg", {}, {"privacy": {"mechanism": "central_client_clipping", "noise_multiplier": 0.5,
                                                     "clipping_norm": 0.05, "noise_seed": 3, "adaptive_clipping": {
                                                         "enabled": True, "count_stddev": 1}}}),
+    # DP-SGD on the nodes: Poisson batches and noise seeded per (noise_seed, round, client), steps reported back
+    "fedavg-dp-sgd": ("fedavg", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8, "clipping_norm": 0.5,
+                                                 "delta": 1e-3, "noise_seed": 5}}),
     "fedex_lora": ("fedex_lora", {}, {}),  # merges in aggregate: nodes replay the server's logged low-rank merges
     # heterogeneous ranks (lora.r = 4): each node trains and keeps a rank-r_k slice of the shared adapter
     "flora-ranks": ("flora", {"client_ranks": [2, 4, 3]}, {}),
@@ -140,6 +143,10 @@ def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_id
         assert_close(sim_entry, node_entry, f"per-client state of client {cid}")
     losses = [h["train_loss"] for h in sim.history]
     assert [h["train_loss"] for h in flower.history] == pytest.approx(losses, abs=1e-6)
+    if "privacy" in sections:  # the server accounts the same epsilon (per client for DP-SGD) every round
+        for key in ("epsilon", "client_epsilon"):
+            assert [h.get(key) for h in flower.history] == [h.get(key) for h in sim.history], key
+        assert flower.history[-1]["epsilon"] > 0
     if strategy == "fedavg":
         assert [h["bytes_down_total"] for h in flower.history] == [h["bytes_down_total"] for h in sim.history]
         assert "train.sync" not in grid.sent

@@ -36,11 +36,14 @@ DP_SGD_REFUSED = {
 }
 
 SECURE_AGGREGATION_REFUSED = (
-    "false: Flower 1.41's SecAgg+ (flwr.server.workflow.SecAggPlusWorkflow + flwr.client.mod.secaggplus_mod) "
-    "runs only inside the legacy workflow (it needs a LegacyContext whose flwr.server.strategy.Strategy has "
-    "configure_fit/aggregate_fit, and FitRes-shaped replies); fedllm's ServerApp drives the Message API "
-    "(flwr.serverapp Grid with its own messages) and its round loop needs every client's update, so there is "
-    "no SecAgg+ for it to use (docs/privacy.md)")
+    "false: Flower 1.41 has SecAgg+ only for its legacy API, and fedllm's Flower apps use the Message API "
+    "(flwr.serverapp has no SecAgg+). The server side, SecAggPlusWorkflow.__call__ "
+    "(flwr/server/workflow/secure_aggregation/secaggplus_workflow.py:185), requires a LegacyContext and drives a "
+    "legacy flwr.server.strategy.Strategy: configure_fit (:286) and aggregate_fit (:665), given only the sum; the "
+    "client side, secaggplus_mod (flwr/client/mod/secure_aggregation/secaggplus_mod.py:138-174), takes every "
+    "'train' message (fedllm's too) as a SecAgg+ stage (:148, record 'secaggplus_configs') and needs a FitRes "
+    "reply ('fitres.parameters', 'fitres.num_examples': :169); fedllm's round loop needs each client's update "
+    "(upload checks, strategies that are not a weighted mean, server-side DP clipping). See docs/privacy.md")
 
 
 def strategy_problem(mechanism: str, strategy: str) -> str | None:

@@ -8,17 +8,17 @@ import torch
 
 from fedllm.registry import register_strategy
 from fedllm.state import StateDict
-from fedllm.strategies.base import ClientUpdate, Strategy
+from fedllm.strategies.base import ClientUpdate
 from fedllm.strategies.fedmedian import checked, coordinate_median, stacked
-from fedllm.strategies.multikrum import select
+from fedllm.strategies.multikrum import MultiKrum, select
 
 log = logging.getLogger("fedllm")
 
 
 @register_strategy("bulyan")
-class Bulyan(Strategy):
+class Bulyan(MultiKrum):
     """Bulyan: Multi-Krum keeps ``θ = n − 2f`` updates; per coordinate, average the ``β = θ − 2f`` of them
-    closest to their median.
+    closest to their median (Multi-Krum's selection with a coordinate-wise trimmed mean instead of its average).
 
     Needs ``n ≥ 4f + 3`` updates; with fewer the round keeps the global state (and warns), as Flower's
     ``Bulyan`` skips the aggregation. Unweighted; equal to Flower's ``Bulyan``.
@@ -28,18 +28,9 @@ class Bulyan(Strategy):
     """
 
     name = "bulyan"
-    client_batching = True
 
-    def __init__(self, num_malicious_clients: int = 0, **kwargs):
-        super().__init__(**kwargs)
-        self.num_malicious_clients = int(num_malicious_clients)
-
-    @classmethod
-    def check_values(cls, args):
-        v = args.get("num_malicious_clients", 0)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            return [("num_malicious_clients", v, "an integer >= 0")]
-        return []
+    def __init__(self, num_malicious_clients: int = 0, **kwargs):  # the count m is derived from n and f
+        super().__init__(num_malicious_clients=num_malicious_clients, **kwargs)
 
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         checked(updates)

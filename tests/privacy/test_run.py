@@ -70,3 +70,29 @@ def test_dp_sgd_refuses_gradient_accumulation_and_loss_scaling():
     with pytest.raises(InputError) as err:
         parse_recipe(raw)
     assert "train.grad_accum" in str(err.value) and "train.dtype" in str(err.value)
+
+
+def test_the_secure_aggregation_refusal_cites_the_installed_flower():
+    """The refusal's file:line citations are what the installed Flower has there (re-check SecAgg+ when they move),
+    and Flower's Message API (``flwr.serverapp``) still has no SecAgg+."""
+    import re
+
+    pytest.importorskip("flwr")
+    import flwr.serverapp.strategy
+
+    from fedllm.privacy.recipe_checks import SECURE_AGGREGATION_REFUSED as reason
+
+    root = Path(flwr.__file__).parent
+    workflow = (root / "server/workflow/secure_aggregation/secaggplus_workflow.py").read_text().splitlines()
+    mod = (root / "client/mod/secure_aggregation/secaggplus_mod.py").read_text().splitlines()
+    for lines, line, text in ((workflow, 185, "isinstance(context, LegacyContext)"),
+                              (workflow, 286, "context.strategy.configure_fit("),
+                              (workflow, 665, "context.strategy.aggregate_fit("),
+                              (mod, 138, "message_type != MessageType.TRAIN"),
+                              (mod, 148, "config_records[RECORD_KEY_CONFIGS]"),
+                              (mod, 169, "compat.recorddict_to_fitres(out_content"),
+                              (mod, 174, "arr_record.clear()")):
+        assert text in lines[line - 1], f"flwr {flwr.__version__} moved {text!r}: re-check SecAgg+ and the refusal"
+    assert re.search(r"secaggplus_workflow\.py:185.*:286.*:665.*secaggplus_mod\.py:138-174.*:148.*:169", reason)
+    for module in (flwr.serverapp, flwr.serverapp.strategy):
+        assert not [n for n in dir(module) if "secagg" in n.lower()], module.__name__
