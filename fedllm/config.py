@@ -164,6 +164,7 @@ class EvalConfig:
     max_new_tokens: Optional[int] = doc(None, "generation limit; default: each task protocol's (eval/README.md)")
     decoding: Literal["protocol", "greedy"] = doc("protocol", "judged tasks: sample as the benchmark did (seeded), or greedy")
     seed: int = doc(0, "seed of sampled answers and of the sample a limited judged run takes")
+    seeding: Literal["question", "batch"] = doc("question", "judged tasks' sampled answers: question = FastChat's (seeded once per question, all its turns from that stream, one at a time); batch = one seed per generation batch (batched, faster; an answer depends on its batch)")
     shots: int = doc(0, "few-shot exemplars (GSM8K)")
     answer_protocol: Literal["fedllm", "metamath", "lm_eval"] = doc("fedllm", "gsm8k/math/math500 prompt, decoding and scoring: fedllm's lenient scorer, MetaMath's scripts, or lm-evaluation-harness (eval/README.md)")
     judged_prompts: Literal["reference", "training"] = doc("reference", "judged tasks of Alpaca-style runs: prompts as the reference scripts wrote them, or the run's training prompt for every turn")
