@@ -109,6 +109,23 @@ def test_is_equiv_agrees_with_the_harness_copy_of_hendrycks(a, b):
     assert is_equiv(None, None) and not is_equiv(a, None)
 
 
+def test_is_equiv_agrees_with_the_harness_copy_on_random_latex():
+    """Seeded random strings of the pieces the normaliser rewrites (\\sqrt and \\frac arguments, slashes, units,
+    ``=``, dots), normalised against the same pieces: the verdict is the harness copy's every time."""
+    import random
+
+    from lm_eval.tasks.hendrycks_math.utils import is_equiv as reference
+
+    pieces = ["\\sqrt", "\\frac", "\\frac", "1", "2", "{", "}", " ", "/", ".", "=", "x", "\\text{ m}", "0.5",
+              "\\%", "^\\circ"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        b = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        assert is_equiv(a, b) is reference(a, b), (a, b)
+        assert is_equiv(a, a.replace(" ", "")) is reference(a, a.replace(" ", "")), a
+
+
 SCRIPT = {"Tom has 3 apples": "3 + 4 = 7. The answer is: 7", "1,200 pens": "2400 pens. The answer is 2400.",
           "Mia earns": "The answer is: 50.0"}
 
