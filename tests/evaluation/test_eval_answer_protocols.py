@@ -195,3 +195,18 @@ def test_recipes_name_the_data_their_tasks_need():
         parse_recipe({**base, "eval": {"answer_protocol": "paper"}})
     with pytest.raises(RecipeError, match="eval.shots"):
         parse_recipe({**base, "eval": {"tasks": ["gsm8k"], "answer_protocol": "metamath", "shots": 4}})
+
+
+def test_the_comparison_script_counts_each_harness_document_once(tmp_path):
+    """The harness logs a gsm8k document once per filter (strict-match, flexible-extract)."""
+    import importlib.util
+
+    path = ASSETS.parents[2] / "eval" / "compare_answer_protocols.py"
+    spec = importlib.util.spec_from_file_location("compare_answer_protocols", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    samples = [{"doc_id": i, "filter": f, "doc": {"question": f"q{i}"}, "resps": [[f"out {i}"]]}
+               for f in ("strict-match", "flexible-extract") for i in range(3)]
+    result = tmp_path / "gsm8k.json"
+    result.write_text(json.dumps({"settings": {"answer_protocol": "lm_eval"}, "examples": {"gsm8k": samples}}))
+    assert script.outputs(result) == ("lm_eval", [("q0", "out 0"), ("q1", "out 1"), ("q2", "out 2")])
