@@ -476,9 +476,11 @@ def _holds_nothing(path: Path, split: Optional[str]) -> bool:
 def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool = True) -> list[tuple[str, Any, str]]:
     p: list[tuple[str, Any, str]] = missing_files(r) if check_files else []
     if check_files:  # the model's name and the LoRA rank against its layers, from its config (no weights, no torch)
+        from fedllm.evaluation.task_names import missing_fastchat_files
         from fedllm.model_info import model_problems
 
         p.extend(model_problems(r))
+        p.extend(missing_fastchat_files(r.eval))
     fed, tr = r.federation, r.train
     if r.lora.r <= 0:
         p.append(("lora.r", r.lora.r, "a positive integer"))

