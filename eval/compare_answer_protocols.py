@@ -20,9 +20,12 @@ def outputs(result_file: Path) -> tuple[str, list[tuple[str, str]]]:
     """``(protocol, [(question, output)])`` of a gsm8k result file (fedllm's entries or the harness's samples)."""
     data = json.loads(result_file.read_text(encoding="utf-8"))
     protocol = data["settings"].get("answer_protocol", "fedllm")
-    if protocol == "lm_eval":
+    if protocol == "lm_eval":  # the harness logs each document once per filter: one output per doc_id
         samples = next(iter(data["examples"].values()))
-        return protocol, [(s["doc"]["question"], s["resps"][0][0]) for s in samples]
+        by_doc = {}
+        for s in samples:
+            by_doc.setdefault(s["doc_id"], (s["doc"]["question"], s["resps"][0][0]))
+        return protocol, list(by_doc.values())
     return protocol, [(e["question"], e["output"]) for e in data["examples"]]
 
 

@@ -164,6 +164,7 @@ class EvalConfig:
     max_new_tokens: Optional[int] = doc(None, "generation limit; default: each task protocol's (eval/README.md)")
     decoding: Literal["protocol", "greedy"] = doc("protocol", "judged tasks: sample as the benchmark did (seeded), or greedy")
     seed: int = doc(0, "seed of sampled answers and of the sample a limited judged run takes")
+    seeding: Literal["question", "batch"] = doc("question", "judged tasks' sampled answers: question = FastChat's (seeded once per question, all its turns from that stream, one at a time); batch = one seed per generation batch (batched, faster; an answer depends on its batch)")
     shots: int = doc(0, "few-shot exemplars (GSM8K)")
     answer_protocol: Literal["fedllm", "metamath", "lm_eval"] = doc("fedllm", "gsm8k/math/math500 prompt, decoding and scoring: fedllm's lenient scorer, MetaMath's scripts, or lm-evaluation-harness (eval/README.md)")
     judged_prompts: Literal["reference", "training"] = doc("reference", "judged tasks of Alpaca-style runs: prompts as the reference scripts wrote them, or the run's training prompt for every turn")
@@ -476,11 +477,13 @@ def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool 
     p: list[tuple[str, Any, str]] = missing_files(r) if check_files else []
     if check_files:  # the model's name and the LoRA rank against its layers, from its config (no weights, no torch)
         from fedllm.data.federated import split_problems
+        from fedllm.evaluation.task_names import missing_fastchat_files
         from fedllm.model_info import model_problems
 
         p.extend(model_problems(r))
         if not any(key == "data.path" for key, _, _ in p):  # more clients than a local file's records
             p.extend(split_problems(r.data, r.federation.partition, r.federation.num_clients))
+        p.extend(missing_fastchat_files(r.eval))
     fed, tr = r.federation, r.train
     if r.lora.r <= 0:
         p.append(("lora.r", r.lora.r, "a positive integer"))

@@ -57,6 +57,9 @@ class AnswerTask(Task):
     lm_eval_task: str = ""
     """lm-evaluation-harness task (or group) of the ``lm_eval`` protocol."""
 
+    lm_eval_folder: str = ""
+    """The harness's folder (``lm_eval/tasks/<folder>``) defining :attr:`lm_eval_task`: only it is indexed."""
+
     max_new_tokens: int = 512
     """The ``fedllm`` protocol's generation limit (greedy)."""
 
@@ -113,7 +116,8 @@ class AnswerTask(Task):
         if protocol == "lm_eval":
             from fedllm.evaluation.harness import run_harness_task
 
-            return run_harness_task(ctx, self.name, self.lm_eval_task, data_spec=ctx.data_spec(self.name))
+            return run_harness_task(ctx, self.name, self.lm_eval_task, data_spec=ctx.data_spec(self.name),
+                                    home=self.lm_eval_folder or None)
         rules = self.rules(protocol)
         if rules.prompt is not None and ctx.cfg.shots:
             raise InputError(f"eval.shots={ctx.cfg.shots}: the {protocol} answer protocol is zero-shot "

@@ -41,6 +41,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoding", choices=["protocol", "greedy"], default=None,
                         help="judged tasks: sample answers as the benchmark's protocol does (default), or greedy")
     parser.add_argument("--seed", type=int, default=None, help="seed of sampled answers and of a --limit sample")
+    parser.add_argument("--seeding", choices=["question", "batch"], default=None,
+                        help="judged tasks' sampled answers: seeded once per question, its turns from one stream, "
+                             "as FastChat (default), or once per generation batch (batched, faster)")
     parser.add_argument("--shots", type=int, default=None, help="few-shot exemplars (gsm8k, 0-8)")
     parser.add_argument("--answer-protocol", choices=["fedllm", "metamath", "lm_eval"], default=None,
                         help="gsm8k/math/math500: fedllm's lenient scorer, MetaMath's eval scripts, or "
@@ -139,7 +142,7 @@ def build_eval_config(args: argparse.Namespace, base: EvalConfig) -> EvalConfig:
     judge = dataclasses.replace(judge, **{k: v for k, v in judge_flags.items() if v is not None})
     flags = {"limit": args.limit, "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
              "shots": args.shots, "chat_template": args.chat_template, "decoding": args.decoding, "seed": args.seed,
-             "answer_protocol": args.answer_protocol, "judged_prompts": args.judged_prompts}
+             "seeding": args.seeding, "answer_protocol": args.answer_protocol, "judged_prompts": args.judged_prompts}
     for key in ("limit", "batch_size", "max_new_tokens"):
         if flags[key] is not None and flags[key] < 1:
             raise InputError(f"--{key.replace('_', '-')}: expected a positive integer, got {flags[key]}")

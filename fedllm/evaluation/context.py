@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 from dataclasses import dataclass, field
@@ -126,16 +127,22 @@ class EvalContext:
     def generate(self, prompts: list[str], max_new_tokens: int,
                  on_batch: Optional[Callable[[list[int], list[str]], None]] = None,
                  desc: str = "generate", temperature: float = 0.0, top_p: Optional[float] = 1.0,
-                 stop: Optional[list[str]] = None, seed_each: bool = False) -> list[str]:
+                 stop: Optional[list[str]] = None, reseed: bool = True) -> list[str]:
         """Batched generation of ``prompts`` with ``stop`` (None: the prompt style's stop strings).
 
-        Greedy at ``temperature`` 0, else sampled with ``eval.seed`` (reruns are identical); ``top_p``
-        None takes the model's generation config; ``seed_each`` seeds every prompt's draw alone.
+        Greedy at ``temperature`` 0, else sampled: each batch seeded with ``eval.seed`` (reruns are
+        identical), or with ``reseed`` False from the stream of an enclosing :meth:`seeded_stream`.
+        ``top_p`` None takes the model's generation config.
         """
         return generation.generate(self.model, self.tokenizer, prompts, max_new_tokens, self.cfg.batch_size,
                                    progress=self.progress, stop=self.style.stop if stop is None else stop,
                                    on_batch=on_batch, desc=desc, temperature=temperature, top_p=top_p,
-                                   seed=self.cfg.seed if temperature > 0 else None, seed_each=seed_each)
+                                   seed=self.cfg.seed if temperature > 0 and reseed else None)
+
+    def seeded_stream(self) -> contextlib.AbstractContextManager:
+        """``torch.manual_seed(eval.seed)`` for the duration (the global RNG state is restored afterwards):
+        :meth:`generate` calls with ``reseed=False`` inside draw from that one stream, in call order."""
+        return generation.seeded_rng(self.cfg.seed, generation.model_device(self.model))
 
     def judge_client(self) -> JudgeClient:
         """The judge, built on first use (its cache lives in ``out_dir``)."""

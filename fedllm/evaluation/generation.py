@@ -70,8 +70,12 @@ def _inference_mode(model, tokenizer) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _seeded(seed: Optional[int], device: torch.device) -> Iterator[None]:
-    """Seed torch's RNGs for the duration (None: leave them alone); restore their state afterwards."""
+def seeded_rng(seed: Optional[int], device: torch.device) -> Iterator[None]:
+    """Seed torch's RNGs for the duration (None: leave them alone); restore their state afterwards.
+
+    Generations inside draw from one stream in call order (``seed=None`` calls of
+    :func:`generate_completions` do not reseed it).
+    """
     if seed is None:
         yield
         return
@@ -104,7 +108,8 @@ def _cut(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text, False) if cut is None else (text[:cut], True)
 
 
-def _device(model) -> torch.device:
+def model_device(model) -> torch.device:
+    """The device of the model's (first) parameters."""
     return next(model.parameters()).device
 
 
@@ -122,7 +127,6 @@ def generate_completions(
     desc: str = "generate",
     top_k: Optional[int] = 0,
     seed: Optional[int] = None,
-    seed_each: bool = False,
 ) -> list[Completion]:
     """Generate a continuation of every prompt (greedy unless ``temperature`` > 0).
 
@@ -144,24 +148,20 @@ def generate_completions(
             a plain ``model.generate(do_sample=True)`` call in FastChat or OpenFedLLM uses).
         seed: when sampling, each batch draws from ``torch.manual_seed(seed + index of its
             first prompt in length order)`` (the global RNG state is restored afterwards), so
-            the same prompts, batch size and seed give the same texts.
-        seed_each: when sampling, generate every prompt alone after ``torch.manual_seed(seed)``
-            (FastChat seeds each question so), so a prompt's text depends on nothing else.
+            the same prompts, batch size and seed give the same texts. None: draw from torch's
+            current random stream (e.g. one the caller seeded with :func:`seeded_rng`).
 
     Returns:
         One :class:`Completion` per prompt, in the order of ``prompts``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    seed_each = seed_each and seed is not None and temperature > 0
-    if seed_each:
-        batch_size = 1
     stop = [s for s in (stop or []) if s]
     encoded = [_encode(tokenizer, p) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
     results: list[Optional[Completion]] = [None] * len(prompts)
     eos = eos_token_ids(model, tokenizer)
-    device = _device(model)
+    device = model_device(model)
     bar = tqdm(total=len(prompts), desc=desc, disable=not progress, leave=False)
     with _inference_mode(model, tokenizer):
         pad_id = tokenizer.pad_token_id
@@ -186,8 +186,7 @@ def generate_completions(
                 kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
             if stop:
                 kwargs["stopping_criteria"] = [_StopOnStrings(tokenizer, stop, prompt_len)]
-            draw_seed = seed if seed_each else seed + start if seed is not None and temperature > 0 else None
-            with _seeded(draw_seed, device):
+            with seeded_rng(seed + start if seed is not None and temperature > 0 else None, device):
                 out = model.generate(input_ids=input_ids, **kwargs)
             done = []
             for row, i in enumerate(idx):
@@ -212,7 +211,7 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batc
              progress: bool = True, stop: Optional[Sequence[str]] = None,
              on_batch: Optional[Callable[[list[int], list[str]], None]] = None,
              desc: str = "generate", temperature: float = 0.0, seed: Optional[int] = None,
-             top_p: Optional[float] = 1.0, seed_each: bool = False) -> list[str]:
+             top_p: Optional[float] = 1.0) -> list[str]:
     """Batched generation (greedy unless ``temperature`` > 0); returns the decoded new text of every prompt.
 
     Args:
@@ -229,7 +228,6 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batc
             model's generation config, as the reference evaluation scripts do).
         seed: seed of the sampled draws (see :func:`generate_completions`).
         top_p: nucleus mass when sampling (None: the model's generation config).
-        seed_each: seed every prompt's draw alone (see :func:`generate_completions`).
 
     Returns:
         The generated texts, in the order of ``prompts``.
@@ -240,5 +238,5 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batc
             on_batch(indices, [c.text for c in comps])
     comps = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress,
                                  stop=stop, on_batch=hook, desc=desc, temperature=temperature, top_p=top_p,
-                                 top_k=None, seed=seed, seed_each=seed_each)
+                                 top_k=None, seed=seed)
     return [c.text for c in comps]

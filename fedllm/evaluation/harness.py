@@ -67,18 +67,36 @@ def _import_harness():
 
 
 @functools.lru_cache(maxsize=4)
-def _task_manager(include: Optional[str], defaults: bool):
-    """A harness ``TaskManager`` (indexing the harness's thousands of YAML files takes a while: built once)."""
-    return _import_harness()[2](include_path=include, include_defaults=defaults)
+def _task_manager(include: Optional[tuple[str, ...]], defaults: bool):
+    """A harness ``TaskManager`` over the ``include`` folders, and the harness's own thousands of YAML files
+    when ``defaults`` (indexing them takes a while: built once)."""
+    return _import_harness()[2](include_path=list(include) if include else None, include_defaults=defaults)
 
 
-def task_manager_for(task: str, include: Optional[str]):
-    """The ``TaskManager`` that knows ``task``: the ``include`` directory's alone when it defines it, else all."""
-    if include:
-        local = _task_manager(include, False)
+def task_manager_for(task: str, include: Optional[str], home: Optional[str] = None):
+    """The ``TaskManager`` that knows ``task``, indexing as little as it can.
+
+    Args:
+        task: the harness's task or group name.
+        include: the user's folder of task YAML files (``eval.data.lm_eval``), or None.
+        home: the folder of the harness's own tasks that defines ``task`` (``gsm8k`` for
+            ``lm_eval/tasks/gsm8k``), when fedllm knows it: the answer protocols' tasks.
+
+    Returns:
+        A manager over ``home`` and ``include`` alone (``include`` overrides ``home``, as it overrides
+        the defaults in the harness) when they define ``task``, else one over every task of the harness.
+    """
+    folders = tuple(str(f) for f in (_harness_tasks_dir() / home if home else None, include) if f)
+    if folders:
+        local = _task_manager(folders, False)
         if task in local.task_index:
             return local
-    return _task_manager(include, True)
+    return _task_manager((include,) if include else None, True)
+
+
+def _harness_tasks_dir() -> Path:
+    """``lm_eval/tasks`` of the installed harness."""
+    return Path(_import_harness()[0].__file__).parent / "tasks"
 
 
 def _data_files(spec: str) -> tuple[str, dict[str, str]]:
@@ -164,7 +182,8 @@ def _eval_mode(model) -> Iterator[None]:
         model.train(was_training)
 
 
-def run_harness_task(ctx: EvalContext, name: str, task: str, data_spec: Optional[str] = None) -> dict[str, float]:
+def run_harness_task(ctx: EvalContext, name: str, task: str, data_spec: Optional[str] = None,
+                     home: Optional[str] = None) -> dict[str, float]:
     """Run the harness task ``task`` on ``ctx.model``; write ``<name>.json``; return its metrics.
 
     Args:
@@ -173,10 +192,11 @@ def run_harness_task(ctx: EvalContext, name: str, task: str, data_spec: Optional
         name: fedllm's name of the task (file name, metric prefix).
         task: the harness's task or group name.
         data_spec: local data or hub id replacing the task's dataset (module docstring).
+        home: the harness's own folder defining ``task`` (:func:`task_manager_for`), or None.
     """
     lm_eval, HFLM, _ = _import_harness()
     include = ctx.data_spec(INCLUDE_KEY)
-    manager = task_manager_for(task, str(Path(include).expanduser().resolve()) if include else None)
+    manager = task_manager_for(task, str(Path(include).expanduser().resolve()) if include else None, home)
     spec = task_spec(manager, task, data_spec)
     # a copy: the harness sets a pad token (or adds one) on the tokenizer it is given
     lm = HFLM(pretrained=ctx.model, tokenizer=copy.deepcopy(ctx.tokenizer), batch_size=ctx.cfg.batch_size)

@@ -28,7 +28,7 @@ fails on either answer (a rule meets text it cannot handle, such as ``x/2`` or a
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 
 class _Unnormalisable(Exception):
@@ -45,31 +45,37 @@ def _units_removed(s: str) -> str:
     return parts[0]
 
 
-def _sqrt_braced(s: str) -> str:
-    head, *pieces = s.split("\\sqrt")
+def _rewrite_arguments(s: str, command: str, rewrite: Callable[[str], Optional[str]]) -> str:
+    """``s`` with the text after each ``command`` passed through ``rewrite`` (None: ``s`` is left as it was).
+
+    Raises:
+        _Unnormalisable: a ``command`` with nothing after it (the reference indexes past the end).
+    """
+    head, *pieces = s.split(command)
     out = head
     for piece in pieces:
         if not piece:
             raise _Unnormalisable(s)
-        out += "\\sqrt" + (piece if piece[0] == "{" else "{" + piece[0] + "}" + piece[1:])
-    return out
-
-
-def _fracs_braced(s: str) -> str:
-    head, *pieces = s.split("\\frac")
-    out = head
-    for piece in pieces:
-        if not piece:
-            raise _Unnormalisable(s)
-        out += "\\frac"
-        if piece[0] == "{":
-            out += piece
-            continue
-        if len(piece) < 2:
+        rewritten = rewrite(piece)
+        if rewritten is None:
             return s
-        a, b, rest = piece[0], piece[1], piece[2:]
-        out += "{" + a + "}" + ("{" + b + "}" if b != "{" else b) + rest
+        out += command + rewritten
     return out
+
+
+def _sqrt_argument(piece: str) -> str:
+    """``3...`` -> ``{3}...``; a braced argument stays."""
+    return piece if piece[0] == "{" else "{" + piece[0] + "}" + piece[1:]
+
+
+def _frac_arguments(piece: str) -> Optional[str]:
+    """``12...`` -> ``{1}{2}...``, ``1{72}`` -> ``{1}{72}``; braced stays; None for a single character."""
+    if piece[0] == "{":
+        return piece
+    if len(piece) < 2:
+        return None
+    a, b, rest = piece[0], piece[1], piece[2:]
+    return "{" + a + "}" + ("{" + b + "}" if b != "{" else b) + rest
 
 
 def _slash_as_frac(s: str) -> str:
@@ -101,8 +107,8 @@ def normalise(s: str) -> str:
     sides = s.split("=")
     if len(sides) == 2 and len(sides[0]) <= 2:
         s = sides[1]
-    s = _sqrt_braced(s).replace(" ", "")
-    s = _fracs_braced(s)
+    s = _rewrite_arguments(s, "\\sqrt", _sqrt_argument).replace(" ", "")
+    s = _rewrite_arguments(s, "\\frac", _frac_arguments)
     if s == "0.5":
         s = "\\frac{1}{2}"
     return _slash_as_frac(s)

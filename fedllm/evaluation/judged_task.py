@@ -1,11 +1,14 @@
 """Open-ended tasks graded 1-10 by an LLM judge, each as its benchmark's reference code ran it.
 
 Each example is a conversation of one or more user turns; turn ``t`` is
-generated after the model's own answers to the earlier turns (batched over
-examples, one turn at a time, grouped by answer temperature). Answers are
+generated after the model's own answers to the earlier turns. Answers are
 sampled as the task's protocol says (:mod:`~fedllm.evaluation.judge_protocols`:
-per-category temperatures, token limit; seeded with ``eval.seed``), or greedily
-with ``eval.decoding: greedy``.
+per-category temperatures, token limit), or greedily with ``eval.decoding: greedy``.
+Sampled answers follow ``eval.seeding``: ``question`` (default) seeds each question
+once with ``eval.seed`` and draws all its turns from that stream, one question at a
+time, as FastChat's ``gen_model_answer.py`` does; ``batch`` generates them batched,
+turn by turn, each batch seeded alone (fedllm's earlier scheme: faster, but an answer
+depends on its batch). Greedy answers are always batched, turn by turn.
 
 Grading is either FastChat's (the default here: turn 1 with ``single-v1``, or
 ``single-math-v1`` against a reference answer; turn 2 with the multi-turn prompts,
@@ -101,59 +104,123 @@ class JudgedTask(Task):
 
     # ----------------------------------------------------------------- generation
 
+    @staticmethod
+    def _turn_prompt(style: PromptStyle, ex: dict, outputs: list[str], turn: int) -> str:
+        """The prompt of ``ex``'s turn ``turn``, after the model's own ``outputs`` to the earlier turns."""
+        messages = []
+        for q, a in zip(ex["turns"][:turn], outputs[:turn], strict=True):
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        user = {"role": "user", "content": ex["turns"][turn]}
+        if turn == 0 and "instruction" in ex:
+            user.update(instruction=ex["instruction"], input=ex.get("input", ""))
+        messages.append(user)
+        return style.render(messages)
+
+    @staticmethod
+    def _stored_output(results: ResultFile, ex: dict, temperature: float, turn: int, prompt: str) -> Optional[str]:
+        """The stored answer to ``ex``'s turn ``turn`` if it was generated from ``prompt`` at ``temperature``."""
+        stored = results.get(ex["id"])
+        if (stored and len(stored.get("prompts", [])) > turn and stored["prompts"][turn] == prompt
+                and stored.get("turns") == ex["turns"] and stored.get("temperature") == temperature):
+            return stored["outputs"][turn]
+        return None
+
     def _generate_turns(self, ctx: EvalContext, examples: list[dict], results: ResultFile,
                         max_new_tokens: int, style: PromptStyle) -> None:
+        """Answer every turn of every example: sampled examples one question at a time under ``eval.seeding:
+        question``, everything else batched turn by turn (each sampled batch seeded alone)."""
         ids = [ex["id"] for ex in examples]
         entries = {ex["id"]: {"id": ex["id"], "category": ex["category"], "turns": ex["turns"],
                               "temperature": self.temperature(ctx, ex["category"]), "prompts": [], "outputs": []}
                    for ex in examples}
+
+        def save(*done: dict) -> None:
+            for entry in done:
+                results.put(dict(entry))
+            results.save(ids)
+
+        def one_stream(ex: dict) -> bool:
+            return ctx.cfg.seeding == "question" and entries[ex["id"]]["temperature"] > 0
+
+        generate = dict(ctx=ctx, max_new_tokens=max_new_tokens, style=style, results=results, save=save)
+        self._generate_in_batches(examples=[ex for ex in examples if not one_stream(ex)], entries=entries, **generate)
+        for ex in examples:
+            if one_stream(ex):
+                self._generate_question(ex=ex, entry=entries[ex["id"]], **generate)
+        for entry in entries.values():
+            stored = results.get(entry["id"])
+            results.put({**(stored or {}), **entry})
+
+    def _generate_question(self, ctx: EvalContext, ex: dict, entry: dict, max_new_tokens: int, style: PromptStyle,
+                           results: ResultFile, save) -> None:
+        """Sample every turn of one question from one random stream seeded once, as FastChat does.
+
+        FastChat ``fastchat/llm_judge/gen_model_answer.py``, ``get_model_answers``: for each question
+        (and each choice ``i``) it calls ``torch.manual_seed(i)`` once, then generates turn 1 and, after
+        the model's own first answer, turn 2, without reseeding, so turn 2 continues the stream turn 1
+        drew from (OpenFedLLM's ``gen_model_answer_mt.py`` does the same). Here the seed is
+        ``eval.seed`` (0 by default, FastChat's single choice) and the global RNG state is restored
+        afterwards. Stored answers are reused only when every turn of the question is stored, since a
+        later turn's draw depends on the earlier ones.
+        """
+        outputs: list[str] = []
+        prompts: list[str] = []
+        for turn in range(len(ex["turns"])):
+            prompt = self._turn_prompt(style, ex, outputs, turn)
+            text = self._stored_output(results, ex, entry["temperature"], turn, prompt)
+            if text is None:
+                break
+            prompts.append(prompt)
+            outputs.append(text)
+        else:
+            entry.update(prompts=prompts, outputs=outputs)
+            return
+        entry.update(prompts=[], outputs=[])
         top_p = self.sampling(ctx).top_p
-        for turn in range(max(len(ex["turns"]) for ex in examples)):
+        with ctx.seeded_stream():
+            for turn in range(len(ex["turns"])):
+                prompt = self._turn_prompt(style, ex, entry["outputs"], turn)
+                text = ctx.generate([prompt], max_new_tokens, desc=f"{self.name} {ex['id']} turn {turn + 1}",
+                                    temperature=entry["temperature"], top_p=top_p, stop=style.stop, reseed=False)[0]
+                entry["prompts"].append(prompt)
+                entry["outputs"].append(text)
+        save(entry)
+
+    def _generate_in_batches(self, ctx: EvalContext, examples: list[dict], entries: dict, max_new_tokens: int,
+                             style: PromptStyle, results: ResultFile, save) -> None:
+        """Turn 1 of every example, then turn 2, ...: batched, grouped by answer temperature; a sampled
+        batch draws from ``torch.manual_seed(eval.seed + its offset)`` (:func:`~fedllm.evaluation.generation.
+        generate_completions`), so its answers depend on the batch they were generated in."""
+        top_p = self.sampling(ctx).top_p
+        for turn in range(max((len(ex["turns"]) for ex in examples), default=0)):
             todo, prompts = [], []
             for ex in examples:
                 if turn >= len(ex["turns"]):
                     continue
                 entry = entries[ex["id"]]
-                messages = []
-                for q, a in zip(ex["turns"][:turn], entry["outputs"], strict=True):
-                    messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-                user = {"role": "user", "content": ex["turns"][turn]}
-                if turn == 0 and "instruction" in ex:
-                    user.update(instruction=ex["instruction"], input=ex.get("input", ""))
-                messages.append(user)
-                prompt = style.render(messages)
-                stored = results.get(ex["id"])
-                if (stored and len(stored.get("prompts", [])) > turn and stored["prompts"][turn] == prompt
-                        and stored.get("turns") == ex["turns"] and stored.get("temperature") == entry["temperature"]):
+                prompt = self._turn_prompt(style, ex, entry["outputs"], turn)
+                text = self._stored_output(results, ex, entry["temperature"], turn, prompt)
+                if text is not None:
                     entry["prompts"].append(prompt)
-                    entry["outputs"].append(stored["outputs"][turn])
+                    entry["outputs"].append(text)
                     continue
                 todo.append(ex["id"])
                 prompts.append(prompt)
-
-            def store(batch: list[int], outputs: list[str], todo=todo, prompts=prompts) -> None:
-                for j, text in zip(batch, outputs, strict=True):
-                    entry = entries[todo[j]]
-                    entry["prompts"].append(prompts[j])
-                    entry["outputs"].append(text)
-                    results.put(dict(entry))
-                results.save(ids)
 
             groups: dict[float, list[int]] = {}
             for j, ex_id in enumerate(todo):
                 groups.setdefault(entries[ex_id]["temperature"], []).append(j)
             for temperature, members in sorted(groups.items()):
-                def store_group(batch: list[int], outputs: list[str], members=members) -> None:
-                    store([members[b] for b in batch], outputs)
+                def store(batch: list[int], outputs: list[str], members=members) -> None:
+                    done = [entries[todo[members[b]]] for b in batch]
+                    for b, entry, text in zip(batch, done, outputs, strict=True):
+                        entry["prompts"].append(prompts[members[b]])
+                        entry["outputs"].append(text)
+                    save(*done)
 
-                ctx.generate([prompts[j] for j in members], max_new_tokens, on_batch=store_group,
+                ctx.generate([prompts[j] for j in members], max_new_tokens, on_batch=store,
                              desc=f"{self.name} turn {turn + 1}", temperature=temperature, top_p=top_p,
-                             stop=style.stop, seed_each=True)
-        for entry in entries.values():
-            stored = results.get(entry["id"])
-            results.put({**(stored or {}), **entry})
-
-    # ----------------------------------------------------------------- judging
+                             stop=style.stop)
 
     # ----------------------------------------------------------------- judging
 
@@ -204,7 +271,7 @@ class JudgedTask(Task):
         style_name, style = self.answer_style(ctx)
         settings = {**ctx.generation_settings(max_new_tokens), "prompt_style": style_name,
                     "judged_prompts": ctx.cfg.judged_prompts, "stop": style.stop, "decoding": ctx.cfg.decoding,
-                    "seed": ctx.cfg.seed, "seed_per_question": True,
+                    "seed": ctx.cfg.seed, "seeding": ctx.cfg.seeding,
                     "temperatures": {"default": sampling.default_temperature, **sampling.temperatures},
                     "top_p": sampling.top_p if sampling.top_p is not None else "generation_config"}
         results = ctx.result_file(self.name, settings)

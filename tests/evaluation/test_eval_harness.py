@@ -4,8 +4,6 @@ fixture files this test writes."""
 
 import copy
 import json
-import os
-import subprocess
 import sys
 import textwrap
 
@@ -85,33 +83,49 @@ def logliks(samples: list[dict]) -> list[float]:
             for s in samples for r in s["resps"]]
 
 
-def test_lm_eval_tasks_through_fedllm_equal_the_harness_on_the_merged_export(tokenizer, tmp_path, harness_dir):
+NAMES = ["lm_eval:fedllm_tiny_mc", "lm_eval:fedllm_tiny_gen"]
+
+
+def harness_table(results: dict) -> dict[str, float]:
+    """``{"lm_eval:<task>/<metric>": value}`` of a harness results table (what fedllm reports)."""
+    return {f"lm_eval:{task}/{key.split(',')[0]}": value for task, table in results.items()
+            for key, value in table.items() if "," in key and "_stderr" not in key}
+
+
+@pytest.fixture(scope="module")
+def scored_export(tokenizer_state, harness_dir, tmp_path_factory):
+    """Both fixture tasks scored through fedllm on base + adapter, and the merged model exported once (the
+    harness's API and its CLI both score that export)."""
+    tokenizer = copy.deepcopy(tokenizer_state)
+    model = adapted_model(tokenizer)
+    root = tmp_path_factory.mktemp("scored")
+    cfg = EvalConfig(tasks=NAMES, data={"lm_eval": str(harness_dir / "tasks")}, batch_size=4)
+    ours = evaluate(model, tokenizer, cfg, root / "out", progress=False)
+    export = root / "merged"
+    copy.deepcopy(model).merge_and_unload().save_pretrained(export)
+    tokenizer.save_pretrained(export)
+    return model, tokenizer, cfg, ours, root / "out", export
+
+
+def test_lm_eval_tasks_through_fedllm_equal_the_harness_on_the_merged_export(scored_export, harness_dir):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    model = adapted_model(tokenizer)
-    names = ["lm_eval:fedllm_tiny_mc", "lm_eval:fedllm_tiny_gen"]
-    cfg = EvalConfig(tasks=names, data={"lm_eval": str(harness_dir / "tasks")}, batch_size=4)
-    ours = evaluate(model, tokenizer, cfg, tmp_path / "out", progress=False)
-    stored = json.loads((tmp_path / "out" / "lm_eval:fedllm_tiny_mc.json").read_text())
+    model, tokenizer, cfg, ours, out, export = scored_export
+    stored = json.loads((out / "lm_eval:fedllm_tiny_mc.json").read_text())
     assert stored["settings"]["answer_protocol"] == "lm_eval" and len(stored["examples"]["fedllm_tiny_mc"]) == 6
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["protocols"] == dict.fromkeys(names, "lm_eval")
+    assert json.loads((out / "summary.json").read_text())["protocols"] == dict.fromkeys(NAMES, "lm_eval")
 
-    export = tmp_path / "merged"
-    copy.deepcopy(model).merge_and_unload().save_pretrained(export)
-    tokenizer.save_pretrained(export)
     manager = TaskManager(include_path=str(harness_dir / "tasks"), include_defaults=False)
     res = simple_evaluate(model="hf", model_args=f"pretrained={export},dtype=float32", device="cpu", batch_size=4,
-                          tasks=[n.split(":")[1] for n in names], task_manager=manager, bootstrap_iters=0)
-    theirs = {f"lm_eval:{task}/{key.split(',')[0]}": value for task, table in res["results"].items()
-              for key, value in table.items() if "," in key and "_stderr" not in key}
-    assert ours == theirs
+                          tasks=[n.split(":")[1] for n in NAMES], task_manager=manager, bootstrap_iters=0)
+    assert ours == harness_table(res["results"])
     assert logliks(stored["examples"]["fedllm_tiny_mc"]) == pytest.approx(logliks(res["samples"]["fedllm_tiny_mc"]),
                                                                            rel=1e-4, abs=1e-4)
 
     with model.disable_adapter():                                              # the adapter was evaluated
-        evaluate(model, tokenizer, EvalConfig(tasks=names[:1], data=cfg.data), tmp_path / "base", progress=False)
-    base = json.loads((tmp_path / "base" / "lm_eval:fedllm_tiny_mc.json").read_text())
+        evaluate(model, tokenizer, EvalConfig(tasks=NAMES[:1], data=cfg.data), out.parent / "base", progress=False)
+    base = json.loads((out.parent / "base" / "lm_eval:fedllm_tiny_mc.json").read_text())
     assert logliks(base["examples"]["fedllm_tiny_mc"]) != pytest.approx(logliks(stored["examples"]["fedllm_tiny_mc"]),
                                                                         rel=1e-3)
 
@@ -124,17 +138,41 @@ def test_local_data_replace_a_tasks_dataset(tokenizer, tiny_lm, tmp_path, harnes
     assert docs == [r["question"] for r in OTHER]
 
 
+def run_harness_cli(monkeypatch, argv: list[str]) -> None:
+    """The harness's command line: ``lm_eval.__main__.cli_evaluate``, the function its ``lm_eval`` console script
+    runs, with ``argv`` (in this process: the interpreter start, the imports and part of the task index are
+    shared with the test; the lm_eval logger is restored afterwards)."""
+    import logging
+
+    import lm_eval.utils
+    from lm_eval.__main__ import cli_evaluate
+
+    logger = logging.getLogger("lm_eval")
+    monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", True)           # no handler added to the logger
+    monkeypatch.setattr(sys, "argv", ["lm_eval", *argv])
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    level = logger.level
+    try:
+        cli_evaluate()
+    finally:
+        logger.setLevel(level)
+
+
 @pytest.mark.slow
-def test_the_harness_cli_scores_the_export_as_fedllm_does(tokenizer, tmp_path, harness_dir):
-    """The harness's own command line (``python -m lm_eval``) on the exported merged model (both index
-    every task the harness ships: a minute or more)."""
-    model = adapted_model(tokenizer)
+def test_the_harness_cli_scores_the_export_as_fedllm_does(scored_export, harness_dir, tmp_path, monkeypatch):
+    """The harness's own command line (``lm_eval``, which indexes every task the harness ships) on
+    the exported merged model, both fixture tasks in one call; and gsm8k under the ``lm_eval`` protocol, whose
+    harness folder alone is indexed, run as with the whole index (built once here for the unknown task)."""
+    from fedllm.evaluation.tasks.gsm8k import GSM8K
+
+    model, tokenizer, _, ours, _, export = scored_export
+    include = {"lm_eval": str(harness_dir / "tasks")}
     with pytest.raises(InputError, match="not a task of lm-evaluation-harness"):
-        evaluate(model, tokenizer, EvalConfig(tasks=["lm_eval:no_such_task_here"],
-                                              data={"lm_eval": str(harness_dir / "tasks")}), None, progress=False)
+        evaluate(model, tokenizer, EvalConfig(tasks=["lm_eval:no_such_task_here"], data=include), None,
+                 progress=False)
     # gsm8k under the lm_eval answer protocol: the harness's own task over a local file, 5 shots from it
     gsm8k = ASSETS / "gsm8k_tiny.jsonl"
-    cfg = EvalConfig(tasks=["gsm8k"], data={"gsm8k": str(gsm8k)}, answer_protocol="lm_eval", limit=2)
+    cfg = EvalConfig(tasks=["gsm8k"], data={"gsm8k": str(gsm8k), **include}, answer_protocol="lm_eval", limit=2)
     metrics = evaluate(model, tokenizer, cfg, tmp_path / "gsm8k", progress=False)
     assert set(metrics) == {"gsm8k/exact_match.strict-match", "gsm8k/exact_match.flexible-extract"}
     samples = json.loads((tmp_path / "gsm8k" / "gsm8k.json").read_text())["examples"]["gsm8k"]
@@ -143,17 +181,16 @@ def test_the_harness_cli_scores_the_export_as_fedllm_does(tokenizer, tmp_path, h
             else sample["arguments"][0][0]
         assert prompt.count("Question: ") == 6 and prompt.endswith(f"Question: {sample['doc']['question']}\nAnswer:")
         assert prompt.count(sample["doc"]["question"]) == 1                   # never its own exemplar
-    name = "lm_eval:fedllm_tiny_mc"
-    ours = evaluate(model, tokenizer, EvalConfig(tasks=[name], data={"lm_eval": str(harness_dir / "tasks")}),
-                    None, progress=False)
-    export = tmp_path / "merged"
-    copy.deepcopy(model).merge_and_unload().save_pretrained(export)
-    tokenizer.save_pretrained(export)
+    monkeypatch.setattr(GSM8K, "lm_eval_folder", "")                         # the harness's whole index
+    assert evaluate(model, tokenizer, cfg, tmp_path / "gsm8k_all", progress=False) == metrics
+    assert json.loads((tmp_path / "gsm8k_all" / "gsm8k.json").read_text())["examples"]["gsm8k"] == samples
+
     out = tmp_path / "cli"
-    subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                    f"pretrained={export},dtype=float32", "--tasks", "fedllm_tiny_mc", "--include_path",
-                    str(harness_dir / "tasks"), "--device", "cpu", "--batch_size", "4", "--output_path", str(out)],
-                   check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-                   capture_output=True, timeout=900)
-    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]["fedllm_tiny_mc"]
-    assert ours == {f"{name}/acc": results["acc,none"], f"{name}/acc_norm": results["acc_norm,none"]}
+    run_harness_cli(monkeypatch, ["--model", "hf", "--model_args", f"pretrained={export},dtype=float32",
+                                  "--tasks", ",".join(n.split(":")[1] for n in NAMES),
+                                  "--include_path", str(harness_dir / "tasks"), "--device", "cpu",
+                                  "--batch_size", "4", "--output_path", str(out)])
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    assert ours == harness_table(results)
+    assert {"lm_eval:fedllm_tiny_mc/acc", "lm_eval:fedllm_tiny_mc/acc_norm", "lm_eval:fedllm_tiny_gen/exact_match"} \
+        <= set(ours)

@@ -1,6 +1,6 @@
 """Judged tasks of a run trained with the Alpaca prompt, asked as the reference scripts asked (OpenFedLLM's and
 FedLLM-Bench's answer text, FastChat's alpaca conversation for both MT-Bench turns), the run's own prompt under
-``eval.judged_prompts: training``, a seed per question, and the rating rules (kept, -1 averaged, range-checked)."""
+``eval.judged_prompts: training``, and the rating rules (kept, -1 averaged, range-checked)."""
 
 import json
 import shutil
@@ -9,7 +9,7 @@ import pytest
 from evalkit import ASSETS, LoopbackServer, scripted_judge_app
 
 from fedllm.config import EvalConfig, JudgeConfig
-from fedllm.evaluation import evaluate, generation
+from fedllm.evaluation import evaluate
 from fedllm.evaluation.mtbench_assets import package_data_dir
 
 KEY_ENV = "FEDLLM_TEST_JUDGE_KEY"
@@ -114,11 +114,3 @@ def test_mt_bench_turns_of_an_alpaca_run_use_fastchats_alpaca_conversation(scrip
         assert model.prompts[1] == alpaca_prompt(writing["turns"][0]) + "First answer.\n\n" + alpaca_prompt(
             writing["turns"][1])
 
-
-def test_a_sampled_answer_depends_on_its_question_alone(tiny_lm, tokenizer):
-    prompts = ["Question: Tom has 3 apples", "Question: 1,200 pens", "Question: The temperature was 5"]
-    kw = dict(progress=False, temperature=0.9, seed=0, seed_each=True)
-    together = generation.generate(tiny_lm, tokenizer, prompts, 6, 3, **kw)
-    alone = [generation.generate(tiny_lm, tokenizer, [p], 6, 1, **kw)[0] for p in prompts]
-    assert together == alone
-    assert generation.generate(tiny_lm, tokenizer, prompts, 6, 3, **{**kw, "seed": 1}) != together

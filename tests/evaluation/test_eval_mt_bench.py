@@ -65,8 +65,9 @@ def test_mt_bench_with_a_served_judge(tiny_lm, tokenizer, judge_app, tmp_path, m
         assert all(math.isnan(metrics[f"mt_bench/{k}"]) for k in ("mt1", "mt2", "avg"))
         assert caplog.text.count("unparseable judge rating") == 6
         assert judge_app.state.requests == 6
-        # turn 1 for all, then turn 2 for all; each turn greedy (101 reasoning, 111 math) then sampled (81 writing)
-        assert count_generation == [2, 1, 2, 1]
+        # greedy questions (101 reasoning, 111 math) batched turn 1 then turn 2; then the sampled one (81 writing),
+        # one turn at a time from its own seeded stream
+        assert count_generation == [2, 2, 1, 1]
 
         data = json.loads((out / "mt_bench.json").read_text())
         by_id = {e["id"]: e for e in data["examples"]}
@@ -94,7 +95,7 @@ def test_mt_bench_with_a_served_judge(tiny_lm, tokenizer, judge_app, tmp_path, m
         # resume: nothing generated, nothing asked again
         again = evaluate(tiny_lm, tokenizer, mt_cfg(judge), out, progress=False)
         assert again["mt_bench/unparsed"] == 6
-        assert judge_app.state.requests == 6 and count_generation == [2, 1, 2, 1]
+        assert judge_app.state.requests == 6 and count_generation == [2, 2, 1, 1]
 
     for path in files_under(tmp_path):
         assert SECRET not in path.read_text(errors="ignore"), path
@@ -129,3 +130,87 @@ def test_mt_bench_scripted_judge_ratings_and_metrics(scripted_lm, tokenizer, tmp
     calls = model.calls
     assert evaluate(model, tokenizer, cfg, tmp_path, judge=scripted, progress=False) == metrics
     assert len(asked) == 6 and model.calls == calls
+
+
+# --------------------------------------------------------------------------- seeding of sampled answers
+
+SAMPLED = [{"question_id": 1, "category": "writing", "turns": ["Compose a travel blog post.", "Rewrite it."]},
+           {"question_id": 2, "category": "roleplay", "turns": ["Tom has 3 apples.", "And 4 more?"]},
+           {"question_id": 3, "category": "reasoning", "turns": ["What is 2 + 2?", "And 3 + 3?"]}]  # greedy
+
+
+def _chat(turns: list[str], answers: list[str]) -> str:
+    """The tiny tokenizer's chat template, written out: earlier turns with their answers, then the next user turn."""
+    done = "".join(f"<|user|>{q}<|end|><|assistant|>{a}<|end|>" for q, a in zip(turns, answers))
+    return done + f"<|user|>{turns[len(answers)]}<|end|><|assistant|>"
+
+
+def _text(tokenizer, new_ids) -> str:
+    ids = new_ids.tolist()
+    if tokenizer.eos_token_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def _fastchat_replay(model, tokenizer, turns: list[str], temperature: float, n: int, reseed_each_turn=False):
+    """FastChat ``gen_model_answer.py`` ``get_model_answers``, retold: ``torch.manual_seed(0)`` once per question,
+    then each turn ``model.generate(ids, do_sample=True, temperature=t, max_new_tokens=n)`` on one prompt."""
+    answers: list[str] = []
+    torch.manual_seed(0)
+    for _ in turns:
+        if reseed_each_turn:                                   # fedllm's interim scheme, for contrast
+            torch.manual_seed(0)
+        ids = torch.tensor([tokenizer(_chat(turns, answers)).input_ids])
+        out = model.generate(ids, do_sample=True, temperature=temperature, max_new_tokens=n)
+        answers.append(_text(tokenizer, out[0, ids.shape[1]:]))
+    return answers
+
+
+def _batch_replay(model, tokenizer, questions: list[dict], temperature: float, n: int) -> dict[int, list[str]]:
+    """fedllm's earlier scheme: per turn, the sampled questions in one left-padded batch (longest prompt first)
+    drawing from ``torch.manual_seed(0)``; each turn reseeded."""
+    answers: dict[int, list[str]] = {q["question_id"]: [] for q in questions}
+    tokenizer.padding_side = "left"
+    for _ in range(2):
+        prompts = {q["question_id"]: tokenizer(_chat(q["turns"], answers[q["question_id"]])).input_ids
+                   for q in questions}
+        order = sorted(prompts, key=lambda i: -len(prompts[i]))
+        batch = tokenizer.pad({"input_ids": [prompts[i] for i in order]}, return_tensors="pt")
+        torch.manual_seed(0)
+        out = model.generate(**batch, do_sample=True, temperature=temperature, max_new_tokens=n,
+                             pad_token_id=tokenizer.pad_token_id)
+        for row, i in enumerate(order):
+            answers[i].append(_text(tokenizer, out[row, batch["input_ids"].shape[1]:]))
+    return answers
+
+
+def test_sampled_turns_follow_fastchats_seeding_and_batch_seeding_is_the_earlier_scheme(tiny_lm, tokenizer,
+                                                                                          tmp_path):
+    (tmp_path / "question.jsonl").write_text("".join(json.dumps(q) + "\n" for q in SAMPLED))
+
+    def rate(messages):
+        return "[[5]]"
+
+    rate.model = "scripted-judge"
+
+    def answers(seeding: str) -> dict[int, list[str]]:
+        cfg = EvalConfig(tasks=["mt_bench"], data={"mt_bench": str(tmp_path / "question.jsonl")}, batch_size=4,
+                         max_new_tokens=8, judge=JudgeConfig(), seeding=seeding)
+        out = tmp_path / seeding
+        assert evaluate(tiny_lm, tokenizer, cfg, out, judge=rate, progress=False)["mt_bench/avg"] == 5.0
+        data = json.loads((out / "mt_bench.json").read_text())
+        assert data["settings"]["seeding"] == seeding
+        return {e["id"]: e["outputs"] for e in data["examples"]}
+
+    state = torch.get_rng_state()
+    default, batch = answers("question"), answers("batch")
+    assert torch.equal(torch.get_rng_state(), state)                     # the global stream is left alone
+    sampled = SAMPLED[:2]
+    for q in sampled:                                                      # writing, roleplay: 0.7
+        assert default[q["question_id"]] == _fastchat_replay(tiny_lm, tokenizer, q["turns"], 0.7, 8)
+        # turn 2 continues turn 1's stream: reseeding it gives another text
+        assert default[q["question_id"]][1] != _fastchat_replay(tiny_lm, tokenizer, q["turns"], 0.7, 8, True)[1]
+    expected_batch = _batch_replay(tiny_lm, tokenizer, sampled, 0.7, 8)
+    assert {i: batch[i] for i in (1, 2)} == expected_batch
+    assert all(default[i] != batch[i] for i in (1, 2))
+    assert default[3] == batch[3]                                          # greedy: batched either way

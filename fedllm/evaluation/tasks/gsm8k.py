@@ -32,6 +32,7 @@ class GSM8K(AnswerTask):
     hub = HubSource("openai/gsm8k", "main", "test")
     uses_records = True
     lm_eval_task = "gsm8k"
+    lm_eval_folder = "gsm8k"
 
     def gold(self, record: dict) -> Optional[str]:
         return extract_number(answer_of(record))

@@ -89,6 +89,7 @@ class MATH(_MathAnswers):
 
     name = "math"
     lm_eval_task = "hendrycks_math"
+    lm_eval_folder = "hendrycks_math"
     hub = HubSource("EleutherAI/hendrycks_math", None, "test")
 
     def raw_records(self, ctx: EvalContext) -> list[dict]:
@@ -111,4 +112,5 @@ class MATH500(_MathAnswers):
 
     name = "math500"
     lm_eval_task = "hendrycks_math500"
+    lm_eval_folder = "hendrycks_math"
     hub = HubSource("HuggingFaceH4/MATH-500", None, "test")

@@ -15,9 +15,10 @@ out of the means unless ``eval.judge.ratings: minus_one``).
 A run trained with the Alpaca prompt is asked both turns through FastChat's ``alpaca``
 conversation template (as OpenFedLLM's ``gen_model_answer_mt.py`` builds them);
 ``eval.judged_prompts: training`` re-sends the run's Alpaca prompt for each turn instead.
-Sampling: top-p from the model's generation config (FastChat passes none), and each
-question's draw seeded alone with ``eval.seed`` (FastChat: ``torch.manual_seed(0)`` per
-question; its second turn continues that stream, here it is seeded afresh).
+Sampling: top-p from the model's generation config (FastChat passes none); each question
+seeded once with ``eval.seed`` and both turns drawn from that one stream, as FastChat's
+``gen_model_answer.py`` (``torch.manual_seed(0)`` per question) does (``eval.seeding: batch``:
+batched, one seed per batch).
 """
 
 from __future__ import annotations
