@@ -296,8 +296,10 @@ def attach_lora(model: Any, lora: LoraConfig, task: str, source: str = "<recipe>
         peft_model = get_peft_model(model, config)
     except ValueError as e:
         raise RecipeError(source, [("lora.target_modules", targets, f"modules present in the model ({e})")]) from None
-    too_small = [(n, (m.out_features, m.in_features)) for n, m in lora_layers(peft_model).items()
-                 if lora.r > min(m.out_features, m.in_features)]
+    from peft.tuners.lora import LoraLayer  # its in/out features also cover GPT-2's transposed Conv1D
+
+    shapes = {n: (m.out_features, m.in_features) for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+    too_small = [(n, shape) for n, shape in shapes.items() if lora.r > min(shape)]
     if too_small:
         name, shape = too_small[0]
         raise RecipeError(source, [("lora.r", lora.r, f"<= min(out, in) of every target layer; {name} is {shape}")])

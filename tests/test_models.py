@@ -92,3 +92,16 @@ def test_real_minilm_encoder_as_classifier():
     lm = load_model(ModelConfig(name="minilm-l6"), LoraConfig(r=8), num_labels=4)
     assert lm.model_type == "bert" and lm.task == "classification" and len(lora_layers(lm.model)) == 4 * 6
     assert lm.model(**lm.tokenizer(["a", "b c"], return_tensors="pt", padding=True)).logits.shape == (2, 4)
+
+
+def test_rank_check_after_load_reads_gpt2_conv1d_shapes(tmp_path):
+    """GPT-2's attention is a transposed Conv1D (no out_features on the base layer): PEFT's wrapper gives them."""
+    import transformers
+
+    from fedllm.models import attach_lora
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100)
+    assert len(lora_layers(attach_lora(transformers.GPT2LMHeadModel(config), LoraConfig(r=2, target_modules=["c_attn"]),
+                                       "causal_lm"))) == 1
+    with pytest.raises(RecipeError, match=r"lora.r: got 17; .*c_attn is \(48, 16\)"):
+        attach_lora(transformers.GPT2LMHeadModel(config), LoraConfig(r=17, target_modules=["c_attn"]), "causal_lm")
