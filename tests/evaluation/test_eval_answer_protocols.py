@@ -204,7 +204,7 @@ def test_a_run_without_fastchats_files_is_refused_before_training(tmp_path, monk
     from fedllm.evaluation import mtbench_assets
 
     data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"instruction": "hi", "output": "hello"}) + "\n")
+    data.write_text((json.dumps({"instruction": "hi", "output": "hello"}) + "\n") * 2)  # a record per client
     recipe = {"data": {"path": str(data)}, "train": {"local_steps": 1}, "eval": {"tasks": ["mt_bench"]}}
     monkeypatch.setattr(mtbench_assets, "package_data_dir", lambda: None)
     monkeypatch.setattr("fedllm.model_info.model_problems", lambda recipe: [])  # not this test's (reads configs)
