@@ -541,7 +541,8 @@ def _run_locked(recipe: Recipe, resume: bool, overwrite: bool, progress: bool, e
     if recipe.train.threads is not None or threads.chosen() is not None:  # else: the caller's torch settings
         threads.apply(recipe.train.threads)
     t0 = time.perf_counter()
-    rundir.check_run_dir(recipe, resume, overwrite)  # refuse at once, before the model is built
+    if int(os.environ.get("RANK", "0")) == 0:  # refuse at once, before the model is built; rank 0 alone, as
+        rundir.check_run_dir(recipe, resume, overwrite)  # the others could already see the run it starts writing
     fed = build_federation(recipe)
     start_from = prepare_run_dir(recipe, fed, resume, overwrite)
     changed = check_resume_recipe(Path(recipe.output_dir), recipe) if start_from is not None else {}

@@ -38,12 +38,13 @@ def run_train_command(args: argparse.Namespace) -> int:
         # a dry run needs neither the weights nor the data files: it builds the model from its shipped config
         recipe = load_recipe(args.recipe, overrides, check_files=not args.dry_run, ask_strategy=False)
         args.output_dir = recipe.output_dir  # for the interrupt message's resume hint
-        if not args.dry_run:  # --overwrite / --resume refusals, before torch loads
+        # --overwrite / --resume refusals, before torch loads; rank 0 alone, under the run lock (server.run locks
+        # again): the other ranks of a launch may look only after rank 0 started writing the run
+        if not args.dry_run and int(os.environ.get("RANK", "0")) == 0:
             from fedllm import runlock
             from fedllm.rundir import check_run_dir
 
-            # a run being written is named first (server.run locks again); rank 0 alone holds the lock
-            with runlock.hold(recipe.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+            with runlock.hold(recipe.output_dir):
                 check_run_dir(recipe, args.resume, args.overwrite)
         check_strategy(recipe)  # the strategy's own checks import torch
         if not args.dry_run:  # lora.r of a family whose layers need torch to tell: the meta model, before the load

@@ -48,7 +48,9 @@ def runs(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa: F
                 launch.items[name] = deployment.submit(name, raw, where, *options)
         if "test_flower_run_with_too_few_supernodes_reports_and_exits_2" in launch.wanted:
             raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 1})
-            launch.items["few"] = deployment.submit("few", raw, where, "--wait-nodes", "12")
+            # long enough for the two busy nodes (serving this module's other runs) to answer the claim query:
+            # at 12 s a loaded machine timed out before either answered (no "waiting" line, 0 of 3 served)
+            launch.items["few"] = deployment.submit("few", raw, where, "--wait-nodes", "40")
         if "test_stopping_flower_run_stops_the_run_on_the_superlink" in launch.wanted:
             raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 1})
             launch.items["stopped"] = deployment.submit("stopped", raw, where, "--wait-nodes", "300")

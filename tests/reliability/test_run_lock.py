@@ -96,3 +96,29 @@ def test_without_flock_a_dead_pid_is_stale_and_a_live_one_holds(tmp_path, monkey
             raise AssertionError("another host's lock was not honoured")
     except runlock.LockedError as e:
         assert "on host elsewhere" in str(e)
+
+
+def test_only_rank_0_checks_the_run_dir_of_a_launch(run_copy, tmp_path, monkeypatch, capsys):
+    """In an N-process launch the other ranks may start after rank 0 began writing the run; were they to check
+    the directory, they would see "a run" there and exit 2, stranding the launch (a race seen in the 2-process
+    tests). Rank 0 alone refuses; the others go on to the run, whose collectives follow rank 0."""
+    from fedllm import server
+
+    run_dir, raw = run_copy
+    recipe = _recipe(tmp_path, raw)
+    reached = []
+
+    def built(recipe):  # where _run_locked goes after its run-dir check
+        reached.append(recipe.output_dir)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server, "build_federation", built)
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", str(recipe)]) == 2
+    assert "already holds a run" in capsys.readouterr().err and not reached
+    monkeypatch.setenv("RANK", "1")
+    try:
+        main(["train", str(recipe)])
+    except KeyboardInterrupt:
+        pass
+    assert reached == [str(run_dir)]
