@@ -79,8 +79,18 @@ class ChatStyle(PromptStyle):
             )
         return self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
 
+    @property
+    def stop(self) -> list[str]:
+        """A FastChat template's ``stop_str`` (one string or a list): FastChat's ``gen_model_answer``
+        (fastchat/llm_judge/gen_model_answer.py, ``get_model_answers``) cuts each answer there. The tokenizer's
+        template has none: its end-of-turn token ends the generation."""
+        if not self.chat_template:
+            return []
+        stop = _fastchat_conversation(self.chat_template).stop_str
+        return [stop] if isinstance(stop, str) and stop else [s for s in (stop or []) if s]
 
-def _fastchat_prompt(template: str, messages: list[Message]) -> str:
+
+def _fastchat_conversation(template: str):
     try:
         from fastchat.conversation import get_conv_template
     except ImportError as e:
@@ -88,7 +98,11 @@ def _fastchat_prompt(template: str, messages: list[Message]) -> str:
             f"the FastChat conversation template {template!r} needs FastChat: {install_hint('fastchat')}; "
             "or leave eval.chat_template unset to use the tokenizer's template"
         ) from e
-    conv = get_conv_template(template)
+    return get_conv_template(template)
+
+
+def _fastchat_prompt(template: str, messages: list[Message]) -> str:
+    conv = _fastchat_conversation(template)
     system, pairs = _pairs(messages)
     if system is not None:
         conv.set_system_message(system)

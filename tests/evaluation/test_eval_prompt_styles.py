@@ -93,3 +93,21 @@ def test_eval_due(every, before, rounds, due):
     cfg = EvalConfig(tasks=["gsm8k"], every=every, before_training=before)
     assert [r for r in range(rounds + 1) if eval_due(cfg, r, rounds)] == due
     assert not any(eval_due(EvalConfig(tasks=[], every=1), r, rounds) for r in range(rounds + 1))
+
+
+@pytest.mark.parametrize("template, stop", [
+    ("one_shot", ["###"]),                        # FastChat's conversation.py: stop_str="###"
+    ("aquila-chat", ["###", "</s>", "[UNK]"]),     # a list of stop strings
+    ("alpaca", []),                               # none: the model's end-of-sequence token ends it
+])
+def test_a_fastchat_template_cuts_answers_at_its_stop_str(tokenizer, template, stop):
+    """FastChat's gen_model_answer cuts an answer at the template's stop_str; fedllm's generation cuts at the
+    style's stop strings, so a FastChat-templated answer ends where FastChat's would."""
+    pytest.importorskip("fastchat.conversation")
+    from fedllm.evaluation.generation import _cut
+
+    style = make_prompt_style("chat", tokenizer, template)
+    assert style.stop == stop
+    assert make_prompt_style("chat", tokenizer).stop == []  # the tokenizer's template: its end-of-turn token
+    if stop:
+        assert _cut(f"The answer is 4.\n{stop[-1]} Human: and 5?", style.stop)[0] == "The answer is 4.\n"
