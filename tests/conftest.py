@@ -115,3 +115,50 @@ def crashing_round(original, rnd: int):
         return original(self, r, bar)
 
     return crash
+
+
+@pytest.fixture(scope="session")
+def smollm2_first_load(tmp_path_factory):
+    """The session's first load of the real SmolLM2 preset (slow tests), observed: the GGUF converted into the
+    session's cache, which the later SmolLM2 loads of the session read instead of converting again (each
+    conversion costs tens of CPU-seconds). When the cache was filled before (another pytest-xdist worker),
+    the observed load goes to a cache of its own. Returns what transformers was asked to read, the tokenizer,
+    a sha256 per tensor of the loaded model, its generation config and the cache used."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from fedllm import gguf_cache
+    from fedllm.config import ModelConfig
+    from fedllm.models import load_base_model, load_tokenizer
+    from fedllm.registry import model_presets
+
+    cfg = ModelConfig(name="smollm2-135m-instruct")
+    directory, gguf = model_presets.get(cfg.name).location()
+    cache = os.environ["FEDLLM_CACHE_DIR"]
+    if gguf_cache.model_dir(directory, gguf) is not None:
+        cache = str(tmp_path_factory.mktemp("smollm2-cache"))
+    sources = []
+    original = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, name, *args, **kwargs):
+        sources.append(kwargs.get("gguf_file") or name)
+        return original(cls, name, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDLLM_CACHE_DIR", cache)
+        mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+        tokenizer = load_tokenizer(cfg)
+        model = load_base_model(cfg, tokenizer)
+    return SimpleNamespace(cfg=cfg, directory=directory, gguf=gguf, cache=cache, sources=sources, tokenizer=tokenizer,
+                           digests=tensor_digests(model), generation_config=model.generation_config.to_dict())
+
+
+def tensor_digests(model) -> dict:
+    """dtype and sha256 of every tensor of ``model``'s state dict (bit-for-bit comparisons without a copy)."""
+    import hashlib
+
+    import torch
+
+    return {k: (str(v.dtype), hashlib.sha256(v.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest())
+            for k, v in model.state_dict().items()}

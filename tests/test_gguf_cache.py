@@ -7,16 +7,19 @@ import transformers
 from fedllm import gguf_cache
 from fedllm.config import LoraConfig, ModelConfig
 from fedllm.models import load_base_model, load_model, load_tokenizer, lora_layers
-from fedllm.registry import model_presets
+from tests.conftest import tensor_digests
 
 CHAT = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
 @pytest.mark.slow
-def test_a_gguf_is_converted_once_and_read_back_bit_for_bit(tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDLLM_CACHE_DIR", str(tmp_path / "cache"))  # a cache of its own: the first load converts
-    cfg = ModelConfig(name="smollm2-135m-instruct")
-    directory, gguf = model_presets.get(cfg.name).location()
+def test_a_gguf_is_converted_once_and_read_back_bit_for_bit(smollm2_first_load, monkeypatch):
+    first = smollm2_first_load  # the session's first load: converted from the GGUF, kept in first.cache
+    assert first.sources == [first.gguf]
+    monkeypatch.setenv("FEDLLM_CACHE_DIR", first.cache)
+    kept_model, kept_tok = (gguf_cache.model_dir(first.directory, first.gguf),
+                            gguf_cache.tokenizer_dir(first.directory, first.gguf))
+    assert kept_model and kept_tok and first.cache in kept_model
     sources = []  # what transformers was asked to read, load by load
     original = transformers.AutoModelForCausalLM.from_pretrained.__func__
 
@@ -25,20 +28,14 @@ def test_a_gguf_is_converted_once_and_read_back_bit_for_bit(tmp_path, monkeypatc
         return original(cls, name, *args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
-
-    converted_tok = load_tokenizer(cfg)
-    converted = load_base_model(cfg, converted_tok)
-    kept_model, kept_tok = gguf_cache.model_dir(directory, gguf), gguf_cache.tokenizer_dir(directory, gguf)
-    assert kept_model and kept_tok and str(tmp_path / "cache") in kept_model
+    cfg, converted_tok = first.cfg, first.tokenizer
     tok = load_tokenizer(cfg)
     model = load_base_model(cfg, tok)
-    assert sources == [gguf, kept_model]
+    assert sources == [kept_model]
 
-    want, got = converted.state_dict(), model.state_dict()
-    assert want.keys() == got.keys()
-    assert all(torch.equal(want[k], got[k]) and want[k].dtype == got[k].dtype for k in want)
+    assert tensor_digests(model) == first.digests  # every tensor, its dtype and its bits
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
-    assert model.generation_config.to_dict() == converted.generation_config.to_dict()
+    assert model.generation_config.to_dict() == first.generation_config
     assert tok.get_vocab() == converted_tok.get_vocab() and tok.pad_token == converted_tok.pad_token
     text = converted_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == text
@@ -46,7 +43,9 @@ def test_a_gguf_is_converted_once_and_read_back_bit_for_bit(tmp_path, monkeypatc
 
     half = load_base_model(ModelConfig(name=cfg.name, dtype="bf16"), tok)  # other dtypes are cast from the copy
     assert sources[-1] == kept_model
+    want = model.state_dict()
     assert all(torch.equal(v, want[k].to(torch.bfloat16)) for k, v in half.state_dict().items())
+    del half, want
 
     lm = load_model(cfg, LoraConfig(r=8, alpha=16))  # the real model, from the kept copy, answers as itself
     assert lm.model_type == "llama" and len(lora_layers(lm.model)) == 4 * 30

@@ -14,6 +14,7 @@ RECIPE = ROOT / "recipes" / "quickstart" / "smollm2-arith-fedavg.yaml"
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_first_load")  # the session converts the GGUF once
 def test_quickstart_recipe_trains_and_reports_accuracy_before_and_after(tmp_path, monkeypatch, capsys):
     subprocess.run([sys.executable, str(ROOT / "data_prep" / "make_arith.py"), "--out", str(tmp_path / "data/arith")],
                    check=True)

@@ -55,6 +55,7 @@ def test_an_exported_adapter_evaluates_and_serves_offline(exported, tmp_path, ca
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_first_load")  # the session converts the GGUF once
 def test_an_adapter_of_the_smollm2_preset_loads_offline(tmp_path):
     """The real SmolLM2-135M GGUF preset: one tiny round, export, reload offline (~1.5 CPU-minutes)."""
     from fedllm.config import parse_recipe
