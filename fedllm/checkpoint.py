@@ -32,7 +32,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -40,6 +40,9 @@ from safetensors.torch import load_file, save_file
 from fedllm import base_history
 from fedllm.errors import InputError
 from fedllm.state import StateDict
+
+if TYPE_CHECKING:
+    from fedllm.client_store import ClientStore
 
 log = logging.getLogger("fedllm")
 
@@ -241,7 +244,7 @@ def load_checkpoint(directory: Path) -> Checkpoint:
                       recipe_yaml=recipe_path.read_text() if recipe_path.is_file() else "", **parts)
 
 
-def client_store(ck: Checkpoint) -> "ClientStore":
+def client_store(ck: Checkpoint) -> ClientStore:
     """The per-client state of a checkpoint as a :class:`fedllm.client_store.ClientStore`."""
     from fedllm.client_store import ClientStore
 

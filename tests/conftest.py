@@ -1,6 +1,7 @@
 """Shared fixtures: offline, CPU, tiny models, data the tests write themselves."""
 
 import atexit
+import contextlib
 import json
 import os
 import random
@@ -90,6 +91,33 @@ def tiny_recipe(tmp_path, arith_file):
         return tiny_raw(tmp_path / "run", arith_file, **sections)
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_plot_png():
+    """The in-process runs of the suite (several hundred) skip plot.png: matplotlib's layout and PNG cost ~0.5
+    CPU-s a run, a third of a tiny run, and play no part in what those tests check. The tests of plot.png
+    restore it with :func:`plot_png`; runs in subprocesses (CLI, torchrun, Flower) always draw it."""
+    import fedllm.server
+
+    def skip(run_dir):
+        return None
+
+    skip.real = fedllm.server.write_run_plot
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fedllm.server, "write_run_plot", skip)
+        yield
+
+
+@contextlib.contextmanager
+def plot_png():
+    """Runs started in the ``with`` block write their plot.png (see :func:`_no_plot_png`)."""
+    import fedllm.server
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fedllm.server, "write_run_plot", getattr(fedllm.server.write_run_plot, "real",
+                                                               fedllm.server.write_run_plot))
+        yield
 
 
 @pytest.fixture

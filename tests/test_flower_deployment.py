@@ -6,8 +6,9 @@ submitted at once by its first test; each test then waits on its own.
   server and on both nodes) equals the in-process simulation (max abs difference <= 1e-6; in practice
   bit-identical), with each worker building a run's federation once;
 - too few SuperNodes: the server reports what it has and needs and ``fedllm flower run`` exits 2;
-  stopping ``fedllm flower run`` stops the run on the SuperLink; a failing ServerApp gives exit code 1;
-- ``kill -9`` of ``fedllm flower supernode`` leaves none of its processes behind.
+  stopping ``fedllm flower run`` stops the run on the SuperLink; a ServerApp refusing its input gives exit code 2;
+- ``kill -9`` of ``fedllm flower supernode`` leaves none of its processes behind; ``kill`` of ``fedllm flower
+  superlink`` neither, and a new one starts on the same port.
 
 (The kill -9 of a worker in the middle of a message is in tests/test_flower_security.py, in the same run as a
 node's restart.) Bounded: every process has a deadline and is stopped with its process group at the end.
@@ -18,7 +19,7 @@ import signal
 
 import pytest
 from flower_cluster import (assert_matches, children, cmdline, deployment, free_port, launch, logged,  # noqa: F401
-                            run_status, start, stop, wait_until, worker_pid)
+                            port_open, run_status, start, stop, wait_until, worker_pid)
 from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
@@ -54,8 +55,8 @@ def runs(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa: F
         if "test_stopping_flower_run_stops_the_run_on_the_superlink" in launch.wanted:
             raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 1})
             launch.items["stopped"] = deployment.submit("stopped", raw, where, "--wait-nodes", "300")
-        if "test_flower_run_exits_1_when_the_server_app_fails" in launch.wanted:
-            taken = where / "flower-taken"  # the run directory already holds a run
+        if "test_flower_run_exits_2_when_the_server_app_refuses_its_input" in launch.wanted:
+            taken = where / "flower-taken"  # output_dir holds something that is not a fedllm run
             taken.mkdir()
             (taken / "metrics.jsonl").write_text('{"round": 1}\n')
             launch.items["taken"] = deployment.submit("taken", tiny_recipe(), where, "--timeout", "60")
@@ -112,14 +113,14 @@ def test_stopping_flower_run_stops_the_run_on_the_superlink(runs, deployment):  
     assert run_status(deployment.env, run_id)["status"] == "finished:stopped"
 
 
-def test_flower_run_exits_1_when_the_server_app_fails(runs):
-    """A ServerApp that raises (here: the run directory already holds a run and neither --resume nor --overwrite
-    was given) gives exit code 1, not 0, and nothing of the old run is touched."""
+def test_flower_run_exits_2_when_the_server_app_refuses_its_input(runs):
+    """A ServerApp that raises on bad input (here: output_dir exists, is not empty and is not a fedllm run) gives
+    exit code 2, as ``fedllm train`` does, and nothing in that directory is touched."""
     taken = runs["taken"]
     rc = taken.wait(300)
     out = taken.log.read_text()
-    assert rc == 1, out[-3000:]
-    assert "finished:failed" in out
+    assert rc == 2, out[-3000:]
+    assert "finished:failed" in out and "is not a fedllm run" in out
     assert (taken.out / "metrics.jsonl").read_text() == '{"round": 1}\n'
 
 
@@ -137,3 +138,26 @@ def test_kill_9_of_flower_supernode_leaves_no_process_behind(deployment, tmp_pat
                    f"every child of fedllm flower supernode gone ({family})")
     finally:
         stop(node)
+
+
+def test_kill_of_flower_superlink_frees_its_ports_for_a_restart(tmp_path):
+    """``kill PID`` (SIGTERM to the command alone) of ``fedllm flower superlink`` stops Flower's SuperLink and
+    fedllm's ServerApp runner with it: no process survives, and a new SuperLink starts on the same port (before,
+    the orphans kept the port and the restart failed with "address already in use")."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr")}
+    for attempt in ("first", "restart"):
+        link = start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port)],
+                     tmp_path / f"{attempt}.log", env)
+        try:
+            wait_until(lambda: port_open(port) and any("fedllm.flower.runtime serverapps" in cmdline(p)
+                                                      for p in children(link.pid)), 120,
+                       f"{attempt} SuperLink and its ServerApp runner", tmp_path / f"{attempt}.log")
+            family = children(link.pid)
+            os.kill(link.pid, signal.SIGTERM)  # the command alone, not its process group
+            link.wait(timeout=60)
+            wait_until(lambda: not [p for p in family if os.path.exists(f"/proc/{p}")], 30,
+                       f"every child of fedllm flower superlink gone ({family})")
+            assert not port_open(port)
+        finally:
+            stop(link)

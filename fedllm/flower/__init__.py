@@ -14,3 +14,6 @@ from pathlib import Path
 APP_DIR = Path(__file__).parent / "app"
 FEDERATION_INCOMPLETE = "federation incomplete"
 """Marks a ServerApp failure because too few SuperNodes came (``fedllm flower run`` then exits 2)."""
+BAD_INPUT = "bad input"
+"""Marks a ServerApp failure on bad input (a recipe the strategy refuses, a taken run directory: any
+:class:`fedllm.errors.InputError`); ``fedllm flower run`` then exits 2, as ``fedllm train`` does."""

@@ -210,7 +210,9 @@ def _run(args: argparse.Namespace) -> int:
     from fedllm.config import load_recipe
     from fedllm.flower import APP_DIR
 
-    load_recipe(args.recipe, list(args.overrides))  # bad recipes fail here, with exit code 2
+    # bad recipes fail here, with exit code 2; the strategy's own checks (they import torch and peft: ~9 CPU-s
+    # in this process) are left to the ServerApp, whose InputError also makes this command exit 2
+    load_recipe(args.recipe, list(args.overrides), ask_strategy=False)
     address = _address(args.superlink, "--superlink")
     if not args.root_certificates and not args.insecure:
         raise InputError("fedllm flower run: give --root-certificates CA (TLS) or --insecure")
@@ -246,7 +248,7 @@ def _json(proc: subprocess.CompletedProcess) -> dict:
 
 def _outcome(flwr: str, run_id: str, env: dict, wait_s: float = 120.0) -> int:
     """0 when the run finished as completed; 2 when the federation could not be formed; else 1."""
-    from fedllm.flower import FEDERATION_INCOMPLETE
+    from fedllm.flower import BAD_INPUT, FEDERATION_INCOMPLETE
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -262,7 +264,7 @@ def _outcome(flwr: str, run_id: str, env: dict, wait_s: float = 120.0) -> int:
     details = str(runs[0].get("status-details", ""))
     print(f"fedllm flower run: run {run_id} ended as {status or 'unknown'}: {details} "
           "(the ServerApp's traceback is in the log above)", file=sys.stderr)
-    return 2 if FEDERATION_INCOMPLETE in details else 1
+    return 2 if FEDERATION_INCOMPLETE in details or f"({BAD_INPUT})" in details else 1
 
 
 def add_flower_arguments(parser: argparse.ArgumentParser) -> None:

@@ -50,7 +50,7 @@ class FlowerExecutor:
     is_main = True
 
     def __init__(self, grid: Grid, timeout: float = 3600.0, probe_mb: float = 0.0, wait_nodes: float = 120.0,
-                 node_keys: dict[int, bytes] | None = None, report_s: float = 5.0, poll_s: float = 0.1,
+                 node_keys: dict[int, bytes] | None = None, report_s: float = 5.0, poll_s: float = 0.25,
                  node_wait: float = 300.0):
         self.grid = grid
         self.timeout = timeout

@@ -59,6 +59,19 @@ def fab_refusal(fab_content: bytes) -> str | None:
     return None
 
 
+def _input_error(e: BaseException | None) -> bool:
+    """True when ``e`` or an exception it was raised from is fedllm's :class:`~fedllm.errors.InputError`."""
+    from fedllm.errors import InputError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, InputError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _certificates(root_certificates: str | None) -> bytes | None:
     return Path(root_certificates).read_bytes() if root_certificates else None
 
@@ -107,7 +120,8 @@ def serve_serverapps(address: str, secret: bytes, root_certificates: str | None,
         children.append(processes.start(cmd, stdout=None, stderr=None))
 
     try:
-        claim_loop(address, secret, TaskType.SERVER_APP, launch, root_certificates, poll_s=0.2)
+        # runs start seldom, and their ServerApp process takes seconds to start anyway: 1 s costs little
+        claim_loop(address, secret, TaskType.SERVER_APP, launch, root_certificates, poll_s=1.0)
     finally:
         for child in children:
             processes.stop(child)
@@ -155,13 +169,13 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
             run_server_app(grid=grid, context=context, server_app_dir="", loaded_server_app=server_app.app)
             status, details = SubStatus.COMPLETED, ""
     except Exception as e:  # noqa: BLE001 — reported to the SuperLink as the run's failure
-        from fedllm.flower import FEDERATION_INCOMPLETE
+        from fedllm.flower import BAD_INPUT, FEDERATION_INCOMPLETE
 
         if FEDERATION_INCOMPLETE in str(e):  # an expected condition: its message says it all
             print(f"fedllm: {e}", file=sys.stderr, flush=True)
         else:
             logging.getLogger("fedllm").exception("ServerApp raised")
-        details = f"ServerApp failed with exception: {e}"
+        details = f"ServerApp failed with exception{f' ({BAD_INPUT})' if _input_error(e) else ''}: {e}"
     finally:
         if uploader is not None:
             flush_logs(log_queue)
@@ -179,7 +193,7 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
 
 
 # ----- the SuperNode side: the worker
-def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, poll_s: float = 0.1,
+def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, poll_s: float = 0.25,
                      warm_runs: int = 2) -> None:
     """The node worker: claim every ClientApp task of the SuperNode at ``address`` and answer it in process.
 
@@ -333,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--secret-file", required=True)
     parser.add_argument("--root-certificates")
     parser.add_argument("--node-keys")
-    parser.add_argument("--poll", type=float, default=0.1, help="seconds between task claims (clientapps)")
+    parser.add_argument("--poll", type=float, default=0.25, help="seconds between task claims (clientapps)")
     parser.add_argument("--journal", help="file keeping the message being answered (clientapps)")
     parser.add_argument("--warm-runs", type=int, default=2, help="runs whose federation stays in memory (clientapps)")
     args = parser.parse_args(argv)

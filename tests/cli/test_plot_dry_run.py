@@ -28,7 +28,7 @@ def test_series_cumulates_bytes_and_splits_eval():
 def two_runs(tmp_path_factory):
     from fedllm.config import parse_recipe
     from fedllm.server import run
-    from tests.conftest import arith_records, write_jsonl
+    from tests.conftest import arith_records, plot_png, write_jsonl
 
     tmp = tmp_path_factory.mktemp("plots")
     data = write_jsonl(tmp / "arith.jsonl", arith_records(48))
@@ -43,7 +43,8 @@ def two_runs(tmp_path_factory):
                            "partition": {"method": "iid"}},
             "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64},
             "logging": {"progress": False, "quiet": True}})
-        dirs.append(run(recipe).run_dir)
+        with plot_png():
+            dirs.append(run(recipe).run_dir)
     return tmp, dirs
 
 

@@ -35,11 +35,7 @@ def export_root(tmp_path_factory):
 def cases(export_root):
     """``{case name: Case}`` with runs, reference logits, exports and their plain reloads (one process, which
     also runs the fedavg exports' model-card snippets)."""
-    import fedllm.server
-
-    with one_thread(), pytest.MonkeyPatch.context() as patch:
-        # a run's plot.png (a third of a tiny run's time) plays no part in an export; tests/cli checks it is written
-        patch.setattr(fedllm.server, "write_run_plot", lambda run_dir: None)
+    with one_thread():  # the runs skip plot.png, as the suite's do (tests/conftest.py)
         data = write_data(export_root)
         built = {name: build_case(export_root, name, data) for name in CASES}
         meta = reload_plain(export_root, list(built.values()), card_snippet_jobs(built["fedavg"]))

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from fedllm.cli import main
 from fedllm.config import parse_recipe
 from fedllm.server import RunDirError, run
+from tests.conftest import plot_png
 
 
 def _rounds(run_dir):
@@ -63,7 +64,8 @@ def test_a_kill_between_final_and_summary_is_completed_by_resume(run_copy, finis
     final_mtime = (run_dir / "final" / "adapter.safetensors").stat().st_mtime_ns
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(raw))
-    assert main(["train", str(recipe), "--resume"]) == 0
+    with plot_png():
+        assert main(["train", str(recipe), "--resume"]) == 0
     got = json.loads((run_dir / "summary.json").read_text())
     for key in ("rounds", "final_train_loss", "bytes_up_total", "bytes_down_total", "seconds", "final_eval"):
         assert got[key] == want[key], key
