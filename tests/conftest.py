@@ -93,6 +93,54 @@ def tiny_recipe(tmp_path, arith_file):
     return make
 
 
+# ----- pytest-xdist: README's test command runs the suite on two workers (`-n 2`; setup.cfg adds `--dist loadgroup
+# --no-loadscope-reorder`). Each test file is one group, run whole by one worker, so its module fixtures are built
+# once; files that share a costly session fixture form one group. The groups known to be long are sent first, so
+# that no long group is left to run alone at the end. (pytest-xdist 3.8's own loadgroup reads xdist_group marks into
+# `item._nodeid`, which pytest 9.2 no longer uses for the node id: its groups never formed. These hooks use only
+# the documented scheduler hook and the collection order.)
+SHARED_GROUPS = {
+    "tests/test_flower_deployment.py": "flower-deployment",  # one SuperLink + SuperNodes (tests/flower_cluster.py)
+    "tests/test_flower_security.py": "flower-deployment",
+    "tests/test_quickstart.py": "smollm2",  # the session's one SmolLM2 GGUF conversion (smollm2_first_load)
+    "tests/test_gguf_cache.py": "smollm2",
+    "tests/reliability/test_offline_presets.py": "smollm2",
+}
+SHARED_PREFIXES = {"tests/export/": "export"}  # the exported runs of tests/export/conftest.py (`cases`)
+LONG_GROUPS_FIRST = ("flower-deployment", "smollm2", "tests/evaluation/test_eval_harness.py", "tests/test_distributed.py",
+                     "tests/test_flower_apps.py", "export", "tests/strategies/test_e2e.py", "tests/cli/test_cli_startup.py")
+
+
+def xdist_group(nodeid: str) -> str:
+    """The pytest-xdist group of a test: its file (relative to the repository), or the group sharing its fixture."""
+    path = nodeid.split("::", 1)[0]
+    for prefix, group in SHARED_PREFIXES.items():
+        if path.startswith(prefix):
+            return group
+    return SHARED_GROUPS.get(path, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        """Whole groups (:func:`xdist_group`) to a worker, in collection order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return FileGroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: every worker collects, and sends, this order
+        rank = {group: i for i, group in enumerate(LONG_GROUPS_FIRST)}
+        items.sort(key=lambda item: rank.get(xdist_group(item.nodeid), len(rank)))  # stable: the rest keep theirs
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_plot_png():
     """The in-process runs of the suite (several hundred) skip plot.png: matplotlib's layout and PNG cost ~0.5
