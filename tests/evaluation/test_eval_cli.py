@@ -128,5 +128,10 @@ def test_protocol_flags_reach_the_eval_config():
     defaults = build_eval_config(parser.parse_args(["m", "--tasks", "vicuna"]), EvalConfig())
     assert (defaults.judge.protocol, defaults.decoding, defaults.seed, defaults.seeding) == (
         "openfedllm", "protocol", 0, "question")
+    args = parser.parse_args(["m", "--tasks", "mt_bench", "--judged-prompts", "training", "--judge-ratings",
+                              "minus_one", "--answer-protocol", "lm_eval"])
+    cfg = build_eval_config(args, EvalConfig())
+    assert (cfg.judged_prompts, cfg.judge.ratings, cfg.answer_protocol) == ("training", "minus_one", "lm_eval")
+    assert (defaults.judged_prompts, defaults.judge.ratings) == ("reference", "reference")
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--judge-protocol", "gpt4"])
