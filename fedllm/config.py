@@ -169,7 +169,7 @@ class EvalConfig:
     answer_protocol: Literal["fedllm", "metamath", "lm_eval"] = doc("fedllm", "gsm8k/math/math500 prompt, decoding and scoring: fedllm's lenient scorer, MetaMath's scripts, or lm-evaluation-harness (eval/README.md)")
     judged_prompts: Literal["reference", "training"] = doc("reference", "judged tasks of Alpaca-style runs: prompts as the reference scripts wrote them, or the run's training prompt for every turn")
     data: dict[str, str] = doc({}, "task -> local file or hub id of its data")
-    chat_template: Optional[str] = doc(None, "FastChat template name; default: the tokenizer's chat template")
+    chat_template: Optional[str] = doc(None, "FastChat template name; default: a chat run's FastChat data.template, else the tokenizer's chat template")
     personal: bool = doc(False, "personalized strategies: also evaluate each client's model on its own split")
     judge: JudgeConfig = doc(JudgeConfig(), "LLM judge for MT-Bench / Vicuna / Ref-GPT4")
 
