@@ -234,6 +234,11 @@ def test_a_run_without_fastchats_files_is_refused_before_training(tmp_path, monk
     with pytest.raises(RecipeError, match="eval.data.judge_prompts"):
         parse_recipe({**recipe, "eval": vicuna}, check_files=True)
     parse_recipe({**recipe, "eval": {**vicuna, "judge": {"protocol": "openfedllm"}}}, check_files=True)
+    absent = str(tmp_path / "vicuna_bench" / "question.jsonl")                # as the FRLoRA judged recipes name it
+    with pytest.raises(RecipeError) as err:
+        parse_recipe({**recipe, "eval": {"tasks": ["vicuna"], "data": {"vicuna": absent}}}, check_files=True)
+    assert f"eval.data.vicuna: got {absent!r}" in str(err.value)
+    assert "FastChat's vicuna_bench question.jsonl" in str(err.value)          # what the file is, not only where
 
 
 def test_the_comparison_script_counts_each_harness_document_once(tmp_path):
