@@ -169,7 +169,7 @@ class EvalConfig:
     answer_protocol: Literal["fedllm", "metamath", "lm_eval"] = doc("fedllm", "gsm8k/math/math500 prompt, decoding and scoring: fedllm's lenient scorer, MetaMath's scripts, or lm-evaluation-harness (eval/README.md)")
     judged_prompts: Literal["reference", "training"] = doc("reference", "judged tasks of Alpaca-style runs: prompts as the reference scripts wrote them, or the run's training prompt for every turn")
     data: dict[str, str] = doc({}, "task -> local file or hub id of its data")
-    chat_template: Optional[str] = doc(None, "FastChat template name; default: the tokenizer's chat template")
+    chat_template: Optional[str] = doc(None, "FastChat template name; default: a chat run's FastChat data.template, else the tokenizer's chat template")
     personal: bool = doc(False, "personalized strategies: also evaluate each client's model on its own split")
     judge: JudgeConfig = doc(JudgeConfig(), "LLM judge for MT-Bench / Vicuna / Ref-GPT4")
 
@@ -439,6 +439,7 @@ def apply_overrides(raw: dict, overrides: list[str], problems: list) -> None:
 def missing_files(r: Recipe) -> list[tuple[str, Any, str]]:
     """Local data files the recipe names that do not exist or hold nothing (hub ids are checked when loaded)."""
     from fedllm.data.loading import looks_local
+    from fedllm.evaluation.task_names import what_data
 
     named = [("data.path", r.data.path), ("data.eval_path", r.data.eval_path),
              ("federation.partition.path", r.federation.partition.path)]
@@ -451,7 +452,9 @@ def missing_files(r: Recipe) -> list[tuple[str, Any, str]]:
         if not local.exists():
             where = "" if local.is_absolute() else (f"; looked for {Path.cwd() / local} (relative to the working "
                                                     f"directory {Path.cwd()})")
-            problems.append((key, path, f"an existing local file or directory (or a hub id){where}"))
+            what = what_data(key[len("eval.data."):]) if key.startswith("eval.data.") else ""
+            problems.append((key, path, f"an existing local file or directory (or a hub id){where}"
+                                        + (f"; for this task: {what}" if what else "")))
         elif key != "federation.partition.path" and _holds_nothing(local, r.data.split if key == "data.path" else None):
             problems.append((key, path, "a data file with at least one record (it is empty)"))
     return problems

@@ -293,10 +293,12 @@ class RoundLoop:
                  tag: str = "") -> dict[str, float]:
         """The recipe's eval tasks on the model as it is now (held-out data of the run by default)."""
         from fedllm.evaluation import evaluate, prompt_style_for_data
+        from fedllm.evaluation.runner import eval_config_for_data
 
         data = self.fed.data
         out_dir = self.run_dir / "eval" / f"round-{rnd:04d}" if self.executor.is_main else None
-        return evaluate(self.model, self.fed.loaded.tokenizer, self.recipe.eval, out_dir,
+        return evaluate(self.model, self.fed.loaded.tokenizer, eval_config_for_data(self.recipe.eval,
+                                                                                      self.recipe.data), out_dir,
                         records=data.eval_records if records is None else records,
                         eval_examples=data.eval_examples if examples is None else examples, tag=tag,
                         prompt_style=prompt_style_for_data(self.recipe.data), progress=self.progress)

@@ -111,13 +111,17 @@ class AnswerTask(Task):
     def protocol(self, ctx: EvalContext) -> Optional[str]:
         return ctx.cfg.answer_protocol
 
+    def run_lm_eval(self, ctx: EvalContext) -> dict[str, float]:
+        """The ``lm_eval`` protocol: the harness runs :attr:`lm_eval_task` on ``eval.data.<name>`` or its own data."""
+        from fedllm.evaluation.harness import run_harness_task
+
+        return run_harness_task(ctx, self.name, self.lm_eval_task, data_spec=ctx.data_spec(self.name),
+                                home=self.lm_eval_folder or None)
+
     def run(self, ctx: EvalContext) -> dict[str, float]:
         protocol = ctx.cfg.answer_protocol
         if protocol == "lm_eval":
-            from fedllm.evaluation.harness import run_harness_task
-
-            return run_harness_task(ctx, self.name, self.lm_eval_task, data_spec=ctx.data_spec(self.name),
-                                    home=self.lm_eval_folder or None)
+            return self.run_lm_eval(ctx)
         rules = self.rules(protocol)
         if rules.prompt is not None and ctx.cfg.shots:
             raise InputError(f"eval.shots={ctx.cfg.shots}: the {protocol} answer protocol is zero-shot "

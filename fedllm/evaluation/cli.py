@@ -159,12 +159,12 @@ def run_eval_command(args: argparse.Namespace) -> int:
     check_local_path(args.checkpoint, "checkpoint")  # before torch: a mistyped run directory is not a hub id
     parse_task_list(args.tasks)
     from fedllm.config import load_recipe
-    from fedllm.evaluation.runner import evaluate, prompt_style_for_data
+    from fedllm.evaluation.runner import eval_config_for_data, evaluate, prompt_style_for_data
     from fedllm.inference import load_for_inference
 
     recipe_path = find_run_recipe(args.checkpoint)
     recipe = load_recipe(recipe_path) if recipe_path else None
-    cfg = build_eval_config(args, recipe.eval if recipe else EvalConfig())
+    cfg = build_eval_config(args, eval_config_for_data(recipe.eval, recipe.data) if recipe else EvalConfig())
     prompt_style = args.prompt_style or (prompt_style_for_data(recipe.data) if recipe else None)
     out_dir = Path(args.out) if args.out else default_out_dir(args.checkpoint)
     if args.client is not None:

@@ -10,7 +10,9 @@ re-implements none of it. Data:
   under the ``lm_eval`` protocol): a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file (the
   test split), a directory of ``<split>.<ext>`` files (``test.jsonl``, ``train.jsonl``, ...), or a
   hub id ``owner/name[:config]``. Without a file for the task's few-shot split, exemplars are
-  drawn from the test file, never the question itself (the harness excludes it);
+  drawn from the test file, never the question itself (the harness excludes it). ``math`` hands
+  its records to the harness as one file and runs the ``hendrycks_math`` group's shared subject
+  config on it (:meth:`fedllm.evaluation.tasks.math_qa.MATH.run_lm_eval`);
 - ``eval.data.lm_eval``: a directory of harness task YAML files (the harness's
   ``--include_path``), for tasks the harness does not ship.
 
@@ -113,11 +115,20 @@ def _data_files(spec: str) -> tuple[str, dict[str, str]]:
     return loaders.pop(), {"*": str(path)}
 
 
-def task_spec(task_manager, task: str, data_spec: Optional[str]) -> Any:
+def task_spec(task_manager, task: str, data_spec: Optional[str], config_of: Optional[str] = None) -> Any:
     """The harness task ``task`` as :func:`lm_eval.simple_evaluate` takes it, its data from ``data_spec``.
 
+    Args:
+        task_manager: a manager that knows ``task`` (:func:`task_manager_for`).
+        task: the harness's task or group name.
+        data_spec: local data or hub id replacing the task's dataset, or None.
+        config_of: for a group ``task`` whose tasks share one config and differ only in their hub subset
+            (``hendrycks_math``: seven subjects of ``EleutherAI/hendrycks_math``), one of those tasks: with
+            ``data_spec`` its config, named ``task``, runs once on the whole of the data.
+
     Raises:
-        InputError: the task is unknown to the harness, or is a group while local data are given.
+        InputError: the task is unknown to the harness, or is a group (without ``config_of``) or a Python task
+            while data are given.
     """
     entry = task_manager.task_index.get(task)
     if entry is None:
@@ -125,12 +136,16 @@ def task_spec(task_manager, task: str, data_spec: Optional[str]) -> Any:
                          "`lm_eval ls tasks` lists them")
     if not data_spec:
         return task
-    if entry.yaml_path is None or task in task_manager.all_groups or task in task_manager.all_tags:
+    if config_of and task in task_manager.all_groups:
+        entry = task_manager.task_index[config_of]
+    elif entry.yaml_path is None or task in task_manager.all_groups or task in task_manager.all_tags:
         raise InputError(f"eval.data for {task}: local data replace one task's dataset; {task} is a group or a "
                          "Python task: give data for each of its tasks (lm_eval:<subtask>) or none")
     from lm_eval.tasks._yaml_loader import load_yaml
 
     cfg = load_yaml(entry.yaml_path, resolve_func=True)
+    if cfg.get("task") != task:
+        cfg = {k: v for k, v in cfg.items() if k != "tag"} | {"task": task}
     if Path(data_spec).expanduser().exists():
         loader, files = _data_files(data_spec)
         test = cfg.get("test_split") or cfg.get("validation_split")  # the split the harness evaluates
@@ -183,7 +198,8 @@ def _eval_mode(model) -> Iterator[None]:
 
 
 def run_harness_task(ctx: EvalContext, name: str, task: str, data_spec: Optional[str] = None,
-                     home: Optional[str] = None) -> dict[str, float]:
+                     home: Optional[str] = None, config_of: Optional[str] = None,
+                     data_label: Optional[str] = None) -> dict[str, float]:
     """Run the harness task ``task`` on ``ctx.model``; write ``<name>.json``; return its metrics.
 
     Args:
@@ -193,11 +209,13 @@ def run_harness_task(ctx: EvalContext, name: str, task: str, data_spec: Optional
         task: the harness's task or group name.
         data_spec: local data or hub id replacing the task's dataset (module docstring).
         home: the harness's own folder defining ``task`` (:func:`task_manager_for`), or None.
+        config_of: the task whose config runs a group ``task`` on ``data_spec`` (:func:`task_spec`), or None.
+        data_label: what the result file records as the data (default: ``data_spec``).
     """
     lm_eval, HFLM, _ = _import_harness()
     include = ctx.data_spec(INCLUDE_KEY)
     manager = task_manager_for(task, str(Path(include).expanduser().resolve()) if include else None, home)
-    spec = task_spec(manager, task, data_spec)
+    spec = task_spec(manager, task, data_spec, config_of)
     # a copy: the harness sets a pad token (or adds one) on the tokenizer it is given
     lm = HFLM(pretrained=ctx.model, tokenizer=copy.deepcopy(ctx.tokenizer), batch_size=ctx.cfg.batch_size)
     seed = ctx.cfg.seed
@@ -211,7 +229,8 @@ def run_harness_task(ctx: EvalContext, name: str, task: str, data_spec: Optional
         samples = {k: [_sample(s) for s in v] for k, v in (results.get("samples") or {}).items()}
         write_json_atomic(Path(ctx.out_dir) / f"{name}{file_suffix(ctx.tag)}.json", _clean({
             "task": name, "settings": {"model": ctx.fingerprint, "answer_protocol": "lm_eval", "harness_task": task,
-                                       "lm_eval_version": getattr(lm_eval, "__version__", ""), "data": data_spec,
+                                       "lm_eval_version": getattr(lm_eval, "__version__", ""),
+                                       "data": data_label or data_spec,
                                        "limit": ctx.cfg.limit, "seed": seed,
                                        "n_shot": results.get("n-shot", {}), "configs": results.get("configs", {})},
             "metrics": metrics, "examples": samples}))
@@ -234,6 +253,22 @@ def _clean(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, bool)):
         return value
     return re.sub(r" at 0x[0-9a-f]+", "", str(value))
+
+
+def hendrycks_math_reference(solution: Any) -> Optional[str]:
+    """The reference answer lm-evaluation-harness's ``hendrycks_math`` tasks take from a solution (its
+    ``utils.process_docs``: ``remove_boxed(last_boxed_only_string(solution))``, the harness's own functions), or
+    None where they would fail: no solution text, or no ``\\boxed`` at its end."""
+    _import_harness()
+    from lm_eval.tasks.hendrycks_math.utils import last_boxed_only_string, remove_boxed
+
+    if not isinstance(solution, str):
+        return None
+    try:
+        box = last_boxed_only_string(solution)
+        return None if box is None else remove_boxed(box)
+    except AssertionError:  # an \fbox: remove_boxed wants \boxed
+        return None
 
 
 def gsm8k_verdicts(output: str, gold_solution: str) -> dict[str, bool]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -101,14 +102,24 @@ def prompt_style_for_data(data_cfg: DataConfig) -> Optional[str]:
     """The prompt style matching how a run's training data was formatted.
 
     ``alpaca`` for instruction data with the Alpaca template, ``chat`` for chat data,
-    None (the default rule) otherwise. A chat run trained with a FastChat template
-    should also set ``eval.chat_template`` to that template.
+    None (the default rule) otherwise. A chat run trained with a FastChat template is prompted in
+    that template (:func:`eval_config_for_data`).
     """
     if data_cfg.format == "instruction" and data_cfg.template == "alpaca":
         return "alpaca"
     if data_cfg.format == "chat":
         return "chat"
     return None
+
+
+def eval_config_for_data(eval_cfg: EvalConfig, data_cfg: DataConfig) -> EvalConfig:
+    """``eval_cfg`` with ``chat_template`` set to the FastChat conversation template a chat run was trained with
+    (``data.template``) when the recipe names none, so that its generations -- both MT-Bench turns included --
+    are prompted in the conversation format it learnt, as FastChat's ``gen_model_answer.py`` prompts a model
+    in its own template (``get_conversation_template``). Other runs' configs are returned as they are."""
+    if eval_cfg.chat_template is None and data_cfg.format == "chat" and data_cfg.template not in (None, "tokenizer"):
+        return dataclasses.replace(eval_cfg, chat_template=data_cfg.template)
+    return eval_cfg
 
 
 def eval_due(eval_cfg: EvalConfig, rnd: int, rounds: int) -> bool:

