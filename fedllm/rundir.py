@@ -199,7 +199,8 @@ def prepare_run_dir(recipe: Recipe, resume: bool, overwrite: bool, is_main: bool
     """
     from fedllm import checkpoint as ckpt_io
 
-    check_run_dir(recipe, resume, overwrite)
+    if is_main:  # the other ranks of a launch may come after rank 0 began writing the run: they would see "a run"
+        check_run_dir(recipe, resume, overwrite)
     run_dir = Path(recipe.output_dir)
     exists = run_dir.is_dir() and any(run_dir.iterdir())
     if resume:

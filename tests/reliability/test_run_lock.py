@@ -109,10 +109,16 @@ def test_only_rank_0_checks_the_run_dir_of_a_launch(run_copy, tmp_path, monkeypa
     reached = []
 
     def built(recipe):  # where _run_locked goes after its run-dir check
-        reached.append(recipe.output_dir)
+        reached.append("build_federation")
+        return object()
+
+    def loop(fed, run_dir, *args):  # where it goes after prepare_run_dir, which checks the directory again
+        reached.append("RoundLoop")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(server, "build_federation", built)
+    monkeypatch.setattr(server, "RoundLoop", loop)
+    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
     monkeypatch.setenv("RANK", "0")
     assert main(["train", str(recipe)]) == 2
     assert "already holds a run" in capsys.readouterr().err and not reached
@@ -121,4 +127,5 @@ def test_only_rank_0_checks_the_run_dir_of_a_launch(run_copy, tmp_path, monkeypa
         main(["train", str(recipe)])
     except KeyboardInterrupt:
         pass
-    assert reached == [str(run_dir)]
+    assert reached == ["build_federation", "RoundLoop"], capsys.readouterr().err
+    assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
