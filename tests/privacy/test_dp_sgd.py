@@ -107,44 +107,37 @@ def test_ghost_clipping_takes_the_same_noised_step_as_hooks(classification, tiny
         assert float(noise.norm()) > 0.1  # the noise (std 1.1·0.5/4 per coordinate) is in both
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_run_reports_each_clients_epsilon(mode, tiny_recipe):
-    raw = tiny_recipe(privacy={**DP_SGD, "noise_multiplier": None, "target_epsilon": 4.0, "grad_sample_mode": mode},
-                      federation={"rounds": 2, "clients_per_round": 2}, train={"local_steps": 2, "batch_size": 4})
-    result = run(parse_recipe(raw))
-    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+def test_a_run_reports_each_clients_epsilon_and_a_ghost_run_equals_a_hooks_run(tiny_recipe, tmp_path):
+    """Per-client ε every round as the accountant gives it for the steps each client took (hooks); the same recipe
+    and noise seed with ghost clipping: the same ε and steps every round (exactly) and the same trained adapters
+    (atol 1e-5 after 2 rounds of 2 noisy steps)."""
+    results = {}
+    for mode in MODES:
+        raw = tiny_recipe(privacy={**DP_SGD, "noise_multiplier": None, "target_epsilon": 4.0, "grad_sample_mode": mode},
+                          output_dir=str(tmp_path / mode), federation={"rounds": 2, "clients_per_round": 2},
+                          train={"local_steps": 2, "batch_size": 4})
+        result = run(parse_recipe(raw))
+        results[mode] = (result, [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()])
+    (hooks, lines), (ghost, ghost_lines) = results["hooks"], results["ghost"]
     z = lines[0]["privacy"]["noise_multiplier"]
     steps: dict[str, int] = {}
     for line in lines:
         for cid, s in line["client_steps"].items():
             steps[cid] = steps.get(cid, 0) + s
-        sizes = result.strategy.sizes
+        sizes = hooks.strategy.sizes
         want = {cid: accounting.dp_sgd_epsilon(z, 4 / sizes[int(cid)], s, 1e-3) for cid, s in steps.items()}
         assert line["client_epsilon"] == pytest.approx(want, rel=1e-9)
         assert line["epsilon"] == max(want.values())
     assert lines[-1]["epsilon"] <= 4.0  # target_epsilon holds for a client trained every round
-    trained_b = [v for k, v in result.global_state.items() if "lora_B" in k]  # B starts at zero
+    trained_b = [v for k, v in hooks.global_state.items() if "lora_B" in k]  # B starts at zero
     assert trained_b and all(float(v.abs().max()) > 0 for v in trained_b)
-    assert lines[0]["privacy"]["grad_sample_mode"] == mode
-
-
-def test_a_ghost_run_equals_a_hooks_run(tiny_recipe, tmp_path):
-    """The same recipe and noise seed in both modes: the same ε per client every round (exactly) and the same
-    trained adapters (atol 1e-5 after 2 rounds of 2 noisy steps)."""
-    results = {}
-    for mode in MODES:
-        raw = tiny_recipe(privacy={**DP_SGD, "grad_sample_mode": mode}, output_dir=str(tmp_path / mode),
-                          federation={"rounds": 2, "clients_per_round": 2}, train={"local_steps": 2, "batch_size": 4})
-        result = run(parse_recipe(raw))
-        results[mode] = (result.global_state,
-                         [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()])
-    (hooks_state, hooks_lines), (ghost_state, ghost_lines) = results["hooks"], results["ghost"]
-    for h, g in zip(hooks_lines, ghost_lines, strict=True):
+    for h, g in zip(lines, ghost_lines, strict=True):
         assert g["client_epsilon"] == h["client_epsilon"] and g["epsilon"] == h["epsilon"] > 0
         assert g["client_steps"] == h["client_steps"]
-    assert hooks_state.keys() == ghost_state.keys()
-    for key in hooks_state:
-        torch.testing.assert_close(ghost_state[key], hooks_state[key], atol=1e-5, rtol=1e-4)
+        assert (h["privacy"]["grad_sample_mode"], g["privacy"]["grad_sample_mode"]) == ("hooks", "ghost")
+    assert hooks.global_state.keys() == ghost.global_state.keys()
+    for key in hooks.global_state:
+        torch.testing.assert_close(ghost.global_state[key], hooks.global_state[key], atol=1e-5, rtol=1e-4)
 
 
 def test_layers_opacus_cannot_handle_are_refused_with_the_key():
