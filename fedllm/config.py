@@ -204,6 +204,7 @@ class PrivacyConfig:
     delta: float = doc(1e-5, "delta of the (epsilon, delta) guarantee; keep it well below 1/clients (central*) or 1/examples of a client (dp_sgd)")
     accounting: Literal["auto", "without_replacement", "no_amplification"] = doc("auto", "central*: amplification by fedllm's sampling of clients without replacement (replace-one neighbours), or none (add/remove one client, as Flower; only with full participation); auto: no_amplification when every client trains every round")
     adaptive_clipping: AdaptiveClippingConfig = doc(AdaptiveClippingConfig(), "central*: adaptive clipping norm")
+    grad_sample_mode: Literal["hooks", "ghost"] = doc("hooks", "dp_sgd: how opacus clips each example's gradient: hooks (per-example gradients of every trainable tensor) or ghost (per-example gradient norms by ghost clipping, then a second backward pass weighted by the clipping factors; opacus's grad_sample_mode)")
     noise_seed: Optional[int] = doc(None, "null: noise from a secret random seed (the default; needed for the guarantee); an integer reproduces the noise (experiments only: whoever knows it can remove the noise)")
     secure_aggregation: bool = doc(False, "Flower SecAgg+ of the client updates (refused: see docs/privacy.md)")
 

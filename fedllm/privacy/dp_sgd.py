@@ -10,11 +10,21 @@ gradient. Everything the client uploads is post-processing of these steps: clien
 ``metrics.jsonl``; ``epsilon`` is the largest). ``privacy.target_epsilon`` picks ``z`` so that a client that
 trains every planned round stays within it. The noise and the Poisson draws come from a secret seed unless
 ``privacy.noise_seed`` is set.
+
+``privacy.grad_sample_mode`` picks how opacus clips (its ``grad_sample_mode``): ``hooks`` (the default) builds every
+example's gradient of every trainable tensor (``GradSampleModule``) and ``DPOptimizer`` clips them; ``ghost``
+(Li et al. 2022, "Large Language Models Can Be Strong Differentially Private Learners"; Lee & Kifer 2021) computes
+only each example's gradient *norm* (``GradSampleModuleFastGradientClipping``: ghost norms for ``nn.Linear`` and
+``nn.Embedding``, per-example gradients for other trainable layers — :func:`ghost_fallback_layers`), then a
+second backward pass of ``Σ_i c_i·loss_i`` with the clipping factors ``c_i`` gives the clipped sum
+(``DPTensorFastGradientClipping``), and ``DPOptimizerFastGradientClipping`` adds the same noise. Both give the same
+step (up to float rounding) and the same ε.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Any, Optional
 
@@ -29,6 +39,8 @@ from fedllm.state import StateDict
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate
 
 STEPS_KEY = "privacy/dp_sgd_steps"
+
+log = logging.getLogger("fedllm")
 
 
 class PoissonStream:
@@ -59,38 +71,63 @@ class LocalDPSGD:
     """The client side of DP-SGD for one client and round (see the module docstring)."""
 
     def __init__(self, noise_multiplier: float, clipping_norm: float, batch_size: int, num_examples: int,
-                 seed: int):
+                 seed: int, grad_sample_mode: str = "hooks"):
         self.noise_multiplier, self.clipping_norm = noise_multiplier, clipping_norm
         self.batch_size, self.rate = batch_size, min(1.0, batch_size / num_examples)
         self.gen = torch.Generator().manual_seed(seed)
+        self.mode = grad_sample_mode
+        self.wrapped: Any = None  # during a phase: opacus's grad-sample module and DP optimizer
+        self.optimizer: Any = None
 
     def stream(self, indices) -> PoissonStream:
         return PoissonStream(indices, self.rate, self.gen)
 
     @contextlib.contextmanager
     def phase(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        """Per-example gradients on ``model`` and a ``DPOptimizer`` around ``optimizer`` for one training phase."""
-        from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer
+        """opacus's hooks on ``model`` (per-example gradients, or their norms with ghost clipping) and its DP
+        optimizer around ``optimizer`` for one training phase: the classes opacus's ``PrivacyEngine`` picks for
+        ``grad_sample_mode``."""
+        from opacus.grad_sample.utils import get_gsm_class
+        from opacus.optimizers import get_optimizer_class
 
-        wrapped = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+        ghost = {"max_grad_norm": self.clipping_norm} if self.mode == "ghost" else {}
+        wrapped = get_gsm_class(self.mode)(model, batch_first=True, loss_reduction="sum", **ghost)
         device = next(p for p in model.parameters() if p.requires_grad).device
         noise_gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.gen)))
+        dp_optimizer = get_optimizer_class(clipping="flat", distributed=False, grad_sample_mode=self.mode)
         try:
-            yield DPOptimizer(optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=self.clipping_norm,
-                              expected_batch_size=self.batch_size, loss_reduction="mean", generator=noise_gen)
+            self.wrapped = wrapped
+            self.optimizer = dp_optimizer(optimizer, noise_multiplier=self.noise_multiplier,
+                                          max_grad_norm=self.clipping_norm, expected_batch_size=self.batch_size,
+                                          loss_reduction="mean", generator=noise_gen)
+            yield self.optimizer
         finally:
+            self.wrapped = self.optimizer = None
             wrapped._close()
 
     def empty_batch(self, trainable: list[torch.nn.Parameter]) -> None:
-        """No example drawn: per-example gradients of a batch of zero (the step adds noise only)."""
+        """No example drawn: per-example gradients of a batch of zero (hooks), or a clipped sum of zero (ghost):
+        the step adds noise only."""
         for p in trainable:
-            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            if self.mode == "ghost":
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sum of per-example losses to backpropagate, their mean to report)``."""
-        losses = per_example_losses(model, batch)
-        return losses.sum(), losses.detach().mean()
+        """``(sum of per-example losses to backpropagate, their mean to report)``; with ghost clipping the sum is
+        opacus's ``DPTensorFastGradientClipping``, whose ``backward()`` takes the norms' pass and the clipped one."""
+        if self.mode != "ghost":
+            losses = per_example_losses(model, batch)
+            return losses.sum(), losses.detach().mean()
+        from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+        try:
+            losses = per_example_losses(model, batch)
+        except NotImplementedError as e:  # opacus: a ghost-clipped layer called twice in one pass (tied parameters)
+            raise InputError(f"privacy.grad_sample_mode: got 'ghost'; expected hooks for this model: {e}") from e
+        return (DPTensorFastGradientClipping(self.wrapped, self.optimizer, losses, loss_reduction="sum"),
+                losses.detach().mean())
 
 
 def unsupported_layers(model: torch.nn.Module) -> list[str]:
@@ -98,6 +135,27 @@ def unsupported_layers(model: torch.nn.Module) -> list[str]:
     from opacus import GradSampleModule
 
     return [str(e) for e in GradSampleModule.validate(model, strict=False)]
+
+
+def ghost_fallback_layers(model: torch.nn.Module) -> list[str]:
+    """Trainable layers ghost clipping has no norm formula for (``name (type)``): opacus computes their per-example
+    gradients to take the norms (its "fast gradient clipping"), as ``hooks`` does. A layer opacus has no
+    per-example rule for at all is handled whole by functorch, its sub-layers with it."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping as Ghost
+
+    found: list[str] = []
+
+    def visit(name: str, module: torch.nn.Module) -> None:
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            if type(module) not in Ghost.NORM_SAMPLERS:
+                found.append(f"{name or '<model>'} ({type(module).__name__})")
+            if type(module) not in Ghost.GRAD_SAMPLERS:
+                return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", model)
+    return found
 
 
 class SampleLevelDP:
@@ -116,6 +174,10 @@ class SampleLevelDP:
         if bad:
             raise InputError(f"{self.recipe.source}: privacy.mechanism: got 'dp_sgd'; expected a model whose "
                              f"trainable layers opacus can compute per-example gradients for: {'; '.join(bad)}")
+        fallback = ghost_fallback_layers(model) if self.pv.grad_sample_mode == "ghost" else []
+        if fallback:
+            log.warning("privacy.grad_sample_mode ghost: opacus has no ghost norm for %d trainable layer(s), which "
+                        "build per-example gradients instead: %s", len(fallback), ", ".join(fallback))
         self.sizes = [c.num_examples for c in clients]
         if self.noise_multiplier is None:  # a client that trains every planned round stays within the target
             tr, rounds = self.recipe.train, self.recipe.federation.rounds
@@ -127,7 +189,7 @@ class SampleLevelDP:
         seed = derived_seed(self.noise_seed, plan.rnd, plan.client_id) if self.noise_seed is not None else \
             int.from_bytes(os.urandom(8), "little") >> 1  # secret: Poisson draws and noise nobody can replay
         return LocalDPSGD(self.noise_multiplier, self.pv.clipping_norm, self.recipe.train.batch_size, num_examples,
-                          seed)
+                          seed, self.pv.grad_sample_mode)
 
     # ----- server side: accounting per client
     def client_epsilon(self, cid: int, steps: int) -> float:
@@ -154,7 +216,7 @@ class SampleLevelDP:
         per_client = {str(c): self.client_epsilon(c, s) for c, s in sorted(self.client_steps.items())}
         return {"epsilon": max(per_client.values(), default=0.0), "client_epsilon": per_client,
                 "privacy": {"mechanism": "dp_sgd", "delta": self.pv.delta, "noise_multiplier": self.noise_multiplier,
-                            "clipping_norm": self.pv.clipping_norm}}
+                            "clipping_norm": self.pv.clipping_norm, "grad_sample_mode": self.pv.grad_sample_mode}}
 
     def state_dict(self) -> StateDict:
         steps = torch.tensor([self.client_steps.get(c, 0) for c in range(len(self.sizes))], dtype=torch.int64)

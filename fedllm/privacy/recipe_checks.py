@@ -63,6 +63,9 @@ def privacy_problems(r: Any) -> list[tuple[str, Any, str]]:
     pv, p = r.privacy, []
     if pv.secure_aggregation:
         p.append(("privacy.secure_aggregation", True, SECURE_AGGREGATION_REFUSED))
+    if pv.grad_sample_mode != "hooks" and pv.mechanism != "dp_sgd":
+        p.append(("privacy.grad_sample_mode", pv.grad_sample_mode, "hooks unless privacy.mechanism is dp_sgd (it picks "
+                                                                   "how DP-SGD clips each example's gradient)"))
     if pv.mechanism == "none":
         for key in ("noise_multiplier", "target_epsilon"):
             if getattr(pv, key) is not None:

@@ -55,6 +55,10 @@ def test_the_run_stops_with_a_checkpoint_before_the_budget_is_exceeded(tiny_reci
     ({"mechanism": "central", "noise_multiplier": 1.0, "adaptive_clipping": {"enabled": True}}, {},
      "privacy.adaptive_clipping.count_stddev", "noise_multiplier / 2"),
     ({"mechanism": "centrall"}, {}, "privacy.mechanism", "one of"),
+    ({"mechanism": "dp_sgd", "noise_multiplier": 1.0, "grad_sample_mode": "ghosts"}, {}, "privacy.grad_sample_mode",
+     "got 'ghosts'; expected one of 'hooks', 'ghost'"),
+    ({"mechanism": "central", "noise_multiplier": 1.0, "grad_sample_mode": "ghost"}, {}, "privacy.grad_sample_mode",
+     "got 'ghost'; expected hooks unless privacy.mechanism is dp_sgd"),
 ])
 def test_bad_privacy_settings_name_the_key(privacy, federation, key, expected):
     raw = {"data": {"path": "unused.jsonl"}, "train": {"local_steps": 1},
