@@ -255,7 +255,7 @@ def test_math_under_the_lm_eval_protocol_runs_the_harness_config_on_a_local_file
 
     calls = model.calls
     data.write_text(data.read_text() + json.dumps({"problem": "p", "solution": "no box"}) + "\n")
-    with pytest.raises(InputError, match=r"record 4 has no such pair"):
+    with pytest.raises(InputError, match=r"record 5 has no such pair"):  # 1-based, as fedllm's data errors
         evaluate(model, tokenizer, EvalConfig(tasks=["math"], data={"math": str(data)}, answer_protocol="lm_eval"),
                  None, progress=False)
     assert model.calls == calls

@@ -103,7 +103,7 @@ class _MathAnswers(AnswerTask):
         if bad:
             raise InputError(f"eval.data.{self.name}={spec}: the lm_eval answer protocol runs the harness's "
                              f"{self.lm_eval_task}, which reads each record's 'problem' and 'solution' and takes the "
-                             f"reference from the solution's last \\boxed{{}}; record {bad[0]}"
+                             f"reference from the solution's last \\boxed{{}}; record {bad[0] + 1}"
                              f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} has no such pair")
         with tempfile.TemporaryDirectory(prefix="fedllm-math-") as tmp:
             path = Path(tmp) / "test.jsonl"
