@@ -3,6 +3,7 @@ clipping) against per-example backward passes and against each other, per-client
 classifier presets, and the refusal of layers opacus cannot handle."""
 
 import json
+from types import SimpleNamespace
 import logging
 
 import pytest
@@ -162,3 +163,24 @@ def test_ghost_clipping_names_the_layers_that_fall_back_to_per_example_gradients
     with caplog.at_level(logging.WARNING, logger="fedllm"):
         strategy.setup(model, [ClientInfo(0, 10), ClientInfo(1, 10)])
     assert "no ghost norm for 1 trainable layer(s)" in caplog.text and "2 (LayerNorm)" in caplog.text
+
+
+def test_ghost_clipping_refuses_a_layer_called_twice_in_one_pass_with_the_key():
+    """opacus's ghost clipping cannot take a norm for tied parameters (a layer used twice in one forward pass):
+    the loss is refused with an InputError naming privacy.grad_sample_mode, not a bare NotImplementedError."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 3)
+
+        def forward(self, input_ids, attention_mask=None):
+            return SimpleNamespace(logits=self.lin(self.lin(self.emb(input_ids).mean(1))))
+
+    model = Twice()
+    dp = LocalDPSGD(noise_multiplier=1.0, clipping_norm=1.0, batch_size=2, num_examples=4, seed=0,
+                    grad_sample_mode="ghost")
+    batch = {"input_ids": torch.tensor([[1, 2], [3, 4]]), "labels": torch.tensor([0, 1])}
+    with dp.phase(model, torch.optim.SGD(model.parameters(), lr=0.1)):
+        with pytest.raises(InputError, match="privacy.grad_sample_mode: got 'ghost'; expected hooks.*tying"):
+            dp.loss(model, batch)
