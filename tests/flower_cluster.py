@@ -88,6 +88,18 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def zombies(pid: int) -> list[int]:
+    """The descendants of ``pid`` that have exited and wait to be collected (``<defunct>``)."""
+    found = []
+    for kid in children(pid):
+        try:
+            if Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                found.append(kid)
+        except OSError:
+            continue
+    return found
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

@@ -4,7 +4,8 @@ submitted at once by its first test; each test then waits on its own.
 
 - four recipes side by side with ``fedllm flower run``: the final global adapter (and FRLoRA's base, on the
   server and on both nodes) equals the in-process simulation (max abs difference <= 1e-6; in practice
-  bit-identical), with each worker building a run's federation once;
+  bit-identical), with each worker building a run's federation once, and no finished ServerApp left
+  ``<defunct>`` under the SuperLink;
 - too few SuperNodes: the server reports what it has and needs and ``fedllm flower run`` exits 2;
   stopping ``fedllm flower run`` stops the run on the SuperLink; a ServerApp refusing its input gives exit code 2;
 - ``kill -9`` of ``fedllm flower supernode`` leaves none of its processes behind; ``kill`` of ``fedllm flower
@@ -19,7 +20,7 @@ import signal
 
 import pytest
 from flower_cluster import (assert_matches, children, cmdline, deployment, free_port, launch, logged,  # noqa: F401
-                            port_open, run_status, start, stop, wait_until, worker_pid)
+                            port_open, run_status, start, stop, wait_until, worker_pid, zombies)
 from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
@@ -70,6 +71,8 @@ def test_flower_deployment_with_workers_matches_the_simulation(runs, deployment,
         sims[name] = run(parse_recipe({**runs[name].raw, "output_dir": str(tmp_path / f"sim-{name}")})).run_dir
     for name in CASES:
         runs[name].finish()
+    link = deployment.procs[0].pid  # its runner collects each finished ServerApp child at once
+    wait_until(lambda: not zombies(link), 30, "finished ServerApp children collected")
     for name, sim_dir in sims.items():
         flower_dir = runs[name].out
         assert_matches(sim_dir, flower_dir, ["adapter", "base"] if name == "frlora" else ["adapter"], name)

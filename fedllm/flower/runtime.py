@@ -76,8 +76,10 @@ def _certificates(root_certificates: str | None) -> bytes | None:
 
 
 def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[str], None],
-               root_certificates: str | None = None, poll_s: float = 0.05) -> None:
-    """Claim ``task_type`` tasks from the Runtime API at ``address`` forever; ``handle(token)`` each one."""
+               root_certificates: str | None = None, poll_s: float = 0.05,
+               idle: Callable[[], None] | None = None) -> None:
+    """Claim ``task_type`` tasks from the Runtime API at ``address`` forever; ``handle(token)`` each one
+    (``idle()`` whenever there is none)."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
@@ -96,6 +98,8 @@ def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[st
         if res.HasField("task") and res.token:
             handle(res.token)
         else:
+            if idle is not None:
+                idle()
             time.sleep(poll_s)
 
 
@@ -121,15 +125,18 @@ def serve_serverapps(address: str, secret: bytes, root_certificates: str | None,
 
     children: list[processes.Forked] = []
 
+    def reap() -> None:  # a finished child is collected at once, not left <defunct> until the next run
+        children[:] = [c for c in children if c.poll() is None]
+
     def launch(token: str) -> None:
         for name in SERVER_APP_IMPORTS:
             importlib.import_module(name)
-        children[:] = [c for c in children if c.poll() is None]
+        reap()
         children.append(processes.Forked(lambda: run_server_task(address, token, root_certificates, node_keys)))
 
     try:
         # runs start seldom: a claim every second costs little
-        claim_loop(address, secret, TaskType.SERVER_APP, launch, root_certificates, poll_s=1.0)
+        claim_loop(address, secret, TaskType.SERVER_APP, launch, root_certificates, poll_s=1.0, idle=reap)
     finally:
         for child in children:
             processes.stop(child)
