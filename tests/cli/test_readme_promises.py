@@ -90,3 +90,13 @@ def test_what_readmes_commands_write_into_the_clone_is_git_ignored():
     out = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True,
                          check=False)
     assert sorted(out.stdout.split()) == sorted(written), out.stderr
+
+
+def test_ci_runs_readmes_test_command():
+    """`.ci/run` runs README's "Run the tests" command: its install line, then its pytest command, word for word."""
+    command = next(line for block in blocks(section("Set up"), "bash") for line in block.splitlines()
+                   if "pytest" in line)
+    install, pytest_command = command.rsplit(" && ", 1)
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert install in ci_lines
+    assert f"{pytest_command} || status=$?" in ci_lines
