@@ -77,8 +77,8 @@ class Forked:
             try:
                 os.setpgid(0, 0)
                 _die_with_parent()
-                for sig in FORWARDED:
-                    signal.signal(sig, signal.SIG_DFL)
+                for sig in FORWARDED:  # as in a fresh Python: SIGINT raises KeyboardInterrupt, the others kill
+                    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
                 code = target()
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 1
