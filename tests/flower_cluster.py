@@ -88,16 +88,17 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in /proc (``Z``: exited, waiting to be collected), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def zombies(pid: int) -> list[int]:
     """The descendants of ``pid`` that have exited and wait to be collected (``<defunct>``)."""
-    found = []
-    for kid in children(pid):
-        try:
-            if Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                found.append(kid)
-        except OSError:
-            continue
-    return found
+    return [kid for kid in children(pid) if state(kid) == "Z"]
 
 
 def cmdline(pid: int) -> str:

@@ -13,17 +13,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
+
+from flower_cluster import state
 
 from fedllm.flower import processes
-
-
-def alive(pid: int) -> bool:
-    """``pid`` runs (it exists and has not exited: a zombie waiting to be collected counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_forked_child_exits_with_its_targets_code_in_its_own_process_group():
@@ -78,7 +71,7 @@ def test_after_the_server_app_imports_a_fork_runs_torch_and_dies_with_the_runner
         os.kill(runner.pid, signal.SIGKILL)
         runner.wait()
         deadline = time.monotonic() + 30
-        while alive(sleeper):
+        while state(sleeper) not in (None, "Z"):  # running; exited (even if not yet collected) ends the wait
             assert time.monotonic() < deadline, "the forked child outlived its runner"
             time.sleep(0.1)
     finally:

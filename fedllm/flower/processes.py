@@ -10,6 +10,7 @@ also put first on the children's ``PATH`` (Flower starts ``flower-superexec`` by
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -90,10 +91,8 @@ class Forked:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        try:
+        with contextlib.suppress(OSError):  # the child did it first, or has already exited
             os.setpgid(pid, pid)  # also here, so that a stop() right after the fork finds the group
-        except OSError:  # the child did it first, or has already exited
-            pass
         self.pid, self.returncode = pid, None
 
     def poll(self) -> int | None:

@@ -114,8 +114,8 @@ def serve_serverapps(address: str, secret: bytes, root_certificates: str | None,
     """Claim every ServerApp task of the SuperLink at ``address``; run each in a child forked from this runner.
 
     The runner imports the ServerApp's modules once (:data:`SERVER_APP_IMPORTS`) and runs no torch operation and no
-    other thread itself, so each child starts in well under a second instead of paying the imports again (about
-    9 CPU-seconds a run); a child that crashes takes only its own run down.
+    other thread itself, so each child starts without paying those imports again (about 9 CPU-seconds a run on a
+    2-core machine); a child that crashes takes only its own run down.
     """
     import importlib
 
