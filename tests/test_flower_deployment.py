@@ -19,8 +19,8 @@ import os
 import signal
 
 import pytest
-from flower_cluster import (assert_matches, children, cmdline, deployment, free_port, launch, logged,  # noqa: F401
-                            port_open, run_status, start, stop, wait_until, worker_pid, zombies)
+from flower_cluster import (assert_matches, children, cmdline, deployment, finished_status,  # noqa: F401
+                            free_port, launch, logged, port_open, start, stop, wait_until, worker_pid, zombies)
 from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
@@ -111,9 +111,7 @@ def test_stopping_flower_run_stops_the_run_on_the_superlink(runs, deployment):  
     run_id = stopped.run_id()
     stopped.proc.send_signal(signal.SIGTERM)
     stopped.wait(120)
-    wait_until(lambda: run_status(deployment.env, run_id).get("status", "").startswith("finished"), 60,
-               "run stopped", stopped.log)
-    assert run_status(deployment.env, run_id)["status"] == "finished:stopped"
+    assert finished_status(deployment.env, run_id, 60, stopped.log)["status"] == "finished:stopped"
 
 
 def test_flower_run_exits_2_when_the_server_app_refuses_its_input(runs):

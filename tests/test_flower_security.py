@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from flower_cluster import (assert_matches, deployment, launch, logged, run_status, stop, wait_until,  # noqa: F401
+from flower_cluster import (assert_matches, deployment, finished_status, launch, logged, stop, wait_until,  # noqa: F401
                             worker_pid)
 
 pytest.importorskip("flwr")
@@ -118,9 +118,7 @@ def test_flower_security_foreign_app_runs_nowhere(started, deployment):  # noqa:
                where / "foreign.json")
     text = (where / "foreign.json").read_text()
     run_id = str(json.loads(text[text.index("{"):])["run-id"])
-    wait_until(lambda: run_status(deployment.env, run_id).get("status", "").startswith("finished"), 120,
-               "foreign run to end")
-    status = run_status(deployment.env, run_id)
+    status = finished_status(deployment.env, run_id, 120)
     assert status["status"] == "finished:failed", status
     assert "refused" in status.get("status-details", "") and "mallory/foreign" in status["status-details"]
     assert not (where / "server-ran").exists() and not (where / "client-ran").exists()
