@@ -128,15 +128,15 @@ def run_status(flwr_env: dict, run_id: str) -> dict:
 def finished_status(flwr_env: dict, run_id: str, timeout_s: float, log_path=None) -> dict:
     """The :func:`run_status` of the run once it has finished (each look is a ``flwr`` process, ~1.3 CPU-s: one a
     second)."""
-    seen: dict = {}
+    last: dict = {}
 
     def finished() -> bool:
-        seen.clear()
-        seen.update(run_status(flwr_env, run_id))
-        return str(seen.get("status", "")).startswith("finished")
+        nonlocal last
+        last = run_status(flwr_env, run_id)
+        return str(last.get("status", "")).startswith("finished")
 
     wait_until(finished, timeout_s, f"run {run_id} to finish", log_path, every_s=1.0)
-    return seen
+    return last
 
 
 def write_flwr_home(home: Path, address: str, ca: Path | None = None) -> None:
