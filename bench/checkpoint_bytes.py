@@ -19,9 +19,9 @@ from pathlib import Path
 
 
 def measure(out: Path) -> dict:
-    from fedllm.config import parse_recipe
     from fedllm.data.synthetic import arith_splits
-    from fedllm.server import run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
 
     train, _ = arith_splits(200, 0)
     data = out / "train.jsonl"

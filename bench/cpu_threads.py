@@ -11,7 +11,7 @@ whole bench stops starting trials after ``--budget`` seconds.
 
 Workloads:
 
-- ``tiny``: ``fedllm.server.run`` on the tiny-llama preset, FedAvg, 2 clients x 30
+- ``tiny``: ``fedllm.engine.server.run`` on the tiny-llama preset, FedAvg, 2 clients x 30
   local steps, batch 4, 4 rounds; s/round = median of rounds 2-4.
 - ``smollm2-shapes``: the quickstart's compute without loading the GGUF: a LLaMA with
   SmolLM2-135M's shapes (random weights), LoRA r=8 on q/k/v/o, AdamW, batch 4 x 96
@@ -20,7 +20,7 @@ Workloads:
 
 Options: ``before`` (no variable: torch's default), ``passive`` (OMP_WAIT_POLICY=PASSIVE),
 ``spinN`` (GOMP_SPINCOUNT=N, e.g. spin10000), ``t1`` (OMP_NUM_THREADS=1), ``idlecores``
-(threads = cores idle over 0.3 s at start-up), ``fedllm`` (fedllm.threads.apply(), the
+(threads = cores idle over 0.3 s at start-up), ``fedllm`` (fedllm.common.threads.apply(), the
 shipped default).
 """
 
@@ -69,9 +69,9 @@ def option_env(option: str) -> dict[str, str]:
 
 
 def child_tiny(out: Path) -> list[float]:
-    from fedllm.config import parse_recipe
     from fedllm.data.synthetic import generate_arith
-    from fedllm.server import run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
 
     data = out / "arith.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate_arith(400, seed=0)))
@@ -115,7 +115,7 @@ def child_smollm2_shapes(steps: int) -> list[float]:
 
 def child(args: argparse.Namespace) -> None:
     if args.option == "fedllm":
-        from fedllm import threads
+        from fedllm.common import threads
 
         threads.apply()
     elif args.option == "idlecores":

@@ -25,9 +25,9 @@ def main() -> None:
         with open(PATH, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         return
-    from fedllm.config import parse_recipe
     from fedllm.data import build_federated_data
-    from fedllm.models import load_tokenizer, resolve_task
+    from fedllm.models.loading import load_tokenizer, resolve_task
+    from fedllm.recipe.schema import parse_recipe
 
     r = parse_recipe({"model": {"name": "tiny-llama"}, "federation": {"num_clients": 3},
                       "data": {"path": PATH, "cache": False, "fields": {"instruction": "question", "output": "answer"}},

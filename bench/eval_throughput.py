@@ -25,7 +25,7 @@ import torch
 
 from fedllm.evaluation.generation import generate_completions
 from fedllm.evaluation.prompt_styles import make_prompt_style
-from fedllm.inference import load_for_inference
+from fedllm.export.inference import load_for_inference
 
 OUT = Path(__file__).resolve().parent / "out" / "eval_throughput.json"
 

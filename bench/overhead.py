@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from fedllm.client import BatchStream
-from fedllm.config import parse_recipe
 from fedllm.data import collate
 from fedllm.data.synthetic import generate_arith
-from fedllm.server import RoundLoop, build_federation
+from fedllm.engine.client import BatchStream
+from fedllm.engine.server import RoundLoop, build_federation
+from fedllm.recipe.schema import parse_recipe
 
 
 def recipe(model: str, data: Path, out: Path, clients: int, rounds: int, steps: int):

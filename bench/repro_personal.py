@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from fedllm.config import parse_recipe
 from fedllm.data import collate
 from fedllm.data.label_groups import permute_label_groups
 from fedllm.data.synthetic import arith_splits
-from fedllm.models import read_state, write_state
-from fedllm.server import RoundLoop, build_federation
+from fedllm.engine.server import RoundLoop, build_federation
+from fedllm.models.loading import read_state, write_state
+from fedllm.recipe.schema import parse_recipe
 
 METHODS: dict[str, tuple[str, dict, dict]] = {  # name -> strategy, strategy_args, train overrides
     "local": ("local", {}, {}),

@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-from fedllm.config import parse_recipe
+from fedllm.common.registry import strategies
 from fedllm.data import collate
 from fedllm.data.synthetic import arith_splits
-from fedllm.lowrank import numerical_rank
-from fedllm.models import lora_layers
-from fedllm.registry import strategies
-from fedllm.server import RoundLoop, build_federation
+from fedllm.engine.server import RoundLoop, build_federation
+from fedllm.models.loading import lora_layers
+from fedllm.models.lowrank import numerical_rank
+from fedllm.recipe.schema import parse_recipe
 
 METHODS = {
     "FedAvg (=FedLoRA)": ("fedavg", {"weighting": "uniform"}),

@@ -13,7 +13,7 @@ Prints, for the same recipe and seed:
   bytes each reports (Flower's catch-up sends what a node missed; the simulation counts broadcasts);
 - the all-gather of a ``--gather-mb`` MB adapter per process between 2 processes: pickled
   ``all_gather_object`` (what fedllm did before) vs one ``all_gather`` of a uint8 buffer (what
-  :meth:`fedllm.distributed.Dispatch.gather` does now).
+  :meth:`fedllm.engine.distributed.Dispatch.gather` does now).
 
 With ``--interleave N``: N in-process runs alternating with N Flower runs on one loopback federation
 (SuperLink + one ``fedllm flower supernode`` per client, node workers on), so both see the same machine
@@ -117,7 +117,7 @@ def gather_worker(mb: float, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from fedllm.distributed import Dispatch
+    from fedllm.engine.distributed import Dispatch
     from fedllm.strategies.base import ClientUpdate
 
     dispatch = Dispatch()
@@ -157,7 +157,7 @@ def main() -> None:
         interleave(args)
         return
 
-    from fedllm.config import load_recipe
+    from fedllm.recipe.schema import load_recipe
 
     recipe = Path(args.recipe).resolve()
     overrides = [f"federation.rounds={args.rounds}", "logging.progress=false", "logging.quiet=true"]
@@ -196,7 +196,7 @@ def interleave(args: argparse.Namespace) -> None:
     """In-process and Flower runs of one recipe, alternating, on the same machine load."""
     import statistics
 
-    from fedllm.config import load_recipe
+    from fedllm.recipe.schema import load_recipe
 
     recipe = Path(args.recipe).resolve()
     overrides = [f"federation.rounds={args.rounds}", "logging.progress=false", "logging.quiet=true",

@@ -2,7 +2,7 @@
 
     python bench/serve_body_rss.py [--serve-module PATH]
 
-``--serve-module`` loads another version of ``fedllm/serve.py`` (e.g. ``git show <rev>:fedllm/serve.py >
+``--serve-module`` loads another version of ``fedllm/commands/serve.py`` (e.g. ``git show <rev>:fedllm/commands/serve.py >
 /tmp/old_serve.py``) to compare. Prints the answer's status and the process's peak RSS before and after.
 """
 
@@ -33,7 +33,7 @@ def main() -> None:
         serve = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(serve)
     else:
-        import fedllm.serve as serve
+        import fedllm.commands.serve as serve
     tok = _train_tokenizer()
     model = LlamaForCausalLM(tiny_llama_config(tok))
 

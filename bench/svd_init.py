@@ -1,6 +1,6 @@
 """FRLoRA's SVD init, exact vs randomized, on real weights (SmolLM2-135M-Instruct's LoRA targets).
 
-For every rank, times ``fedllm.lowrank.principal_factors`` over all LoRA target weights (q/k/v/o of the
+For every rank, times ``fedllm.models.lowrank.principal_factors`` over all LoRA target weights (q/k/v/o of the
 30 layers: 120 matrices) with ``torch.linalg.svd`` and with seeded ``torch.svd_lowrank``, and reports the
 relative error of the rank-r reconstruction ``‖W − s·B0A0‖_F / ‖W‖_F`` (pooled over the matrices) of
 each. Not a test: timings depend on the machine. Target: randomized ≥ 10× faster with an error within
@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from fedllm.config import LoraConfig, ModelConfig
-from fedllm.lowrank import dense_weight, principal_factors
-from fedllm.models import load_model, lora_layers
+from fedllm.models.loading import load_model, lora_layers
+from fedllm.models.lowrank import dense_weight, principal_factors
+from fedllm.recipe.schema import LoraConfig, ModelConfig
 
 
 def target_weights(model_name: str) -> list[torch.Tensor]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fedllm.common.errors import InputError
 from fedllm.data.partition import add_partition_arguments, run_partition_command
-from fedllm.errors import InputError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,12 +17,12 @@ import json
 import sys
 from pathlib import Path
 
-from fedllm.config import PartitionConfig
+from fedllm.common.errors import InputError
 from fedllm.data.errors import DataError
 from fedllm.data.label_groups import permute_label_groups
 from fedllm.data.loading import load_records
 from fedllm.data.partition import partition_records, resolve_column
-from fedllm.errors import InputError
+from fedllm.recipe.schema import PartitionConfig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,6 @@
 
 import sys
 
-from fedllm.cli import main
+from fedllm.commands.cli import main
 
 sys.exit(main())

@@ -147,25 +147,25 @@ def _no_plot_png():
     """The in-process runs of the suite (several hundred) skip plot.png: matplotlib's layout and PNG cost ~0.5
     CPU-s a run, a third of a tiny run, and play no part in what those tests check. The tests of plot.png
     restore it with :func:`plot_png`; runs in subprocesses (CLI, torchrun, Flower) always draw it."""
-    import fedllm.server
+    import fedllm.engine.server
 
     def skip(run_dir):
         return None
 
-    skip.real = fedllm.server.write_run_plot
+    skip.real = fedllm.engine.server.write_run_plot
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fedllm.server, "write_run_plot", skip)
+        patch.setattr(fedllm.engine.server, "write_run_plot", skip)
         yield
 
 
 @contextlib.contextmanager
 def plot_png():
     """Runs started in the ``with`` block write their plot.png (see :func:`_no_plot_png`)."""
-    import fedllm.server
+    import fedllm.engine.server
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fedllm.server, "write_run_plot", getattr(fedllm.server.write_run_plot, "real",
-                                                               fedllm.server.write_run_plot))
+        patch.setattr(fedllm.engine.server, "write_run_plot", getattr(fedllm.engine.server.write_run_plot, "real",
+                                                               fedllm.engine.server.write_run_plot))
         yield
 
 
@@ -173,7 +173,7 @@ def plot_png():
 def crash_at_round(monkeypatch):
     """``crash_at_round(n)`` makes the round loop raise ``RuntimeError('power cut')`` in round ``n``;
     ``crash_at_round(None)`` restores it (for the resume that follows)."""
-    from fedllm.server import RoundLoop
+    from fedllm.engine.server import RoundLoop
 
     original = RoundLoop.run_round
 
@@ -205,10 +205,10 @@ def smollm2_first_load(tmp_path_factory):
 
     import transformers
 
-    from fedllm import gguf_cache
-    from fedllm.config import ModelConfig
-    from fedllm.models import load_base_model, load_tokenizer
-    from fedllm.registry import model_presets
+    from fedllm.common.registry import model_presets
+    from fedllm.models import gguf_cache
+    from fedllm.models.loading import load_base_model, load_tokenizer
+    from fedllm.recipe.schema import ModelConfig
 
     cfg = ModelConfig(name="smollm2-135m-instruct")
     directory, gguf = model_presets.get(cfg.name).location()

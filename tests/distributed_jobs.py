@@ -2,7 +2,7 @@
 
 tests/test_distributed.py checks many strategies on two gloo processes; a launch per strategy would
 start the processes, import torch and build the tokenizer again each time. Here the same two processes
-run every command through ``fedllm.cli.main`` (what ``python -m fedllm`` runs), in one process group.
+run every command through ``fedllm.commands.cli.main`` (what ``python -m fedllm`` runs), in one process group.
 
 Usage: ``torchrun --nproc_per_node 2 tests/distributed_jobs.py JOBS.json OUT_DIR`` where JOBS.json maps a
 job name to its ``fedllm`` arguments; each process writes ``OUT_DIR/NAME.rank<R>.rc`` (the exit code).
@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from fedllm.cli import main
+from fedllm.commands.cli import main
 
 if __name__ == "__main__":
     jobs = json.loads(Path(sys.argv[1]).read_text())

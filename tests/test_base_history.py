@@ -1,4 +1,4 @@
-"""The base's changes as a snapshot plus a log of low-rank merges (fedllm.base_history): the base rebuilt from a
+"""The base's changes as a snapshot plus a log of low-rank merges (fedllm.runs.base_history): the base rebuilt from a
 checkpoint equals the live one bit for bit for every strategy that changes it, checkpoints share the snapshot and
 grow by adapter-sized segments, damage is named, older checkpoints (dense base.safetensors) still load."""
 
@@ -7,8 +7,11 @@ import json
 import pytest
 import torch
 
-from fedllm import checkpoint as ckpt_io
-from fedllm.base_history import (
+from fedllm.engine.server import base_fields, base_weights, run
+from fedllm.models.loading import load_model, read_state, write_state
+from fedllm.recipe.schema import LoraConfig, ModelConfig, parse_recipe
+from fedllm.runs import checkpoint as ckpt_io
+from fedllm.runs.base_history import (
     INDEX,
     LowRankMerge,
     StoredHistory,
@@ -17,9 +20,6 @@ from fedllm.base_history import (
     merges_from_state,
     merges_to_state,
 )
-from fedllm.config import LoraConfig, ModelConfig, parse_recipe
-from fedllm.models import load_model, read_state, write_state
-from fedllm.server import base_fields, base_weights, run
 from fedllm.strategies import ClientInfo, ClientUpdate, get_strategy
 
 CASES = {  # every strategy whose merges change the base, in both residual modes where it has them

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedllm.config import RecipeError, load_recipe, parse_recipe
+from fedllm.recipe.schema import RecipeError, load_recipe, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

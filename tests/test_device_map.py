@@ -3,9 +3,9 @@
 import pytest
 from safetensors.torch import load_file
 
-from fedllm.config import RecipeError, parse_recipe
-from fedllm.models import ModelError
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.models.loading import ModelError
+from fedllm.recipe.schema import RecipeError, parse_recipe
 
 
 def test_device_map_auto_trains_like_the_plain_model(tiny_recipe, tmp_path):
@@ -21,7 +21,7 @@ def test_device_map_auto_trains_like_the_plain_model(tiny_recipe, tmp_path):
 
 def test_device_map_auto_is_a_one_process_mode(tiny_recipe, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    from fedllm.models import load_base_model, load_tokenizer
+    from fedllm.models.loading import load_base_model, load_tokenizer
 
     recipe = parse_recipe(tiny_recipe(model={"name": "tiny-llama", "device_map": "auto"}))
     with pytest.raises(ModelError, match="run one process"):

@@ -23,8 +23,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fedllm.config import parse_recipe
-from fedllm.server import RoundLoop, run
+from fedllm.engine.server import RoundLoop, run
+from fedllm.recipe.schema import parse_recipe
 from tests.conftest import arith_records, crashing_round, tiny_raw, write_jsonl
 
 LAUNCH_TIMEOUT_S = 900  # every job of the launch together, on a busy 2-core machine (~1 min idle)
@@ -196,7 +196,7 @@ def test_resume_with_a_different_number_of_processes(case, two_processes, tmp_pa
 
 
 def test_pack_unpack_round_trips_every_dtype_and_shape():
-    from fedllm.distributed import pack, unpack
+    from fedllm.engine.distributed import pack, unpack
 
     tensors = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.tensor(7.0), torch.tensor([True, False]),
                torch.arange(6, dtype=torch.int64).reshape(2, 3), torch.empty(0, 4), torch.randn(2, 3).t()]

@@ -25,7 +25,7 @@ def test_fedavg_uniform():
 def test_fedavg_refuses_mismatched_updates():
     import pytest
 
-    from fedllm.state import StateMismatch
+    from fedllm.models.state import StateMismatch
 
     bad = [_update(0, 1, [[1.0, 2.0]], [[0.0], [4.0]]),
            ClientUpdate(1, {"lora_A": torch.zeros(1, 2)}, 1, 0.0, 1)]

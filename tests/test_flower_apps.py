@@ -16,13 +16,13 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from fedllm.base_history import load_base  # noqa: E402
-from fedllm.config import parse_recipe  # noqa: E402
+from fedllm.engine.server import run  # noqa: E402
 from fedllm.flower import records  # noqa: E402
 from fedllm.flower.client_app import app as client_app  # noqa: E402
 from fedllm.flower.executor import FlowerExecutor  # noqa: E402
-from fedllm.server import run  # noqa: E402
-from fedllm.state import cast  # noqa: E402
+from fedllm.models.state import cast  # noqa: E402
+from fedllm.recipe.schema import parse_recipe  # noqa: E402
+from fedllm.runs.base_history import load_base  # noqa: E402
 
 
 class LoopbackGrid(Grid):
@@ -221,7 +221,7 @@ def test_flowers_own_strategy_loop_drives_the_adapter(tiny_recipe, tmp_path, flo
     """``FedllmStrategy`` is a plain Flower strategy: Flower's ``Strategy.start`` runs it to the simulation's model."""
     from flwr.app import ArrayRecord
 
-    from fedllm.server import RoundLoop, build_federation
+    from fedllm.engine.server import RoundLoop, build_federation
 
     raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 2, "strategy": "frlora"})
     sim = parts(run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")})).run_dir)

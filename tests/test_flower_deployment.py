@@ -19,15 +19,29 @@ import os
 import signal
 
 import pytest
-from flower_cluster import (assert_matches, children, cmdline, deployment, finished_status,  # noqa: F401
-                            free_port, launch, logged, port_open, start, stop, wait_until, worker_pid, zombies)
+from flower_cluster import (  # noqa: F401
+    assert_matches,
+    children,
+    cmdline,
+    deployment,
+    finished_status,
+    free_port,
+    launch,
+    logged,
+    port_open,
+    start,
+    stop,
+    wait_until,
+    worker_pid,
+    zombies,
+)
 from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
 
-from fedllm.base_history import load_base  # noqa: E402
-from fedllm.config import parse_recipe  # noqa: E402
-from fedllm.server import run  # noqa: E402
+from fedllm.engine.server import run  # noqa: E402
+from fedllm.recipe.schema import parse_recipe  # noqa: E402
+from fedllm.runs.base_history import load_base  # noqa: E402
 
 CASES = {  # strategy, clients per round (of 2), extra run options
     "fedavg": ("fedavg", 2, ["--probe-mb", "9"]),  # + a 9 MB tensor to each node: over gRPC's 4 MiB default

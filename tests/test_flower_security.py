@@ -21,14 +21,22 @@ import sys
 from pathlib import Path
 
 import pytest
-from flower_cluster import (assert_matches, deployment, finished_status, launch, logged, stop, wait_until,  # noqa: F401
-                            worker_pid)
+from flower_cluster import (  # noqa: F401
+    assert_matches,
+    deployment,
+    finished_status,
+    launch,
+    logged,
+    stop,
+    wait_until,
+    worker_pid,
+)
 
 pytest.importorskip("flwr")
 
-from fedllm.config import parse_recipe  # noqa: E402
+from fedllm.engine.server import run  # noqa: E402
 from fedllm.flower.certs import write_certificates, write_node_keys  # noqa: E402
-from fedllm.server import run  # noqa: E402
+from fedllm.recipe.schema import parse_recipe  # noqa: E402
 
 FOREIGN_APP = '''
 from pathlib import Path

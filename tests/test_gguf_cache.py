@@ -4,9 +4,14 @@ import pytest
 import torch
 import transformers
 
-from fedllm import gguf_cache
-from fedllm.config import LoraConfig, ModelConfig
-from fedllm.models import load_base_model, load_model, load_tokenizer, lora_layers
+from fedllm.models import gguf_cache
+from fedllm.models.loading import (
+    load_base_model,
+    load_model,
+    load_tokenizer,
+    lora_layers,
+)
+from fedllm.recipe.schema import LoraConfig, ModelConfig
 from tests.conftest import tensor_digests
 
 CHAT = [{"role": "user", "content": "What is 2 + 3?"}]

@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from fedllm.config import LoraConfig, ModelConfig, RecipeError
-from fedllm.models import ModelError, load_base_model, load_model, load_tokenizer, lora_layers, trainable_state_keys
+from fedllm.models.loading import (
+    ModelError,
+    load_base_model,
+    load_model,
+    load_tokenizer,
+    lora_layers,
+    trainable_state_keys,
+)
+from fedllm.recipe.schema import LoraConfig, ModelConfig, RecipeError
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma"])
@@ -98,7 +105,7 @@ def test_rank_check_after_load_reads_gpt2_conv1d_shapes(tmp_path):
     """GPT-2's attention is a transposed Conv1D (no out_features on the base layer): PEFT's wrapper gives them."""
     import transformers
 
-    from fedllm.models import attach_lora
+    from fedllm.models.loading import attach_lora
 
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100)
     assert len(lora_layers(attach_lora(transformers.GPT2LMHeadModel(config), LoraConfig(r=2, target_modules=["c_attn"]),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedllm.cli import main
+from fedllm.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "quickstart" / "smollm2-arith-fedavg.yaml"

@@ -6,17 +6,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedllm import checkpoint as ckpt_io
-from fedllm.cli import main
-from fedllm.config import parse_recipe
-from fedllm.server import round_lr, run, sample_clients
+from fedllm.commands.cli import main
+from fedllm.engine.server import round_lr, run, sample_clients
+from fedllm.recipe.schema import parse_recipe
+from fedllm.runs import checkpoint as ckpt_io
 
 
 def test_one_round_changes_the_weights_and_writes_the_run_dir(tiny_recipe):
     recipe = parse_recipe(tiny_recipe(federation={"rounds": 1}))
     result = run(recipe)
     before = parse_recipe(tiny_recipe())
-    from fedllm.models import load_model, read_state
+    from fedllm.models.loading import load_model, read_state
 
     init = read_state(load_model(before.model, before.lora, seed=0).model, result.global_state.keys())
     lora_b = [k for k in result.global_state if "lora_B" in k]
@@ -98,7 +98,7 @@ def test_a_crash_while_writing_leaves_no_torn_checkpoint(tiny_recipe, tmp_path, 
 def test_refuses_to_overwrite_a_run_without_flags(tiny_recipe):
     recipe = parse_recipe(tiny_recipe(federation={"rounds": 1}))
     run(recipe)
-    from fedllm.server import RunDirError
+    from fedllm.engine.server import RunDirError
 
     with pytest.raises(RunDirError, match="--resume"):
         run(recipe)
@@ -128,7 +128,7 @@ def test_classifier_head_is_trained_and_aggregated(tmp_path):
     result = run(recipe)
     head = [k for k in result.global_state if "classifier" in k and "modules_to_save" in k]
     assert head, "the classifier head is part of the global state"
-    from fedllm.models import load_model, read_state
+    from fedllm.models.loading import load_model, read_state
 
     init = read_state(load_model(recipe.model, recipe.lora, num_labels=2, seed=0).model, head)
     assert any(not torch.equal(init[k], result.global_state[k]) for k in head)

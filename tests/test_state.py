@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fedllm import state
+from fedllm.models import state
 
 
 def test_weighted_mean_matches_hand_computation():

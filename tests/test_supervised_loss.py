@@ -4,13 +4,13 @@ import pytest
 import torch
 import transformers
 
-from fedllm.config import LoraConfig, ModelConfig
-from fedllm.models import attach_lora, load_model
-from fedllm.supervised_loss import (
+from fedllm.models.loading import attach_lora, load_model
+from fedllm.models.supervised_loss import (
     all_positions_loss,
     loss_path,
     supervised_positions_loss,
 )
+from fedllm.recipe.schema import LoraConfig, ModelConfig
 
 
 def _batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:

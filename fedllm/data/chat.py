@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from fedllm.config import DataConfig
 from fedllm.data.errors import DataError
 from fedllm.data.templates import record_field
 from fedllm.data.tokens import IGNORE_INDEX, leading_bos, text_ids
+from fedllm.recipe.schema import DataConfig
 
 #: Speaker names (OpenAI and ShareGPT spellings) -> role.
 ROLE_ALIASES: dict[str, str] = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
 
 
 class DataError(InputError):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from fedllm.config import DataConfig
 from fedllm.data.chat import chat_encoder
 from fedllm.data.errors import DataError
 from fedllm.data.templates import (
@@ -34,6 +33,7 @@ from fedllm.data.templates import (
     record_field,
 )
 from fedllm.data.tokens import IGNORE_INDEX, leading_bos, text_ids
+from fedllm.recipe.schema import DataConfig
 
 Encoder = Callable[[dict], Optional[dict]]
 

@@ -1,6 +1,6 @@
 """Split records into clients: ``iid``, ``dirichlet`` (label skew) and ``natural``.
 
-Every partitioner is registered with :func:`fedllm.registry.register_partitioner`
+Every partitioner is registered with :func:`fedllm.common.registry.register_partitioner`
 and has the signature ``fn(records, num_clients, seed, cfg) -> parts`` where
 ``parts[c]`` is the sorted list of record indices of client ``c``. Partitioners
 never skip a client silently: an impossible request raises
@@ -15,10 +15,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fedllm.config import DataConfig, PartitionConfig
+from fedllm.common.registry import partitioners, register_partitioner
 from fedllm.data.errors import DataError, PartitionError
-from fedllm.data.manifest import load_manifest, manifest_clients, partition_manifest, save_manifest
-from fedllm.registry import partitioners, register_partitioner
+from fedllm.data.manifest import (
+    load_manifest,
+    manifest_clients,
+    partition_manifest,
+    save_manifest,
+)
+from fedllm.recipe.schema import DataConfig, PartitionConfig
 
 __all__ = [
     "DEFAULT_COLUMNS",
@@ -266,7 +271,7 @@ def run_partition_command(args: argparse.Namespace) -> int:
 
     data_cfg, partition_cfg, num_clients, seed = DataConfig(), PartitionConfig(), args.num_clients, args.seed
     if args.recipe:
-        from fedllm.config import load_recipe
+        from fedllm.recipe.schema import load_recipe
 
         recipe = load_recipe(args.recipe, ask_strategy=False)  # the strategy plays no part in a split (and needs torch)
         data_cfg, partition_cfg = recipe.data, dataclasses.replace(recipe.federation.partition, path=None)

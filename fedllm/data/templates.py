@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedllm.config import DataConfig
 from fedllm.data.errors import DataError
+from fedllm.recipe.schema import DataConfig
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from fedllm.config import DataConfig
 from fedllm.data.errors import DataError
 from fedllm.data.templates import field_name
+from fedllm.recipe.schema import DataConfig
 
 BAD_KINDS = ("empty", "too_long", "too_large")
 """Kinds of bad records counted in ``partition.json``."""

@@ -15,7 +15,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.metrics import accuracy
 from fedllm.evaluation.records import instruction_and_input, question_of

@@ -9,12 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from fedllm.config import EvalConfig
 from fedllm.evaluation import generation
 from fedllm.evaluation.judge_cache import JudgmentCache
 from fedllm.evaluation.judge_client import Complete, JudgeClient
-from fedllm.evaluation.prompt_styles import PromptStyle, default_prompt_style, make_prompt_style
+from fedllm.evaluation.prompt_styles import (
+    PromptStyle,
+    default_prompt_style,
+    make_prompt_style,
+)
 from fedllm.evaluation.results import ResultFile, model_fingerprint
+from fedllm.recipe.schema import EvalConfig
 
 JUDGE_CACHE_FILE = "judge_cache.jsonl"
 

@@ -32,7 +32,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from fedllm.errors import InputError, install_hint
+from fedllm.common.errors import InputError, install_hint
 from fedllm.evaluation.context import EvalContext, file_suffix
 from fedllm.evaluation.results import write_json_atomic
 from fedllm.evaluation.task import Task

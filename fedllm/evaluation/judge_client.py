@@ -24,9 +24,9 @@ from typing import Callable, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from fedllm.config import JudgeConfig
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
 from fedllm.evaluation.judge_cache import JudgmentCache, judgment_key
+from fedllm.recipe.schema import JudgeConfig
 
 log = logging.getLogger(__name__)
 

@@ -52,11 +52,11 @@ def evaluate_clients(checkpoint: str, client: "int | str", eval_cfg: Any, out_di
     """
     from pathlib import Path
 
-    from fedllm import checkpoint as ckpt_io
-    from fedllm.errors import InputError
+    from fedllm.common.errors import InputError
     from fedllm.evaluation.runner import evaluate
-    from fedllm.inference import model_from_checkpoint
-    from fedllm.models import read_state, write_state
+    from fedllm.export.inference import model_from_checkpoint
+    from fedllm.models.loading import read_state, write_state
+    from fedllm.runs import checkpoint as ckpt_io
 
     model, tokenizer, strategy, recipe = model_from_checkpoint(checkpoint, dtype)
     name, n = recipe.federation.strategy, recipe.federation.num_clients
@@ -86,12 +86,12 @@ def _client_splits(recipe: Any, tokenizer: Any, model: Any):
     """``(records(cid), examples(cid))``: a client's held-out raw records and tokenized examples."""
     if recipe.data.client_eval_fraction > 0:
         from fedllm.data import build_federated_data
-        from fedllm.models import resolve_task
+        from fedllm.models.loading import resolve_task
 
         data = build_federated_data(recipe.data, recipe.federation.partition, recipe.federation.num_clients,
                                     tokenizer, recipe.train.max_length, recipe.seed, resolve_task(recipe.model))
         return (lambda c: data.client_eval_records[c]), (lambda c: data.client_eval[c])
-    from fedllm.evaluation.cli import heldout_records
+    from fedllm.commands.evaluate import heldout_records
 
     held = heldout_records(recipe)
     return (lambda c: held), (lambda c: None)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import abc
 from typing import Optional
 
-from fedllm.errors import InputError, install_hint
-from fedllm.registry import Registry
+from fedllm.common.errors import InputError, install_hint
+from fedllm.common.registry import Registry
 
 Message = dict
 

@@ -8,13 +8,13 @@ import logging
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from fedllm.config import DataConfig, EvalConfig
+from fedllm.common.registry import tasks
 from fedllm.evaluation.context import EvalContext, file_suffix
 from fedllm.evaluation.judge_client import Complete, JudgeClient
 from fedllm.evaluation.results import write_json_atomic
 from fedllm.evaluation.task import Task
 from fedllm.evaluation.task_names import harness_task
-from fedllm.registry import tasks
+from fedllm.recipe.schema import DataConfig, EvalConfig
 
 log = logging.getLogger(__name__)
 

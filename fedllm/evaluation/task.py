@@ -10,7 +10,7 @@ from fedllm.evaluation.sources import DataSourceError, HubSource, read_hub, read
 
 
 class Task(abc.ABC):
-    """One evaluation task (registered with :func:`fedllm.registry.register_task`).
+    """One evaluation task (registered with :func:`fedllm.common.registry.register_task`).
 
     Attributes:
         name: registry name; metric keys are ``<name>/<metric>``.

@@ -30,7 +30,7 @@ def harness_task(name: str) -> str:
 
 def known_task(name: str) -> bool:
     """Whether ``name`` is a registered task or ``lm_eval:<task>`` (the harness checks its own names)."""
-    from fedllm.registry import tasks
+    from fedllm.common.registry import tasks
 
     return name in tasks or bool(harness_task(name).strip())
 

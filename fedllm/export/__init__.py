@@ -10,13 +10,11 @@ Every export carries a model card (README.md) and ``export.json``; it is written
 temporary directory beside ``--out`` and renamed at the end, so a failure leaves nothing.
 """
 
-from fedllm.export.cli import add_export_arguments, run_export_command
+from fedllm.common.lazy import lazy_attributes
 from fedllm.export.errors import ExportCheckError, ExportInputError
 from fedllm.export.formats import FORMATS
-from fedllm.lazy import lazy_attributes
 
 __getattr__ = lazy_attributes(__name__, {name: "fedllm.export.api" for name in ("ExportResult", "export",
                                                                                  "export_command")})
 
-__all__ = ["FORMATS", "ExportCheckError", "ExportInputError", "ExportResult", "add_export_arguments", "export",
-           "export_command", "run_export_command"]
+__all__ = ["FORMATS", "ExportCheckError", "ExportInputError", "ExportResult", "export", "export_command"]

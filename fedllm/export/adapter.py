@@ -21,10 +21,22 @@ import torch
 from fedllm.export.errors import ExportInputError
 from fedllm.export.factors import LayerFactors, layer_factors
 from fedllm.export.merged import check_probe
-from fedllm.export.source import Source, load_original_base, probe_inputs, probe_logits, to_fp32
-from fedllm.export.weights import PEFT_PREFIX, oriented, read_layers, relative_name, wrapped_layers
-from fedllm.lowrank import dense_weight
-from fedllm.state import DTYPES
+from fedllm.export.source import (
+    Source,
+    load_original_base,
+    probe_inputs,
+    probe_logits,
+    to_fp32,
+)
+from fedllm.export.weights import (
+    PEFT_PREFIX,
+    oriented,
+    read_layers,
+    relative_name,
+    wrapped_layers,
+)
+from fedllm.models.lowrank import dense_weight
+from fedllm.models.state import DTYPES
 
 
 def check_rank(model: Any, rank: Optional[int]) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from fedllm.common.redact import redact, redact_text
 from fedllm.export.adapter import write_adapter
 from fedllm.export.card import model_card
 from fedllm.export.errors import ExportInputError
@@ -19,8 +20,6 @@ from fedllm.export.formats import DTYPE_CHOICES, FORMATS
 from fedllm.export.merged import write_merged
 from fedllm.export.out_dir import REPORT, check_out_dir
 from fedllm.export.source import Source, load_run_model, open_source
-from fedllm.redact import redact, redact_text
-
 
 ClientChoice = Union[None, int, str]
 
@@ -62,7 +61,7 @@ def export_command(source: str | Path, fmt: str, out: str | Path, dtype: str = "
 
 def _clients(source: Source, client: ClientChoice) -> list[Optional[int]]:
     """Which models to export: ``[None]`` for the global model, else client ids."""
-    from fedllm.registry import strategies
+    from fedllm.common.registry import strategies
 
     personalized = getattr(strategies.get(source.recipe.federation.strategy), "personalized", False)
     n = source.recipe.federation.num_clients
@@ -109,7 +108,7 @@ def _check_out(out: Path, source: Source, overwrite: bool) -> None:
 
 def _write_one(fmt: str, source: Source, client: Optional[int], directory: Path, dtype: str, rank: Optional[int],
                with_base: bool, command: str, final: Optional[Path] = None) -> dict[str, Any]:
-    from fedllm import logs
+    from fedllm.common import logs
 
     directory.mkdir(parents=True, exist_ok=True)
     model, tokenizer, strategy = load_run_model(source, client)
@@ -181,7 +180,7 @@ def export(source: str | Path, fmt: str, out: str | Path, dtype: str = "auto", r
         ExportInputError: a torn or foreign source, a bad option, a rank above a layer's size, an existing out.
         ExportCheckError: an exact export does not reproduce the run's model (nothing is written).
     """
-    from fedllm import runlock
+    from fedllm.runs import runlock
 
     _check_options(fmt, dtype, rank, with_base)
     src = open_source(source)

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from fedllm.config import ModelConfig
 from fedllm.export.source import PROBE_TEXT, Source
+from fedllm.recipe.schema import ModelConfig
 
 
 def _hub_id(name: str) -> Optional[str]:
@@ -40,7 +40,7 @@ def _base_loading(source: Source, info: dict[str, Any], where: str) -> tuple[str
     if info.get("with_base"):
         return (f"from transformers import {auto}", f"base = {auto}.from_pretrained({where + '/base'!r}{labels})",
                 "The original base model is saved in `base/` (written with `--with-base`).")
-    from fedllm.models import model_presets
+    from fedllm.models.loading import model_presets
 
     if cfg.name in model_presets:
         preset = model_presets.get(cfg.name)
@@ -55,7 +55,7 @@ def _base_loading(source: Source, info: dict[str, Any], where: str) -> tuple[str
         fields = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
                            if getattr(cfg, f.name) != getattr(defaults, f.name) or f.name == "name")
         n = len(source.label_names) or 2
-        return ("from fedllm.config import ModelConfig\nfrom fedllm.models import load_base_model, load_tokenizer",
+        return ("from fedllm.recipe.schema import ModelConfig\nfrom fedllm.models.loading import load_base_model, load_tokenizer",
                 f"cfg = ModelConfig({fields})\nbase = load_base_model(cfg, load_tokenizer(cfg), num_labels={n}, "
                 f"seed={source.recipe.seed})",
                 f"`{cfg.name}` is a fedllm preset built from a config with the run's seed, so fedllm rebuilds it "

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from fedllm.lowrank import relative_error
+from fedllm.models.lowrank import relative_error
 
 FP32_EPS = torch.finfo(torch.float32).eps
 

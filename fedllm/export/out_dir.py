@@ -30,7 +30,7 @@ def check_out_dir(out: Path, overwrite: bool, source: Optional[Path] = None) -> 
         return
     if not overwrite:
         raise ExportInputError(f"--out {out}: already exists and is not empty; pass --overwrite to replace it")
-    from fedllm.rundir import protected_reason
+    from fedllm.runs.rundir import protected_reason
 
     reason = protected_reason(out, [])
     if reason is None and not ((out / REPORT).is_file() or any(out.glob(f"client-*/{REPORT}"))):

@@ -14,10 +14,10 @@ from typing import Any, Optional
 
 import torch
 
-from fedllm import checkpoint as ckpt_io
-from fedllm.config import Recipe, parse_recipe, read_yaml
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
 from fedllm.export.errors import ExportInputError
+from fedllm.recipe.schema import Recipe, parse_recipe, read_yaml
+from fedllm.runs import checkpoint as ckpt_io
 
 TENSOR_FILES = ("adapter", "base", "strategy", "clients", "optimizer")
 PROBE_TEXT = "Federated fine-tuning: what every client learned, in one model."
@@ -172,8 +172,8 @@ def load_run_model(source: Source, client: Optional[int]) -> tuple[Any, Any, Any
     """
     from safetensors import SafetensorError
 
-    from fedllm.inference import model_from_checkpoint
-    from fedllm.state import StateMismatch
+    from fedllm.export.inference import model_from_checkpoint
+    from fedllm.models.state import StateMismatch
 
     try:
         model, tok, strategy, _ = model_from_checkpoint(source.checkpoint, client=client)
@@ -203,8 +203,8 @@ def to_fp32(model: Any) -> Any:
 
 
 def load_original_base(source: Source, tokenizer: Any) -> Any:
-    """The base model before any training, as ``fedllm.models.load_base_model`` builds it for the run."""
-    from fedllm.models import load_base_model
+    """The base model before any training, as ``fedllm.models.loading.load_base_model`` builds it for the run."""
+    from fedllm.models.loading import load_base_model
 
     return load_base_model(source.recipe.model, tokenizer, num_labels=len(source.label_names) or 2,
                            seed=source.recipe.seed).eval()

@@ -20,7 +20,7 @@ import torch
 
 from fedllm.export.errors import ExportInputError
 from fedllm.export.factors import FP32_EPS, LowRank
-from fedllm.lowrank import dense_weight, is_quantized
+from fedllm.models.lowrank import dense_weight, is_quantized
 
 PEFT_PREFIX = "base_model.model."
 READOUT_BLOCK = 1024  # identity columns pushed through a layer at once

@@ -4,7 +4,7 @@
 ``configure_train`` turns :meth:`Strategy.configure_client` plans into Flower messages (one per sampled
 client, to the SuperNode serving it, with the rounds of aggregates it missed), ``aggregate_train`` turns
 the replies into :class:`ClientUpdate` objects and runs the round loop's aggregation
-(:meth:`fedllm.server.RoundLoop.aggregate`: ``aggregate`` then ``after_aggregate``). No algorithm is
+(:meth:`fedllm.engine.server.RoundLoop.aggregate`: ``aggregate`` then ``after_aggregate``). No algorithm is
 written here: every strategy runs unchanged. The client side is :mod:`fedllm.flower.client_app`.
 """
 
@@ -21,7 +21,7 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedllm.flower import records
 from fedllm.flower.node import needs_sync, phases_json, replays_after_aggregate
-from fedllm.state import StateDict, cast
+from fedllm.models.state import StateDict, cast
 from fedllm.strategies.base import ClientUpdate
 
 log = logging.getLogger("fedllm")
@@ -35,7 +35,7 @@ class FedllmStrategy(FlowerStrategy):
     """fedllm's hooks on Flower's ``configure_train`` / ``aggregate_train``.
 
     Args:
-        loop: the :class:`fedllm.server.RoundLoop` whose strategy, global state and model it serves.
+        loop: the :class:`fedllm.engine.server.RoundLoop` whose strategy, global state and model it serves.
         token: identifies the run on the nodes (their state folder); kept across server restarts.
     """
 
@@ -63,7 +63,7 @@ class FedllmStrategy(FlowerStrategy):
 
         from safetensors.torch import save_file
 
-        from fedllm.base_history import history_of, merges_to_state
+        from fedllm.runs.base_history import history_of, merges_to_state
 
         if not self.sync_needed:
             return
@@ -99,7 +99,7 @@ class FedllmStrategy(FlowerStrategy):
         return out, sum(records.record_bytes(r) for r in out.values())
 
     def header(self, cid: int, rnd: int, **extra: Any) -> ConfigRecord:
-        from fedllm.config import dump_recipe
+        from fedllm.recipe.schema import dump_recipe
 
         return ConfigRecord({"recipe": dump_recipe(self.loop.recipe), "token": self.token, "round": rnd,
                              "client_id": cid, "synced_from": self.synced.get(cid, 0),
@@ -114,8 +114,8 @@ class FedllmStrategy(FlowerStrategy):
         seeded sample and the learning-rate schedule of round ``server_round``), so Flower's own
         ``Strategy.start`` loop can drive this strategy too.
         """
-        from fedllm import client_faults
-        from fedllm.server import round_lr, sample_clients
+        from fedllm.engine import client_faults
+        from fedllm.engine.server import round_lr, sample_clients
 
         recipe = self.loop.recipe
         sampled = config["sampled"] if "sampled" in config else sample_clients(
@@ -165,7 +165,7 @@ class FedllmStrategy(FlowerStrategy):
         A node that failed, did not answer, or sent a malformed or non-finite update is dropped, as a
         client that raises is in simulation (``federation.on_client_error``); notes how far each node is synced.
         """
-        from fedllm import client_faults
+        from fedllm.engine import client_faults
 
         updates, dropped = [], {}
         for m in replies:

@@ -16,7 +16,7 @@ import datetime
 import ipaddress
 from pathlib import Path
 
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
 
 
 def _name(text: str):

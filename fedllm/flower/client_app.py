@@ -3,7 +3,7 @@
 Messages it answers (all built by :class:`fedllm.flower.adapter.FedllmStrategy`):
 
 - ``query.fedllm``: which client this node is (and an echo of an optional transport probe);
-- ``train``: catch up on missed rounds, train through :func:`fedllm.client.run_client`, reply with the upload;
+- ``train``: catch up on missed rounds, train through :func:`fedllm.engine.client.run_client`, reply with the upload;
 - ``train.sync``: catch up only (after the last round, so every node ends with the server's model).
 
 The per-client state stays in the node's state directory (:mod:`fedllm.flower.node`). Under Flower's own
@@ -74,7 +74,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.train("sync")
 def sync(msg: Message, context: Context) -> Message:
     """Apply the rounds this node missed and keep the result (no training)."""
-    from fedllm.models import read_state
+    from fedllm.models.loading import read_state
 
     node, _ = _open_node(msg, context)
     node.save(node.synced, read_state(node.fed.loaded.model, node.fed.global_keys))

@@ -1,7 +1,7 @@
-"""Train a round's sampled clients on Flower's grid: the round loop of :mod:`fedllm.server`, unchanged,
+"""Train a round's sampled clients on Flower's grid: the round loop of :mod:`fedllm.engine.server`, unchanged,
 with SuperNodes doing the client side.
 
-The ServerApp hands a :class:`FlowerExecutor` to :func:`fedllm.server.run`, so a Flower run writes the same
+The ServerApp hands a :class:`FlowerExecutor` to :func:`fedllm.engine.server.run`, so a Flower run writes the same
 run directory as ``fedllm train`` (metrics.jsonl, checkpoints, final/) and resumes from its newest checkpoint
 after a server restart. Before the first round it asks every connected node which client it serves
 (``query.fedllm``), optionally with a transport probe (a tensor of ``probe_mb`` MB the node sums), and waits,
@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 
 from fedllm.flower import FEDERATION_INCOMPLETE
 from fedllm.flower.adapter import ClientFailed, FedllmStrategy
-from fedllm.state import StateDict
+from fedllm.models.state import StateDict
 
 log = logging.getLogger("fedllm")
 
@@ -253,7 +253,7 @@ class FlowerExecutor:
                 log.warning("client %s: its SuperNode is back (node %s); message sent again", cid, node)
         return self._push(again) if again else {}
 
-    # ----- the executor interface of fedllm.server.RoundLoop
+    # ----- the executor interface of fedllm.engine.server.RoundLoop
     def train(self, loop: Any, rnd: int, sampled: list[int], lr: float,
               bar: Any) -> tuple[list[Any], dict[int, int], dict[int, str]]:
         adapter = self.bind(loop)

@@ -7,17 +7,17 @@ client after round NNNN (the last few are kept, so a server that resumes from an
 the state the client had then), holding
 
 - ``clients.safetensors``: this client's per-client state (SCAFFOLD's ``c_i``, private factors, optimizer
-  moments: :class:`fedllm.client_store.ClientStore`), which never leaves the node;
+  moments: :class:`fedllm.runs.client_store.ClientStore`), which never leaves the node;
 - ``base.safetensors`` / ``strategy.safetensors``: the node's replica of what every client changes (FRLoRA's,
   FedLoRU's, FedEx-LoRA's and FLoRA's merges into the base), and the round it is synced to; the base as a
-  snapshot hard-linked from the previous step plus a log of low-rank merges (:mod:`fedllm.base_history`), so a
+  snapshot hard-linked from the previous step plus a log of low-rank merges (:mod:`fedllm.runs.base_history`), so a
   step writes adapter-sized bytes.
 
 Catch-up (FRLoRA's non-participant sync, DESIGN.md §4): the server keeps each round's aggregate and sends
 a client the rounds it missed with its next message (and every client the rest after the last round);
 the node replays :meth:`Strategy.after_aggregate` on them, the very code the server runs, so its base
 is the server's ``Ŵ^t``. A strategy that changes the base inside ``aggregate`` (FedEx-LoRA, FLoRA: no node
-runs it) sends instead the round's logged low-rank merges (:mod:`fedllm.base_history`), which the node
+runs it) sends instead the round's logged low-rank merges (:mod:`fedllm.runs.base_history`), which the node
 replays with the server's exact arithmetic. Either way a catch-up carries factors, never a dense matrix.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
 
 NODE_KEYS = ("partition-id", "state-dir", "data-path")
 
@@ -71,8 +71,8 @@ class Node:
     """One client's federation on its SuperNode, rebuilt from the recipe the server sends."""
 
     def __init__(self, config: NodeConfig, recipe_yaml: str, token: str):
-        from fedllm.config import parse_recipe, read_yaml
-        from fedllm.server import build_federation
+        from fedllm.engine.server import build_federation
+        from fedllm.recipe.schema import parse_recipe, read_yaml
 
         self.config = config
         overrides = []
@@ -89,7 +89,7 @@ class Node:
 
     def steps(self) -> list[Path]:
         """Saved states of this client, oldest first."""
-        from fedllm import checkpoint as ckpt_io
+        from fedllm.runs import checkpoint as ckpt_io
 
         return sorted(p for p in self.dir.glob("step-*") if ckpt_io.is_checkpoint(p))
 
@@ -99,8 +99,8 @@ class Node:
         ``expected_step``: the newest step the server knows this node saved (0: none); a node that has lost
         it (state directory deleted or replaced) fails loudly instead of training from a blank state.
         """
-        from fedllm import checkpoint as ckpt_io
-        from fedllm.client_store import ClientStore
+        from fedllm.runs import checkpoint as ckpt_io
+        from fedllm.runs.client_store import ClientStore
 
         self.store = ClientStore()
         found = [p for p in self.steps() if int(p.name.split("-")[1]) < before]
@@ -119,9 +119,9 @@ class Node:
         """Write this client's state and the replica after round ``step`` atomically; prune old steps."""
         import shutil
 
-        from fedllm import checkpoint as ckpt_io
-        from fedllm.config import dump_recipe
-        from fedllm.server import base_fields
+        from fedllm.engine.server import base_fields
+        from fedllm.recipe.schema import dump_recipe
+        from fedllm.runs import checkpoint as ckpt_io
         from fedllm.strategies.client_ranks import RankedClients
 
         strategy = self.fed.strategy
@@ -139,8 +139,8 @@ class Node:
     def catch_up(self, synced_from: int, rounds: dict[int, dict]) -> None:
         """Apply the rounds this node missed: the server's logged merges (``merge/...`` entries), then
         ``after_aggregate`` on the aggregate, as on the server."""
-        from fedllm.base_history import merges_from_state
-        from fedllm.models import write_state
+        from fedllm.models.loading import write_state
+        from fedllm.runs.base_history import merges_from_state
 
         if not rounds:
             return
@@ -158,11 +158,11 @@ class Node:
             self.synced = rnd
 
     def train(self, rnd: int, lr: float, state: dict, phases: list, extra: dict, local: dict) -> Any:
-        """Train this client for round ``rnd`` through :func:`fedllm.client.run_client` (as in simulation)."""
+        """Train this client for round ``rnd`` through :func:`fedllm.engine.client.run_client` (as in simulation)."""
         from functools import partial
 
-        from fedllm.client import derived_seed, run_client
         from fedllm.data import collate
+        from fedllm.engine.client import derived_seed, run_client
         from fedllm.strategies.base import ClientPlan, Phase
 
         fed = self.fed

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fedllm.errors import InputError, install_hint
+from fedllm.common.errors import InputError, install_hint
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 GRACE_S = 10.0

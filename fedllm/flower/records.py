@@ -1,7 +1,7 @@
 """Keyed tensor dicts <-> Flower records, in the wire dtype (``federation.comm_dtype``).
 
 A tensor travels as ``comm_dtype`` (half the bytes for bf16/fp16) and comes back in the dtype it had,
-holding exactly the values :func:`fedllm.state.cast` gives in the in-process simulation. NumPy has no
+holding exactly the values :func:`fedllm.models.state.cast` gives in the in-process simulation. NumPy has no
 bfloat16, so bf16 tensors travel as their int16 bit pattern. The entry name carries the original and the
 wire dtype (``<name>|<orig>|<wire>``); Flower slices large arrays into chunks on the way (its large-message
 support), so an adapter of any size fits in one record.
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedllm.state import DTYPES, StateDict
+from fedllm.models.state import DTYPES, StateDict
 
 SEP = "|"
 TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (

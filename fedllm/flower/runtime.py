@@ -59,8 +59,8 @@ def fab_refusal(fab_content: bytes) -> str | None:
 
 
 def _input_error(e: BaseException | None) -> bool:
-    """True when ``e`` or an exception it was raised from is fedllm's :class:`~fedllm.errors.InputError`."""
-    from fedllm.errors import InputError
+    """True when ``e`` or an exception it was raised from is fedllm's :class:`~fedllm.common.errors.InputError`."""
+    from fedllm.common.errors import InputError
 
     seen = set()
     while e is not None and id(e) not in seen:
@@ -81,7 +81,10 @@ def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[st
     """Claim ``task_type`` tasks from the Runtime API at ``address`` forever; ``handle(token)`` each one
     (``idle()`` whenever there is none)."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
-    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
+    from flwr.supercore.interceptors import (
+        RuntimeVersionHttpInterceptor,
+        SuperExecAuthHttpInterceptor,
+    )
     from flwr.supercore.runtime import RuntimeHttpClient
 
     client = RuntimeHttpClient.from_server_address(
@@ -105,7 +108,7 @@ def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[st
 
 # ----- the SuperLink side
 SERVER_APP_IMPORTS = ("flwr.server.run_serverapp", "flwr.superlink.grid", "fedllm.flower.server_app",
-                      "fedllm.flower.executor", "fedllm.server", "fedllm.models", "peft")
+                      "fedllm.flower.executor", "fedllm.engine.server", "fedllm.models.loading", "peft")
 """What every ServerApp task imports (torch, transformers and peft among them): imported once by the runner, at
 its first task, so that each task's forked child starts with them."""
 
@@ -148,12 +151,22 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
 
     from flwr.common.config import get_fused_config_from_fab
     from flwr.common.constant import SubStatus
-    from flwr.common.serde import context_from_proto, context_to_proto, fab_from_proto, run_from_proto
+    from flwr.common.serde import (
+        context_from_proto,
+        context_to_proto,
+        fab_from_proto,
+        run_from_proto,
+    )
     from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest  # pylint: disable=E0611
     from flwr.server.run_serverapp import run as run_server_app
     from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-    from flwr.supercore.logger import (flush_logs, mirror_output_to_queue, restore_output, start_log_uploader,
-                                       stop_log_uploader)
+    from flwr.supercore.logger import (
+        flush_logs,
+        mirror_output_to_queue,
+        restore_output,
+        start_log_uploader,
+        stop_log_uploader,
+    )
     from flwr.supercore.task_identity import TaskIdentity
     from flwr.superlink.grid import HttpGrid
 
@@ -271,13 +284,17 @@ def read_journal(path: Path):
 def pull_task_input(client):
     """Flower's ``run_clientapp.pull_task_input``, retrying every 50 ms (capped at 0.5 s) instead of from 1 s (capped
     at 10 s): a warm worker claims a task before its SuperNode has finished receiving the message's objects."""
+    from flwr.app import Message
     from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
     from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
     from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest  # pylint: disable=E0611
-    from flwr.app import Message
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import (make_confirm_message_received_fn_protobuf,
-                                                                     make_pull_object_fn_protobuf)
-    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_confirm_message_received_fn_protobuf,
+        make_pull_object_fn_protobuf,
+    )
+    from flwr.supercore.inflatable.inflatable_utils import (
+        pull_and_inflate_object_from_tree,
+    )
     from flwr.supercore.task_identity import TaskIdentity
 
     res = client.PullTaskInput(PullTaskInputRequest())
@@ -303,7 +320,10 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
     from flwr.app.error import Error
     from flwr.common.constant import ErrorCode, SubStatus
     from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.interceptors import (
+        RuntimeTokenHttpInterceptor,
+        RuntimeVersionHttpInterceptor,
+    )
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 

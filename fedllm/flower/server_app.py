@@ -1,4 +1,4 @@
-"""The Flower ServerApp: ``fedllm.server.run`` on a recipe, its clients trained by SuperNodes.
+"""The Flower ServerApp: ``fedllm.engine.server.run`` on a recipe, its clients trained by SuperNodes.
 
 Run config (``flwr run ... --run-config "recipe='/abs/recipe.yaml' ..."``; paths are read where the
 SuperLink runs the ServerApp):
@@ -41,9 +41,9 @@ def read_node_keys(directory: str) -> dict[int, bytes]:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Build the federation from the recipe and run the round loop with a :class:`FlowerExecutor`."""
-    from fedllm.config import load_recipe
+    from fedllm.engine.server import run
     from fedllm.flower.executor import FlowerExecutor
-    from fedllm.server import run
+    from fedllm.recipe.schema import load_recipe
 
     cfg = context.run_config
     if not cfg.get("recipe"):

@@ -21,8 +21,8 @@ _ACTIVE: NodeCache | None = None
 def _snapshot(node: Any) -> dict[str, Any]:
     import copy
 
-    from fedllm.models import read_state
-    from fedllm.server import base_weights
+    from fedllm.engine.server import base_weights
+    from fedllm.models.loading import read_state
 
     model, strategy = node.fed.loaded.model, node.fed.strategy
     keys = [n for n, p in model.named_parameters() if p.requires_grad or "lora_" in n]
@@ -34,8 +34,8 @@ def _snapshot(node: Any) -> dict[str, Any]:
 def _reset(node: Any, initial: dict[str, Any]) -> None:
     import copy
 
-    from fedllm.client_store import ClientStore
-    from fedllm.models import write_state
+    from fedllm.models.loading import write_state
+    from fedllm.runs.client_store import ClientStore
 
     model = node.fed.loaded.model
     write_state(model, initial["base"])

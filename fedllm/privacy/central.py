@@ -27,10 +27,10 @@ from typing import Any, Optional
 
 import torch
 
-from fedllm.client import derived_seed
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
+from fedllm.engine.client import derived_seed
+from fedllm.models.state import StateDict, cast
 from fedllm.privacy import accounting
-from fedllm.state import StateDict, cast
 from fedllm.strategies.base import ClientPlan, ClientUpdate
 
 NORM_KEY = "dp_clipping_norm"
@@ -124,7 +124,7 @@ class ClientLevelDP:
         if self.clip_on_server:
             return up
         adaptive = self.pv.adaptive_clipping.enabled
-        if any(v.is_meta for v in up.values()):  # the layout probe of fedllm.client_faults
+        if any(v.is_meta for v in up.values()):  # the layout probe of fedllm.engine.client_faults
             return {**up, **({UNCLIPPED_KEY: torch.empty(1, device="meta")} if adaptive else {})}
         norm_to = float(plan.extra.get(NORM_KEY, self.clipping_norm))
         delta = {k: v.float() - plan.state[k].to(v.device).float() for k, v in up.items()}

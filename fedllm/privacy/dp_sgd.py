@@ -31,11 +31,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from fedllm.client import derived_seed, steps_per_round
+from fedllm.common.errors import InputError
 from fedllm.data.tokens import IGNORE_INDEX
-from fedllm.errors import InputError
+from fedllm.engine.client import derived_seed, steps_per_round
+from fedllm.models.state import StateDict
 from fedllm.privacy import accounting
-from fedllm.state import StateDict
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate
 
 STEPS_KEY = "privacy/dp_sgd_steps"
@@ -120,7 +120,9 @@ class LocalDPSGD:
         if self.mode != "ghost":
             losses = per_example_losses(model, batch)
             return losses.sum(), losses.detach().mean()
-        from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import (
+            DPTensorFastGradientClipping,
+        )
 
         try:
             losses = per_example_losses(model, batch)

@@ -1,6 +1,6 @@
 """Federated strategies, one per file, picked by registry name."""
 
-from fedllm.registry import strategies
+from fedllm.common.registry import strategies
 from fedllm.strategies import (  # noqa: F401
     fedadagrad,
     fedadam,

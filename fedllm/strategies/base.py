@@ -14,8 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from fedllm.state import StateDict, num_bytes
-
+from fedllm.models.state import StateDict, num_bytes
 
 MAX_COUNT = 10**6
 """Largest integer a strategy argument (iterations, ranks, steps, periods) may hold; seeds are exempt."""
@@ -68,14 +67,14 @@ class Strategy(abc.ABC):
     """Base strategy: hooks with do-nothing defaults; FedAvg overrides ``aggregate``.
 
     Attributes:
-        recipe: the run's :class:`fedllm.config.Recipe`, set by the server before ``setup``.
+        recipe: the run's :class:`fedllm.recipe.schema.Recipe`, set by the server before ``setup``.
         modifies_base: True when the strategy changes the frozen base weights (their current
             values are then checkpointed and exported).
         kept_in_base: True when the pieces returned by :meth:`kept_factors` are also merged into
             the current base weights already (FedLoRU's ``accumulate: merge``), so the original
             weight is the current base minus them; False when they are kept only beside the base.
         client_batching: True when clients can train together (``train.clients_per_pass``, see
-            :mod:`fedllm.batched_clients`): one default phase per plan, no ``after_step``, a
+            :mod:`fedllm.engine.batched_clients`): one default phase per plan, no ``after_step``, a
             ``client_loss`` that reads only ``model.named_parameters()``. It counts only when declared
             by the class that last overrode a client-side hook (:meth:`client_batching_problem`).
     """
@@ -219,7 +218,7 @@ class Strategy(abc.ABC):
     def kept_factors(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]]:
         """Low-rank pieces of the learned update kept outside the adapter, for exact export.
 
-        Maps a LoRA-wrapped module name (as in ``fedllm.models.lora_layers``) to a list of
+        Maps a LoRA-wrapped module name (as in ``fedllm.models.loading.lora_layers``) to a list of
         ``(B, A, scale)``: the layer's learned change equals the sum of ``scale * B @ A`` over the
         list plus the current adapter's product (FedLoRU's accumulated factors). Default: none.
         See :attr:`kept_in_base` for whether the current base weights already include them.
@@ -229,7 +228,7 @@ class Strategy(abc.ABC):
     def base_residuals(self) -> dict[str, torch.Tensor]:
         """Dense changes of LoRA-wrapped base weights kept beside them instead of merged, for export.
 
-        Maps a module name (as in ``fedllm.models.lora_layers``) to an fp32 ``out × in`` matrix that
+        Maps a module name (as in ``fedllm.models.loading.lora_layers``) to an fp32 ``out × in`` matrix that
         the model adds to that layer's base weight (a forward hook computes with it): FRLoRA's and
         FedLoRU's merges on a 4/8-bit or half-precision base. Default: none.
         """

@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientUpdate
 from fedllm.strategies.fedmedian import checked, coordinate_median, stacked
 from fedllm.strategies.multikrum import MultiKrum, select

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from fedllm.errors import InputError
-from fedllm.state import StateDict
+from fedllm.common.errors import InputError
+from fedllm.models.state import StateDict
 
 DISTRIBUTIONS: dict[str, tuple[float, float, float, float]] = {
     "uniform": (0.25, 0.25, 0.25, 0.25),

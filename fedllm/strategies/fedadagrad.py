@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedllm.registry import register_strategy
+from fedllm.common.registry import register_strategy
 from fedllm.strategies.fedopt import ServerOptimizer
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from fedllm.registry import register_strategy
+from fedllm.common.registry import register_strategy
 from fedllm.strategies.fedopt import ServerOptimizer
 
 

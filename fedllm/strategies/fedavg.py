@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict, weighted_mean
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict, weighted_mean
 from fedllm.strategies.base import ClientUpdate, Strategy
 
 

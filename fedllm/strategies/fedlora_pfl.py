@@ -38,10 +38,10 @@ from typing import Optional
 
 import torch
 
-from fedllm.errors import InputError
-from fedllm.lowrank import is_quantized
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict
+from fedllm.common.errors import InputError
+from fedllm.common.registry import register_strategy
+from fedllm.models.lowrank import is_quantized
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientInfo, ClientPlan, Phase
 from fedllm.strategies.fedavg import FedAvg
 from fedllm.strategies.private_adapter import PrivateFactors
@@ -167,7 +167,7 @@ class FedLoRAPFL(PrivateFactors, FedAvg):
     def phase_steps(self, client_id: int) -> tuple[int, int]:
         """``(E_lora, E_global)`` in optimizer steps for client ``client_id``: one budget ``E`` split (see the
         module docstring) unless both are given."""
-        from fedllm.client import steps_per_round
+        from fedllm.engine.client import steps_per_round
 
         train = recipe_value(self.recipe, "train", None)
         budget = steps_per_round(train, self.sizes[client_id]) if train is not None else 1

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.base_history import LowRankMerge
-from fedllm.registry import register_strategy
-from fedllm.state import DTYPES, StateDict
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import DTYPES, StateDict
+from fedllm.runs.base_history import LowRankMerge
 from fedllm.strategies.base import ClientInfo, ClientUpdate
 from fedllm.strategies.fedavg import FedAvg
 from fedllm.strategies.residual import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict, check_same_keys
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict, check_same_keys
 from fedllm.strategies.base import ClientUpdate, Strategy
 
 

@@ -18,7 +18,7 @@ import abc
 
 import torch
 
-from fedllm.state import StateDict, cast, check_same_keys
+from fedllm.models.state import StateDict, cast, check_same_keys
 from fedllm.strategies.base import ClientUpdate
 from fedllm.strategies.fedavg import FedAvg
 

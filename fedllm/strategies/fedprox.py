@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.registry import register_strategy
+from fedllm.common.registry import register_strategy
 from fedllm.strategies.base import ClientPlan
 from fedllm.strategies.fedavg import FedAvg
 
@@ -23,7 +23,7 @@ class FedProx(FedAvg):
     """
 
     name = "fedprox"
-    client_batching = True  # client_loss reads only model.named_parameters() (fedllm.batched_clients.ClientView)
+    client_batching = True  # client_loss reads only model.named_parameters() (fedllm.engine.batched_clients.ClientView)
 
     def __init__(self, mu: float = 0.01, weighting: str = "examples", **kwargs):
         super().__init__(weighting=weighting, **kwargs)

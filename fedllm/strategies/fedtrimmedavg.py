@@ -3,8 +3,8 @@ Statistical Rates")."""
 
 from __future__ import annotations
 
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientUpdate, Strategy
 from fedllm.strategies.fedmedian import checked, stacked
 

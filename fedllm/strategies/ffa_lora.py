@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientPlan, ClientUpdate
 from fedllm.strategies.fedavg import FedAvg
 

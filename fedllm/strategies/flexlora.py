@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict, weighted_mean
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict, weighted_mean
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate
 from fedllm.strategies.client_ranks import RankedClients, check_rank_args
 from fedllm.strategies.fedavg import FedAvg

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from fedllm.base_history import LowRankMerge
-from fedllm.registry import register_strategy
-from fedllm.state import DTYPES, StateDict, weighted_mean
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import DTYPES, StateDict, weighted_mean
+from fedllm.runs.base_history import LowRankMerge
 from fedllm.strategies.base import ClientInfo, ClientUpdate
 from fedllm.strategies.client_ranks import RankedClients, check_rank_args
 from fedllm.strategies.fedavg import FedAvg

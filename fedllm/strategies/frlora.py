@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.base_history import LowRankMerge
-from fedllm.lowrank import SVD_METHODS, principal_factors, product
-from fedllm.registry import register_strategy
-from fedllm.state import DTYPES, StateDict
+from fedllm.common.registry import register_strategy
+from fedllm.models.lowrank import SVD_METHODS, principal_factors, product
+from fedllm.models.state import DTYPES, StateDict
+from fedllm.runs.base_history import LowRankMerge
 from fedllm.strategies.base import ClientInfo
 from fedllm.strategies.fedavg import FedAvg
 from fedllm.strategies.residual import (
@@ -49,7 +49,6 @@ from fedllm.strategies.residual import (
     standard_factors,
     to_wire,
 )
-
 
 MAX_NITER = 100
 """Most subspace iterations of the randomized SVD a recipe may ask for."""

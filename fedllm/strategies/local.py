@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from fedllm.models import read_state
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict
+from fedllm.common.registry import register_strategy
+from fedllm.models.loading import read_state
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate, Phase, Strategy
 
 

@@ -25,10 +25,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from fedllm.errors import InputError
-from fedllm.lowrank import lora_init_
-from fedllm.registry import register_strategy
-from fedllm.state import DTYPES, StateDict
+from fedllm.common.errors import InputError
+from fedllm.common.registry import register_strategy
+from fedllm.models.lowrank import lora_init_
+from fedllm.models.state import DTYPES, StateDict
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate, Phase
 from fedllm.strategies.fedloru import FedLoRU
 from fedllm.strategies.residual import layer_seed, recipe_value

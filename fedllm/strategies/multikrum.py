@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientUpdate
 from fedllm.strategies.fedavg import FedAvg
 from fedllm.strategies.fedmedian import checked

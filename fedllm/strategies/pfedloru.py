@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from fedllm.errors import InputError
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict
+from fedllm.common.errors import InputError
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientInfo, ClientPlan, Phase
 from fedllm.strategies.fedloru import FedLoRU
 from fedllm.strategies.private_adapter import PrivateFactors

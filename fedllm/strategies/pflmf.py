@@ -35,9 +35,9 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from fedllm.errors import InputError
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict
+from fedllm.common.errors import InputError
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate, Phase, Strategy
 
 MODULE = "pflmf"
@@ -112,7 +112,7 @@ class PFLMF(Strategy):
 
     # ----- setup
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
-        from fedllm.client import derived_seed
+        from fedllm.engine.client import derived_seed
 
         train = getattr(self.recipe, "train", None)
         source = getattr(self.recipe, "source", "<recipe>")
@@ -224,7 +224,7 @@ class PFLMF(Strategy):
             return default
         if self.eta_v != "theorem":
             return float(self.eta_v)
-        from fedllm.client import steps_per_round
+        from fedllm.engine.client import steps_per_round
 
         p = self.recipe.sampled_per_round() / self.recipe.federation.num_clients
         return p * self.eta_u / steps_per_round(self.recipe.train, self.sizes[client_id])

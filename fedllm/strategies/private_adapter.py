@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from fedllm.lowrank import lora_init_
-from fedllm.state import StateDict
+from fedllm.models.lowrank import lora_init_
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientPlan
 from fedllm.strategies.residual import AdapterLayer, layer_seed
 

@@ -7,8 +7,8 @@
   matrix beside the base and adds ``x @ Rᵀ`` to the layer's output through a forward hook. Dense
   is what a 4/8-bit base needs (re-quantising the merged weight would lose the update) and what
   a bf16/fp16 base needs (small updates vanish when rounded into half precision). Every change is
-  a low-rank :class:`~fedllm.base_history.LowRankMerge`, logged in a
-  :class:`~fedllm.base_history.BaseHistory` so that checkpoints carry factors, not dense copies.
+  a low-rank :class:`~fedllm.runs.base_history.LowRankMerge`, logged in a
+  :class:`~fedllm.runs.base_history.BaseHistory` so that checkpoints carry factors, not dense copies.
 - :class:`KeptFactors`: low-rank pieces ``(B, A, s)`` kept per layer instead of merged (FedLoRU's
   accumulated updates); optionally live, i.e. added to the layer's output through a forward hook
   so the in-memory model computes with them (FedLoRU's plug-and-play fine-tuning variant).
@@ -44,9 +44,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from fedllm.base_history import BaseHistory, LowRankMerge, StoredHistory, apply_
-from fedllm.lowrank import dense_weight, is_quantized, lora_init_
-from fedllm.state import DTYPES, StateDict
+from fedllm.models.lowrank import dense_weight, is_quantized, lora_init_
+from fedllm.models.state import DTYPES, StateDict
+from fedllm.runs.base_history import BaseHistory, LowRankMerge, StoredHistory, apply_
 
 RESIDUAL_MODES = ("auto", "merge", "dense")
 
@@ -83,8 +83,8 @@ class AdapterLayer:
 
 
 def adapter_layers(model: torch.nn.Module, adapter: str = "default") -> dict[str, AdapterLayer]:
-    """The LoRA-wrapped layers of ``model`` (keyed like :func:`fedllm.models.lora_layers`)."""
-    from fedllm.models import lora_layers
+    """The LoRA-wrapped layers of ``model`` (keyed like :func:`fedllm.models.loading.lora_layers`)."""
+    from fedllm.models.loading import lora_layers
 
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, AdapterLayer] = {}
@@ -110,7 +110,7 @@ def recipe_value(recipe: Any, dotted: str, default: Any) -> Any:
 
 def layer_seed(seed: int, name: str, *parts: int) -> int:
     """A seed every process derives alike for layer ``name`` (and a round, a purpose ...)."""
-    from fedllm.client import derived_seed
+    from fedllm.engine.client import derived_seed
 
     return derived_seed(seed, zlib.crc32(name.encode()), *parts)
 
@@ -166,7 +166,7 @@ def resolve_residual_mode(mode: str, layers: dict[str, AdapterLayer]) -> str:
 class BaseUpdates:
     """Changes of the frozen base weights, merged in place (``merge``) or kept in fp32 beside them (``dense``).
 
-    Every change is a :class:`~fedllm.base_history.LowRankMerge` applied by :func:`~fedllm.base_history.apply_`
+    Every change is a :class:`~fedllm.runs.base_history.LowRankMerge` applied by :func:`~fedllm.runs.base_history.apply_`
     and logged in :attr:`history`, from which a checkpoint's snapshot and log rebuild the targets bit for bit.
 
     Args:

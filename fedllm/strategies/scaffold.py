@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.registry import register_strategy
-from fedllm.state import StateDict, cast, num_bytes, weighted_mean
+from fedllm.common.registry import register_strategy
+from fedllm.models.state import StateDict, cast, num_bytes, weighted_mean
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate
 from fedllm.strategies.fedavg import FedAvg
 

@@ -18,7 +18,7 @@ PROBE = """
 import json, os, sys
 extra = {}
 exec(os.environ.pop("FEDLLM_PROBE_BEFORE", ""))
-from fedllm.cli import main
+from fedllm.commands.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as e:

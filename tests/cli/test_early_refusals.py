@@ -16,7 +16,7 @@ from tests.cli.conftest import HEAVY, clean_env
 # Runs ``main(case)`` for every case of argv[1] (a JSON list), capturing stderr per case.
 BATCH = """
 import contextlib, io, json, sys
-from fedllm.cli import main
+from fedllm.commands.cli import main
 heavy = %r
 report = []
 for name, argv in json.loads(sys.argv[1]):
@@ -27,7 +27,7 @@ for name, argv in json.loads(sys.argv[1]):
         except SystemExit as e:
             code = e.code
     report.append({"name": name, "code": code, "stderr": err.getvalue(),
-                   "heavy": [m for m in heavy if m in sys.modules], "loader": "fedllm.server" in sys.modules})
+                   "heavy": [m for m in heavy if m in sys.modules], "loader": "fedllm.engine.server" in sys.modules})
 print("@@BATCH@@" + json.dumps(report))
 """ % (HEAVY,)
 

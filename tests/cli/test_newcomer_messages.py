@@ -5,11 +5,11 @@ import io
 
 import pytest
 
-from fedllm.cli import _close_progress_bars, interrupt_hint
-from fedllm.config import DataConfig, ModelConfig, PartitionConfig
+from fedllm.commands.cli import _close_progress_bars, interrupt_hint
+from fedllm.common.errors import InputError
 from fedllm.data.errors import PartitionError
-from fedllm.errors import InputError
-from fedllm.model_info import gguf_metadata, model_config, package_dir, target_shapes
+from fedllm.models.info import gguf_metadata, model_config, package_dir, target_shapes
+from fedllm.recipe.schema import DataConfig, ModelConfig, PartitionConfig
 
 
 @pytest.mark.parametrize("preset,targets", [
@@ -17,8 +17,8 @@ from fedllm.model_info import gguf_metadata, model_config, package_dir, target_s
     ("tiny-roberta", None), ("tiny-roberta", ["dense"])])
 def test_layer_shapes_from_the_config_equal_the_built_models(preset, targets):
     """The shapes validation reads from a preset's config are those PEFT wraps in the real model."""
-    from fedllm.config import LoraConfig
-    from fedllm.models import load_model, lora_layers
+    from fedllm.models.loading import load_model, lora_layers
+    from fedllm.recipe.schema import LoraConfig
 
     loaded = load_model(ModelConfig(name=preset), LoraConfig(r=2, target_modules=targets))
     real = {(name.split(".0.", 1)[-1] if ".0." in name else name): (m.out_features, m.in_features)
@@ -43,13 +43,13 @@ def test_rank_of_a_family_known_only_to_transformers_is_refused_before_the_load(
     config.json alone (the directory holds no weights), and the run is refused before the model loader is called."""
     import json
 
-    import fedllm.server
-    from fedllm.cli import main
+    import fedllm.engine.server
+    from fedllm.commands.cli import main
 
     def never(*args, **kwargs):
         raise AssertionError("the run (and its model load) was reached")
 
-    monkeypatch.setattr(fedllm.server, "run", never)
+    monkeypatch.setattr(fedllm.engine.server, "run", never)
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
         {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 64}))
@@ -96,12 +96,12 @@ def test_impossible_split_names_the_file_and_the_keys(arith_file):
 def test_quiet_mode_filters_library_deprecations_only():
     import warnings
 
-    from fedllm import logs
+    from fedllm.common import logs
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")  # not pytest's own ignore::FutureWarning (setup.cfg)
         logs.configure(verbose=False)
-        for module in ("transformers.configuration_utils", "peft.utils.other", "fedllm.server"):
+        for module in ("transformers.configuration_utils", "peft.utils.other", "fedllm.engine.server"):
             warnings.warn_explicit("`x` is deprecated", FutureWarning, "f.py", 1, module=module)
     assert [str(w.message) for w in seen] == ["`x` is deprecated"]  # fedllm's own still shows
     assert seen[0].filename == "f.py"
@@ -112,7 +112,7 @@ def test_missing_extra_hints_say_how_to_install_fedllm_which_is_not_on_pypi(monk
     from fedllm's metadata and the clone and wheel commands."""
     from importlib import metadata
 
-    from fedllm.errors import install_hint
+    from fedllm.common.errors import install_hint
     from fedllm.flower import processes
 
     monkeypatch.setattr(metadata, "requires", lambda name: ['torch>=2.1', 'flwr>=1.41; extra == "flower"',

@@ -4,8 +4,8 @@ import struct
 
 import pytest
 
-from fedllm.cli import main
-from fedllm.plot import DPI, PANEL_SIZE, series
+from fedllm.commands.cli import main
+from fedllm.runs.plot import DPI, PANEL_SIZE, series
 
 
 def png_size(path):
@@ -26,8 +26,8 @@ def test_series_cumulates_bytes_and_splits_eval():
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    from fedllm.config import parse_recipe
-    from fedllm.server import run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
     from tests.conftest import arith_records, plot_png, write_jsonl
 
     tmp = tmp_path_factory.mktemp("plots")
@@ -71,9 +71,9 @@ def test_fedllm_plot_bad_run_dir_is_exit_2(tmp_path, capsys):
 def test_dry_run_writes_nothing_and_matches_a_real_round(tiny_recipe, tmp_path, capsys):
     import yaml
 
-    from fedllm.config import parse_recipe
-    from fedllm.dry_run import dry_run
-    from fedllm.server import run
+    from fedllm.commands.dry_run import dry_run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
 
     raw = tiny_recipe()
     recipe_file = tmp_path / "r.yaml"
@@ -92,7 +92,7 @@ def test_dry_run_writes_nothing_and_matches_a_real_round(tiny_recipe, tmp_path, 
 
 
 def test_run_eta_is_mean_round_time_times_rounds_left():
-    from fedllm.server import run_eta
+    from fedllm.engine.server import run_eta
 
     history = [{"round": 0, "eval": {}}, {"round": 1, "seconds": 30.0}, {"round": 2, "seconds": 50.0}]
     assert run_eta(history, 5) == "2:00"  # 3 rounds left x 40 s

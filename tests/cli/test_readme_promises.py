@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from fedllm.cli import main
+from fedllm.commands.cli import main
 from tests.cli.conftest import ROOT
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -43,7 +43,7 @@ def test_your_own_data_example_runs_as_written(tmp_path, monkeypatch, capsys):
     (tmp_path / "my.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "my-recipe.yaml").write_text(recipe_text)
     monkeypatch.chdir(tmp_path)
-    from fedllm.config import load_recipe
+    from fedllm.recipe.schema import load_recipe
 
     recipe = load_recipe("my-recipe.yaml", check_files=True, ask_strategy=False)
     assert (recipe.data.path, recipe.federation.num_clients, recipe.federation.partition.column) == \
@@ -82,7 +82,7 @@ def test_example_commands_of_one_block_write_to_different_run_directories():
 def test_what_readmes_commands_write_into_the_clone_is_git_ignored():
     """The quickstart's data (``--out data/arith``), Flower's keys (``certs/``, holding ``ca.key``), runs (the
     default ``output_dir``) and ``fedllm eval``'s results for a hub model."""
-    from fedllm.config import Recipe
+    from fedllm.recipe.schema import Recipe
 
     assert "--out data/arith" in README and "fedllm flower certs certs/" in README
     written = ["data/arith/train.jsonl", "certs/ca.key", f"{Recipe().output_dir}/metrics.jsonl",

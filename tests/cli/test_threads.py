@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from fedllm import threads
+from fedllm.common import threads
 
 
 def test_entry_point_sets_threads_when_nothing_is_given(probe, tmp_path):
@@ -52,7 +52,7 @@ def test_precedence_and_busy_policy(monkeypatch):
 
 
 def test_bad_fedllm_threads_is_an_input_error():
-    from fedllm.errors import InputError
+    from fedllm.common.errors import InputError
 
     with pytest.raises(InputError, match="FEDLLM_THREADS='two'"):
         threads.choose({"FEDLLM_THREADS": "two"})
@@ -61,8 +61,8 @@ def test_bad_fedllm_threads_is_an_input_error():
 def test_train_threads_reaches_torch_and_summary(tiny_recipe, monkeypatch):
     import torch
 
-    from fedllm.config import parse_recipe
-    from fedllm.server import run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
 
     before = torch.get_num_threads()
     monkeypatch.delenv("FEDLLM_THREADS", raising=False)
@@ -86,8 +86,8 @@ def test_losses_do_not_depend_on_the_thread_count(tiny_recipe, monkeypatch):
     """
     import torch
 
-    from fedllm.config import parse_recipe
-    from fedllm.server import run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
 
     before = torch.get_num_threads()
     monkeypatch.setattr(threads, "_chosen", None)  # no earlier CLI choice in this process: run() keeps ours

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fedllm.tracking import flat_params, round_metrics
+from fedllm.common.tracking import flat_params, round_metrics
 
 RECORD = {"round": 2, "clients": [0, 2], "lr": 0.01, "client_loss": {"0": 1.5, "2": 2.5},
           "bytes_up_total": 100, "bytes_down_total": 300, "train_loss": 2.0, "seconds": 1.25,
@@ -35,8 +35,8 @@ def tracked_run(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        from fedllm.config import parse_recipe
-        from fedllm.server import run
+        from fedllm.engine.server import run
+        from fedllm.recipe.schema import parse_recipe
 
         recipe = parse_recipe({
             "seed": 0, "output_dir": str(tmp / "run"), "model": {"name": "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
@@ -110,9 +110,9 @@ def test_trackio_local_store(tracked_run):
 
 
 def test_only_rank_0_tracks(tiny_recipe, monkeypatch):
-    from fedllm.config import parse_recipe
-    from fedllm.distributed import Dispatch
-    from fedllm.server import run
+    from fedllm.engine.distributed import Dispatch
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
 
     monkeypatch.setattr(Dispatch, "is_main", property(lambda self: False))
     run_dir = Path(tiny_recipe()["output_dir"])

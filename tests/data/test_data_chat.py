@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from fedllm.config import DataConfig
 from fedllm.data import DataError, make_encoder
 from fedllm.data.tokens import IGNORE_INDEX
+from fedllm.recipe.schema import DataConfig
 
 MESSAGES = [
     {"role": "system", "content": "You are good."},

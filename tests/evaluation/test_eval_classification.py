@@ -8,10 +8,10 @@ import torch
 from evalkit import tiny_llama_config
 from sklearn.metrics import matthews_corrcoef as sk_mcc
 
-from fedllm.config import EvalConfig
 from fedllm.evaluation import evaluate
 from fedllm.evaluation.metrics import accuracy, matthews_corrcoef, mean_rating
 from fedllm.evaluation.sources import DataSourceError
+from fedllm.recipe.schema import EvalConfig
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

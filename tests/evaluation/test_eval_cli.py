@@ -6,10 +6,15 @@ import pytest
 import yaml
 from evalkit import ASSETS
 
-import fedllm.inference
-from fedllm.cli import main
-from fedllm.errors import InputError
-from fedllm.evaluation.cli import default_out_dir, find_run_recipe, parse_data_specs, parse_task_list
+import fedllm.export.inference
+from fedllm.commands.cli import main
+from fedllm.commands.evaluate import (
+    default_out_dir,
+    find_run_recipe,
+    parse_data_specs,
+    parse_task_list,
+)
+from fedllm.common.errors import InputError
 from fedllm.evaluation.sources import read_records
 
 DATA = ASSETS / "gsm8k_tiny.jsonl"
@@ -28,7 +33,7 @@ def load_scripted(monkeypatch, scripted_lm, tokenizer):
             loaded.update(path=path, dtype=dtype, client=client)
             return model, tokenizer
 
-        monkeypatch.setattr(fedllm.inference, "load_for_inference", load_for_inference)
+        monkeypatch.setattr(fedllm.export.inference, "load_for_inference", load_for_inference)
         return model
 
     install.loaded = loaded
@@ -115,8 +120,8 @@ def test_glue_test_split_without_labels_exits_2(load_scripted, tmp_path, capsys)
 def test_protocol_flags_reach_the_eval_config():
     import argparse
 
-    from fedllm.config import EvalConfig
-    from fedllm.evaluation.cli import add_eval_arguments, build_eval_config
+    from fedllm.commands.evaluate import add_eval_arguments, build_eval_config
+    from fedllm.recipe.schema import EvalConfig
 
     parser = argparse.ArgumentParser()
     add_eval_arguments(parser)
@@ -143,8 +148,8 @@ def test_a_chat_run_trained_in_a_fastchat_template_is_prompted_in_it(load_script
     pytest.importorskip("fastchat")
     from fastchat.conversation import get_conv_template
 
-    from fedllm.config import DataConfig, EvalConfig
     from fedllm.evaluation.runner import eval_config_for_data
+    from fedllm.recipe.schema import DataConfig, EvalConfig
 
     raw = tiny_recipe(data={"format": "chat", "template": "alpaca", "fields": {}},
                       eval={"tasks": ["gsm8k"], "max_new_tokens": 8})

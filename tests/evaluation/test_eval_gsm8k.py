@@ -5,11 +5,11 @@ import json
 import pytest
 from evalkit import ASSETS
 
-from fedllm.config import EvalConfig
 from fedllm.data.errors import DataError
 from fedllm.evaluation import evaluate
 from fedllm.evaluation.sources import read_records
 from fedllm.evaluation.tasks.gsm8k_exemplars import GSM8K_COT_EXEMPLARS
+from fedllm.recipe.schema import EvalConfig
 
 DATA = ASSETS / "gsm8k_tiny.jsonl"
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from evalkit import ASSETS, ScriptedLM, tiny_llama_config
 
-from fedllm.config import EvalConfig
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
 from fedllm.evaluation import evaluate
+from fedllm.recipe.schema import EvalConfig
 
 pytest.importorskip("lm_eval")
 

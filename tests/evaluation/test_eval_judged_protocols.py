@@ -15,10 +15,10 @@ import pytest
 import torch
 from evalkit import ASSETS, LoopbackServer, scripted_judge_app
 
-from fedllm.config import EvalConfig, JudgeConfig
 from fedllm.evaluation import evaluate, generation
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.mtbench_assets import package_data_dir
+from fedllm.recipe.schema import EvalConfig, JudgeConfig
 
 KEY_ENV = "FEDLLM_TEST_JUDGE_KEY"
 needs_fastchat_prompts = pytest.mark.skipif(package_data_dir() is None,

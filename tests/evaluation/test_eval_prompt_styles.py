@@ -5,9 +5,13 @@ import types
 
 import pytest
 
-from fedllm.config import DataConfig, EvalConfig
 from fedllm.evaluation import eval_due, prompt_style_for_data
-from fedllm.evaluation.prompt_styles import default_prompt_style, make_prompt_style, prompt_styles
+from fedllm.evaluation.prompt_styles import (
+    default_prompt_style,
+    make_prompt_style,
+    prompt_styles,
+)
+from fedllm.recipe.schema import DataConfig, EvalConfig
 
 TWO_TURNS = [
     {"role": "system", "content": "Be brief."},

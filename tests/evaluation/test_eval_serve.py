@@ -6,7 +6,7 @@ import openai
 import pytest
 from evalkit import LoopbackServer
 
-from fedllm.serve import add_serve_arguments, build_app, default_model_name
+from fedllm.commands.serve import add_serve_arguments, build_app, default_model_name
 
 
 @pytest.fixture

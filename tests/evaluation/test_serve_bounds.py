@@ -5,7 +5,7 @@ import httpx
 import pytest
 from evalkit import LoopbackServer
 
-from fedllm.serve import MAX_BODY_BYTES, build_app, longest_token_chars
+from fedllm.commands.serve import MAX_BODY_BYTES, build_app, longest_token_chars
 
 HI = [{"role": "user", "content": "hi"}]
 

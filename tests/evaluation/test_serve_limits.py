@@ -9,8 +9,8 @@ import pytest
 from evalkit import LoopbackServer
 
 import fedllm.evaluation.generation as generation
-from fedllm.cli import main
-from fedllm.serve import build_app
+from fedllm.commands.cli import main
+from fedllm.commands.serve import build_app
 
 HI = [{"role": "user", "content": "hi"}]
 

@@ -2,7 +2,7 @@
 
 from fastapi.testclient import TestClient
 
-from fedllm.serve import build_app
+from fedllm.commands.serve import build_app
 
 ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
           "request.\n\n### Instruction:\nWhat is 3 + 4?\n\n### Response:\n")

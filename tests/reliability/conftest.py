@@ -26,8 +26,8 @@ def tiny_raw(tmp, data, **sections):
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
     """``(run_dir, raw recipe)`` of an uninterrupted 3-round run with round-0001, round-0002 and final/."""
-    from fedllm.config import parse_recipe
-    from fedllm.server import run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
 
     tmp = tmp_path_factory.mktemp("reliability")
     data = write_jsonl(tmp / "arith.jsonl", arith_records(48))

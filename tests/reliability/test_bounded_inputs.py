@@ -8,8 +8,8 @@ import time
 import pytest
 import yaml
 
-from fedllm.cli import main
-from fedllm.config import load_recipe, parse_recipe
+from fedllm.commands.cli import main
+from fedllm.recipe.schema import load_recipe, parse_recipe
 from tests.conftest import arith_records
 
 BOMB = "lol0: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
@@ -78,7 +78,7 @@ def test_out_of_range_values_exit_2(tiny_recipe, tmp_path, capsys, override, exp
 
 
 def test_frlora_niter_is_bounded(tiny_recipe):
-    from fedllm.config import RecipeError
+    from fedllm.recipe.schema import RecipeError
 
     raw = tiny_recipe(federation={"strategy": "frlora", "strategy_args": {"svd": "randomized", "niter": 10**12}})
     with pytest.raises(RecipeError, match=r"federation.strategy_args.niter: got 1000000000000; expected an integer "
@@ -88,7 +88,7 @@ def test_frlora_niter_is_bounded(tiny_recipe):
 
 def _data(tmp_path, recipe):
     from fedllm.data import build_federated_data
-    from fedllm.models import load_tokenizer, resolve_task
+    from fedllm.models.loading import load_tokenizer, resolve_task
 
     tok = load_tokenizer(recipe.model)
     return build_federated_data(recipe.data, recipe.federation.partition, recipe.federation.num_clients, tok,

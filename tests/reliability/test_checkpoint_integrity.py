@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedllm import checkpoint as ckpt_io
-from fedllm.cli import main
-from fedllm.config import parse_recipe
-from fedllm.server import run
+from fedllm.commands.cli import main
+from fedllm.engine.server import run
+from fedllm.recipe.schema import parse_recipe
+from fedllm.runs import checkpoint as ckpt_io
 
 
 def flip_byte(path, offset_from_end=16):
@@ -94,7 +94,7 @@ def test_final_without_meta_is_named_not_replaced_by_an_older_round(run_copy, tm
 
 
 def test_serve_loader_refuses_a_damaged_checkpoint(run_copy):
-    from fedllm.inference import load_for_inference
+    from fedllm.export.inference import load_for_inference
 
     run_dir, _ = run_copy
     flip_byte(run_dir / "final" / "recipe.yaml", 3)

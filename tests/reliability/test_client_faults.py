@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from fedllm import checkpoint as ckpt_io
-from fedllm import server
-from fedllm.cli import main
-from fedllm.client_faults import RoundStopped
-from fedllm.config import parse_recipe
+from fedllm.commands.cli import main
+from fedllm.engine import server
+from fedllm.engine.client_faults import RoundStopped
+from fedllm.recipe.schema import parse_recipe
+from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies.fedavg import FedAvg
 
 ALL_THREE = {"num_clients": 3, "clients_per_round": 3, "rounds": 1}
@@ -170,7 +170,7 @@ def test_a_finite_but_huge_update_is_dropped_and_the_global_state_is_the_mean_of
 
 
 def test_norm_outliers_by_hand():
-    from fedllm.client_faults import norm_outliers, update_norm
+    from fedllm.engine.client_faults import norm_outliers, update_norm
 
     g = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([3.0])}
     assert update_norm({"a": torch.tensor([4.0, 5.0]), "c": torch.tensor([12.0])}, g) == pytest.approx(13.0)

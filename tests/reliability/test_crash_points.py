@@ -9,9 +9,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fedllm.cli import main
-from fedllm.config import parse_recipe
-from fedllm.server import RunDirError, run
+from fedllm.commands.cli import main
+from fedllm.engine.server import RunDirError, run
+from fedllm.recipe.schema import parse_recipe
 from tests.conftest import plot_png
 
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import yaml
 
-from fedllm.cli import main
-from fedllm.config import parse_recipe
-from fedllm.server import run
+from fedllm.commands.cli import main
+from fedllm.engine.server import run
+from fedllm.recipe.schema import parse_recipe
 from tests.conftest import arith_records
 
 

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from fedllm.cli import main
-from fedllm.inference import load_for_inference
+from fedllm.commands.cli import main
+from fedllm.export.inference import load_for_inference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,7 +41,7 @@ def test_adapter_and_merged_exports_of_a_preset_load_offline_as_the_run_model(ex
 def test_an_exported_adapter_evaluates_and_serves_offline(exported, tmp_path, capsys):
     from fastapi.testclient import TestClient
 
-    from fedllm.serve import build_app
+    from fedllm.commands.serve import build_app
 
     _, out = exported
     data = os.path.join(ROOT, "tests", "assets", "eval", "gsm8k_tiny.jsonl")
@@ -58,8 +58,8 @@ def test_an_exported_adapter_evaluates_and_serves_offline(exported, tmp_path, ca
 @pytest.mark.usefixtures("smollm2_first_load")  # the session converts the GGUF once
 def test_an_adapter_of_the_smollm2_preset_loads_offline(tmp_path):
     """The real SmolLM2-135M GGUF preset: one tiny round, export, reload offline (~1.5 CPU-minutes)."""
-    from fedllm.config import parse_recipe
-    from fedllm.server import run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
     from tests.conftest import arith_records, write_jsonl
 
     data = write_jsonl(tmp_path / "arith.jsonl", arith_records(8))

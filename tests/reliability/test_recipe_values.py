@@ -2,8 +2,8 @@
 
 import pytest
 
-from fedllm.cli import main
-from fedllm.config import RecipeError, parse_recipe
+from fedllm.commands.cli import main
+from fedllm.recipe.schema import RecipeError, parse_recipe
 
 
 def base(**over):

@@ -7,10 +7,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fedllm.cli import main
-from fedllm.config import parse_recipe
-from fedllm.rundir import RUN_MARKER
-from fedllm.server import RunDirError, run
+from fedllm.commands.cli import main
+from fedllm.engine.server import RunDirError, run
+from fedllm.recipe.schema import parse_recipe
+from fedllm.runs.rundir import RUN_MARKER
 
 
 def _write_recipe(path, raw):
@@ -101,7 +101,7 @@ def test_resume_refuses_a_directory_that_is_not_a_run(tiny_recipe, tmp_path):
 
 
 def test_refusals_come_before_the_model_is_built(tiny_recipe, tmp_path, monkeypatch):
-    import fedllm.server as server
+    import fedllm.engine.server as server
 
     out = tmp_path / "mine"
     out.mkdir()

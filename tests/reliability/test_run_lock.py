@@ -11,10 +11,10 @@ from pathlib import Path
 
 import yaml
 
-from fedllm import runlock
-from fedllm.cli import main
+from fedllm.commands.cli import main
+from fedllm.runs import runlock
 
-HOLD = ("import sys, time; from fedllm.runlock import hold\n"
+HOLD = ("import sys, time; from fedllm.runs.runlock import hold\n"
         "with hold(sys.argv[1]):\n"
         "    print('held', flush=True); time.sleep(120)\n")
 
@@ -58,8 +58,8 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_holders_lock_
 
 
 def test_the_lock_is_released_on_any_exit_and_leaves_nothing_behind(tiny_recipe, tmp_path, crash_at_round):
-    from fedllm.config import parse_recipe
-    from fedllm.server import run
+    from fedllm.engine.server import run
+    from fedllm.recipe.schema import parse_recipe
 
     out = tmp_path / "deep" / "run"
     recipe = parse_recipe(tiny_recipe(output_dir=str(out), federation={"rounds": 1}))
@@ -102,7 +102,7 @@ def test_only_rank_0_checks_the_run_dir_of_a_launch(run_copy, tmp_path, monkeypa
     """In an N-process launch the other ranks may start after rank 0 began writing the run; were they to check
     the directory, they would see "a run" there and exit 2, stranding the launch (a race seen in the 2-process
     tests). Rank 0 alone refuses; the others go on to the run, whose collectives follow rank 0."""
-    from fedllm import server
+    from fedllm.engine import server
 
     run_dir, raw = run_copy
     recipe = _recipe(tmp_path, raw)

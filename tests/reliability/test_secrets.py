@@ -6,10 +6,10 @@ import logging
 import pytest
 import yaml
 
-from fedllm.cli import main
-from fedllm.config import parse_recipe
-from fedllm.redact import RedactingFilter, redact_text
-from fedllm.server import run
+from fedllm.commands.cli import main
+from fedllm.common.redact import RedactingFilter, redact_text
+from fedllm.engine.server import run
+from fedllm.recipe.schema import parse_recipe
 
 SECRET = "s3cretPa55"
 
@@ -88,7 +88,7 @@ def test_log_lines_are_redacted():
 
 
 def test_the_interrupt_hint_masks_credentials_given_on_the_command_line(tiny_recipe, tmp_path, monkeypatch, capsys):
-    import fedllm.server
+    import fedllm.engine.server
 
     def interrupted(recipe, *args, **kwargs):  # stopped after writing something: the hint is the resume command
         from pathlib import Path
@@ -97,7 +97,7 @@ def test_the_interrupt_hint_masks_credentials_given_on_the_command_line(tiny_rec
         (Path(recipe.output_dir) / "metrics.jsonl").write_text("")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fedllm.server, "run", interrupted)
+    monkeypatch.setattr(fedllm.engine.server, "run", interrupted)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe()))
     assert main(["train", str(recipe), f"eval.judge.base_url=https://me:{SECRET}@judge.example/v1?token={SECRET}"]) == 130

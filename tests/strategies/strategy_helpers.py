@@ -4,10 +4,9 @@ import random
 
 import torch
 
-from fedllm.client_store import ClientStore
-
-from fedllm.config import LoraConfig, ModelConfig, parse_recipe
-from fedllm.models import load_model, lora_layers, write_state
+from fedllm.models.loading import load_model, lora_layers, write_state
+from fedllm.recipe.schema import LoraConfig, ModelConfig, parse_recipe
+from fedllm.runs.client_store import ClientStore
 from fedllm.strategies import ClientInfo, ClientUpdate, get_strategy
 from tests.conftest import arith_records, tiny_raw, write_jsonl  # noqa: F401 (re-exported)
 

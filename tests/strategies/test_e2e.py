@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file
 from strategy_helpers import effective_weights, make_raw, record_updates, tiny
 
-from fedllm import checkpoint as ckpt_io
-from fedllm.config import parse_recipe
-from fedllm.lowrank import numerical_rank
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.models.lowrank import numerical_rank
+from fedllm.recipe.schema import parse_recipe
+from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies.fedloru import FedLoRU
 from fedllm.strategies.mfedloru import MFedLoRU
 
@@ -171,8 +171,8 @@ def test_mfedloru_training_keeps_the_nested_padding_at_zero(data_files, tmp_path
                                   "fedlora_pfl", "fedlora_pfl_lora_sim", "pflmf", "local", "scaffold", "fedadam",
                                   "ffa_lora", "flexlora", "flora", "fedex_lora", "fedsa_lora"])
 def test_a_checkpoint_rebuilds_the_trained_model_for_inference(case, data_files, tmp_path_factory):
-    from fedllm.inference import model_from_checkpoint
-    from fedllm.models import read_state, write_state
+    from fedllm.export.inference import model_from_checkpoint
+    from fedllm.models.loading import read_state, write_state
 
     full = full_run(case, data_files, tmp_path_factory)
     model, _, _, _ = model_from_checkpoint(full.run_dir)
@@ -194,7 +194,7 @@ def test_a_checkpoint_rebuilds_the_trained_model_for_inference(case, data_files,
 
 
 def test_private_factors_reach_the_client_unrounded_under_a_bf16_wire(data_files, tmp_path, monkeypatch):
-    from fedllm import client as client_module
+    from fedllm.engine import client as client_module
 
     loaded, stores = [], []
     original = client_module.train_client
@@ -211,7 +211,7 @@ def test_private_factors_reach_the_client_unrounded_under_a_bf16_wire(data_files
         return original(model, plan, strategy, *args, **kwargs)
 
     monkeypatch.setattr(client_module, "train_client", spy)
-    monkeypatch.setattr("fedllm.server.run_client", run_spy)
+    monkeypatch.setattr("fedllm.engine.server.run_client", run_spy)
     raw = make_raw(data_files, tmp_path / "run", "pfedloru", {"personal_r": 2, "personal_steps": 1},
                    federation={"comm_dtype": "bf16", "clients_per_round": 3})
     result = run(parse_recipe(raw))

@@ -12,9 +12,9 @@ from strategy_helpers import (
     tiny,
 )
 
-from fedllm.config import parse_recipe
-from fedllm.models import read_state
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.models.loading import read_state
+from fedllm.recipe.schema import parse_recipe
 
 R, ALPHA = 4, 8
 SIZES = {0: 10, 1: 20, 2: 30}
@@ -48,7 +48,7 @@ def test_effective_weight_is_the_exact_mean_of_the_clients_updates(residual):
 
 def test_quantized_base_keeps_the_residual_in_fp32_beside_it(tmp_path):
     pytest.importorskip("bitsandbytes")
-    from fedllm.models import tiny_tokenizer
+    from fedllm.models.loading import tiny_tokenizer
 
     tiny().model.merge_and_unload().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)

@@ -6,11 +6,11 @@ import pytest
 import torch
 from strategy_helpers import make_raw, make_strategy, tiny
 
-from fedllm.client import BatchStream, derived_seed
-from fedllm.config import parse_recipe
 from fedllm.data import collate
-from fedllm.models import read_state
-from fedllm.server import build_federation, run
+from fedllm.engine.client import BatchStream, derived_seed
+from fedllm.engine.server import build_federation, run
+from fedllm.models.loading import read_state
+from fedllm.recipe.schema import parse_recipe
 from fedllm.strategies.fedlora_pfl import FedLoRAPFL
 
 
@@ -73,7 +73,7 @@ def test_schedules_make_the_papers_phases():
 ])
 def test_the_phases_share_one_budget(args, phases):
     """Seed 002 §3.4: ``E_lora + E_global = E``, E = the recipe's local steps (issue #23.2)."""
-    from fedllm.config import parse_recipe as parse
+    from fedllm.recipe.schema import parse_recipe as parse
 
     model = tiny().model
     recipe = parse({"data": {"path": "unused.jsonl"}, "train": {"local_steps": 6},
@@ -181,7 +181,7 @@ def test_e_lora_zero_with_full_weights_is_fedavg_of_sigma(weighting, data_files,
 def test_personal_model_is_sigma_plus_tau(shared, data_files, tmp_path):
     from strategy_helpers import effective_weights
 
-    from fedllm.models import write_state
+    from fedllm.models.loading import write_state
 
     raw = make_raw(data_files, tmp_path / "run", "fedlora_pfl", {"shared": shared, "schedule": "simultaneous",
                                                                  "alpha": 4.0, "rank": 2})
@@ -199,7 +199,7 @@ def test_personal_model_is_sigma_plus_tau(shared, data_files, tmp_path):
 
 
 def test_a_rank_above_a_layer_is_an_input_error_naming_the_key(data_files, tmp_path):
-    from fedllm.errors import InputError
+    from fedllm.common.errors import InputError
 
     raw = make_raw(data_files, tmp_path / "run", "fedlora_pfl", {"rank": 40})  # k/v of tiny-llama are 32 × 64
     with pytest.raises(InputError, match="federation.strategy_args.rank: got 40"):

@@ -10,8 +10,8 @@ from strategy_helpers import (
     tiny,
 )
 
-from fedllm.models import read_state
-from fedllm.state import num_bytes
+from fedllm.models.loading import read_state
+from fedllm.models.state import num_bytes
 
 S = 8 / 4
 
@@ -126,7 +126,7 @@ def test_plug_and_play_state_round_trips_and_computes_after_a_reload():
     fresh_model = tiny().model
     fresh = make_strategy("fedloru", fresh_model, tau=1, accumulate="keep")
     fresh.load_state_dict(saved)
-    from fedllm.models import write_state
+    from fedllm.models.loading import write_state
 
     write_state(fresh_model, state)
     again = effective_weights(fresh_model)

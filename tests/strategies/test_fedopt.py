@@ -4,12 +4,12 @@ server moments across a checkpoint."""
 import numpy as np
 import pytest
 import torch
+from flower_reference import ROUNDS, SIZES, client_arrays, fedllm_rounds, flower_rounds
 from flwr.serverapp import strategy as flower
 
-from fedllm.config import parse_recipe
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
+from fedllm.recipe.schema import parse_recipe
 from fedllm.strategies import ClientUpdate, get_strategy
-from flower_reference import ROUNDS, SIZES, client_arrays, fedllm_rounds, flower_rounds
 
 CASES = [
     ("fedavgm", flower.FedAvgM, {}),
@@ -83,8 +83,8 @@ def test_compressed_transport_is_not_progress(name, args, data_files, tmp_path):
     before the fix FedAdam with τ = 1e-6 moved θ by 0.032 over 4 rounds and kept growing)."""
     from strategy_helpers import make_raw
 
-    from fedllm.models import read_state
-    from fedllm.server import build_federation, run
+    from fedllm.engine.server import build_federation, run
+    from fedllm.models.loading import read_state
 
     raw = make_raw(data_files, tmp_path / "run", name, args, federation={"comm_dtype": "bf16", "rounds": 4},
                    train={"lr": 0.0})

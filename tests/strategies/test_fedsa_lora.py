@@ -9,10 +9,10 @@ from strategy_helpers import (
     tiny,
 )
 
-from fedllm.client_store import ClientStore
-from fedllm.config import parse_recipe
-from fedllm.models import read_state, write_state
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.models.loading import read_state, write_state
+from fedllm.recipe.schema import parse_recipe
+from fedllm.runs.client_store import ClientStore
 from fedllm.strategies.fedavg import FedAvg
 
 SIZES = {0: 10, 1: 20, 2: 30}

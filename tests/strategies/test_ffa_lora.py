@@ -3,10 +3,10 @@
 import torch
 from strategy_helpers import make_raw, record_updates, tiny
 
-from fedllm import server
-from fedllm.config import parse_recipe
-from fedllm.models import read_state
-from fedllm.server import run
+from fedllm.engine import server
+from fedllm.engine.server import run
+from fedllm.models.loading import read_state
+from fedllm.recipe.schema import parse_recipe
 from fedllm.strategies.ffa_lora import FFALoRA, is_lora_a
 
 

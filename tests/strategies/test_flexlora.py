@@ -11,10 +11,10 @@ from strategy_helpers import (
     tiny,
 )
 
-from fedllm.config import RecipeError, parse_recipe
-from fedllm.errors import InputError
-from fedllm.models import read_state, write_state
-from fedllm.server import run
+from fedllm.common.errors import InputError
+from fedllm.engine.server import run
+from fedllm.models.loading import read_state, write_state
+from fedllm.recipe.schema import RecipeError, parse_recipe
 from fedllm.strategies import ClientUpdate
 from fedllm.strategies.client_ranks import assign_ranks
 from fedllm.strategies.flexlora import FlexLoRA

@@ -12,9 +12,9 @@ from strategy_helpers import (
     tiny,
 )
 
-from fedllm.config import parse_recipe
-from fedllm.models import read_state
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.models.loading import read_state
+from fedllm.recipe.schema import parse_recipe
 
 R, ALPHA = 4, 8
 SIZES = {0: 10, 1: 20, 2: 30}

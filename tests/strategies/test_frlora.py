@@ -11,8 +11,8 @@ from strategy_helpers import (
     unit_recipe,
 )
 
-from fedllm.models import lora_layers, read_state
-from fedllm.state import DTYPES, num_bytes
+from fedllm.models.loading import lora_layers, read_state
+from fedllm.models.state import DTYPES, num_bytes
 
 R, ALPHA = 4, 8
 S = ALPHA / R
@@ -189,7 +189,7 @@ def test_bf16_wire_init_is_exactly_representable_so_casting_changes_nothing():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from fedllm.models import tiny_tokenizer
+    from fedllm.models.loading import tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama-dir")
     model = tiny().model.merge_and_unload()
@@ -215,7 +215,7 @@ def test_kbit_base_keeps_the_residual_beside_it_in_fp32(tiny_dir, bits):
 
     agg = strategy.aggregate(1, state, [ClientUpdate(0, tiny_step, 1, 0.0, 1)])
     strategy.after_aggregate(1, model, agg)
-    from fedllm.models import write_state
+    from fedllm.models.loading import write_state
 
     write_state(model, state)  # back to (B0, A0): the model now computes W0 + ΔW
     after = effective_weights(model)

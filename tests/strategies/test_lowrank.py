@@ -1,11 +1,11 @@
-"""fedllm.lowrank against independent computations."""
+"""fedllm.models.lowrank against independent computations."""
 
 import math
 
 import pytest
 import torch
 
-from fedllm.lowrank import (
+from fedllm.models.lowrank import (
     add_to_weight_,
     lora_init_,
     numerical_rank,

@@ -4,8 +4,8 @@ import pytest
 import torch
 from strategy_helpers import effective_weights, make_strategy, tiny
 
-from fedllm.config import RecipeError, parse_recipe
-from fedllm.models import read_state, write_state
+from fedllm.models.loading import read_state, write_state
+from fedllm.recipe.schema import RecipeError, parse_recipe
 from fedllm.strategies import ClientUpdate
 
 S, NESTED = 8 / 4, 0.5

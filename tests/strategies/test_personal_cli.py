@@ -6,9 +6,9 @@ import pytest
 import torch
 from strategy_helpers import make_raw
 
-from fedllm.cli import main
-from fedllm.config import parse_recipe
-from fedllm.server import run
+from fedllm.commands.cli import main
+from fedllm.engine.server import run
+from fedllm.recipe.schema import parse_recipe
 
 RUNS: dict = {}
 
@@ -55,7 +55,7 @@ def test_eval_client_errors_name_the_problem(data_files, tmp_path_factory, capsy
 def test_export_client_all_gives_each_clients_model(kind, data_files, tmp_path_factory, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from fedllm.inference import model_from_checkpoint
+    from fedllm.export.inference import model_from_checkpoint
 
     result = trained(kind, data_files, tmp_path_factory)
     out = tmp_path / "merged"

@@ -7,8 +7,8 @@ import pytest
 import torch
 from strategy_helpers import make_raw
 
-from fedllm.config import parse_recipe
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.recipe.schema import parse_recipe
 
 # strategy, args, classification, what the upload must consist of (a predicate on its keys)
 PERSONALIZED = {
@@ -27,7 +27,7 @@ PERSONALIZED = {
 
 @pytest.mark.parametrize("case", sorted(PERSONALIZED))
 def test_uploads_never_carry_private_state(case, data_files, tmp_path, monkeypatch):
-    from fedllm import server
+    from fedllm.engine import server
 
     strategy, args, classification, expected = PERSONALIZED[case]
     wire = []

@@ -3,9 +3,9 @@
 import torch
 from strategy_helpers import effective_weights, fake_round, make_strategy, tiny
 
-from fedllm.client_store import ClientStore
-from fedllm.models import read_state, write_state
-from fedllm.state import num_bytes
+from fedllm.models.loading import read_state, write_state
+from fedllm.models.state import num_bytes
+from fedllm.runs.client_store import ClientStore
 
 S, SP = 8 / 4, 4 / 2
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 from strategy_helpers import make_raw, tiny
 
-from fedllm.client import BatchStream, run_client
-from fedllm.client_store import ClientStore
-from fedllm.config import parse_recipe
 from fedllm.data import collate
-from fedllm.models import read_state, write_state
-from fedllm.server import build_federation
+from fedllm.engine.client import BatchStream, run_client
+from fedllm.engine.server import build_federation
+from fedllm.models.loading import read_state, write_state
+from fedllm.recipe.schema import parse_recipe
+from fedllm.runs.client_store import ClientStore
 from fedllm.strategies.pflmf import U_KEY, V_KEY
 
 ETA_V, ETA_U, K, SEED = 0.05, 0.5, 3, 1234
@@ -118,7 +118,7 @@ def test_bad_arguments_are_named():
 
 
 def test_personal_models_differ_and_the_global_model_is_u_v0(data_files, tmp_path):
-    from fedllm.server import run
+    from fedllm.engine.server import run
 
     raw = make_raw(data_files, tmp_path / "run", "pflmf", {"rank": 3, "eta_u": 0.5},
                    federation={"clients_per_round": 3}, train={"optimizer": "sgd", "lr": 0.05})
@@ -141,7 +141,7 @@ def test_personal_models_differ_and_the_global_model_is_u_v0(data_files, tmp_pat
 
 
 def test_fp16_training_is_refused_naming_the_key(data_files, tmp_path):
-    from fedllm.errors import InputError
+    from fedllm.common.errors import InputError
 
     raw = make_raw(data_files, tmp_path, "pflmf", {"rank": 2}, train={"dtype": "fp16"})
     with pytest.raises(InputError, match="train.dtype: got 'fp16'"):

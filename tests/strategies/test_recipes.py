@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from fedllm.config import load_recipe
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.recipe.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 

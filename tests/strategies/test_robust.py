@@ -3,12 +3,18 @@ same uploads, with and without an attacking client."""
 
 import pytest
 import torch
-from flower_reference import (SHAPES, assert_equal_rounds, client_arrays, fedllm_rounds, flower_rounds,
-                              initial_state)
+from flower_reference import (
+    SHAPES,
+    assert_equal_rounds,
+    client_arrays,
+    fedllm_rounds,
+    flower_rounds,
+    initial_state,
+)
 from flwr.serverapp import strategy as flower
 
-from fedllm.config import parse_recipe
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
+from fedllm.recipe.schema import parse_recipe
 
 FIVE = [10, 25, 40, 15, 30]
 SEVEN = FIVE + [20, 35]

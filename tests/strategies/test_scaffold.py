@@ -4,10 +4,10 @@ import pytest
 import torch
 from strategy_helpers import make_raw, record_updates
 
-from fedllm.config import parse_recipe
 from fedllm.data import collate
-from fedllm.models import read_state, write_state
-from fedllm.server import build_federation, run
+from fedllm.engine.server import build_federation, run
+from fedllm.models.loading import read_state, write_state
+from fedllm.recipe.schema import parse_recipe
 from fedllm.strategies.scaffold import DELTA_C, Scaffold
 
 
@@ -102,7 +102,7 @@ def test_the_server_variate_travels_in_the_wire_dtype(comm, data_files, tmp_path
 
 def test_the_upload_layout_is_known_before_training(data_files, tmp_path):
     """The round loop checks every update against ``client_upload`` on meta tensors: SCAFFOLD's Δc included."""
-    from fedllm.client_faults import expected_upload
+    from fedllm.engine.client_faults import expected_upload
 
     fed = build_federation(parse_recipe(make_raw(data_files, tmp_path / "run", "scaffold")))
     state = read_state(fed.loaded.model, fed.global_keys)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fedllm.config import RecipeError, parse_recipe
-from fedllm.models import load_model
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.models.loading import load_model
+from fedllm.recipe.schema import RecipeError, parse_recipe
 
 STRATEGIES = ["fedavg", "frlora", "fedprox"]
 ARGS = {"fedprox": {"mu": 50.0}}  # a proximal term strong enough to change the result
@@ -23,7 +23,7 @@ def _recipe(tiny_recipe, ragged_file, out, strategy, k, **train):
 @pytest.fixture
 def passes(monkeypatch):
     """Records the client ids of every batched pass (so a test knows the batched path ran)."""
-    import fedllm.batched_clients as bc
+    import fedllm.engine.batched_clients as bc
 
     seen, real = [], bc.train_clients
 

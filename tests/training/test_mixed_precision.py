@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from fedllm.client import micro_batch_loss, train_autocast
-from fedllm.config import LoraConfig, ModelConfig, TrainConfig, parse_recipe
-from fedllm.models import load_model, lora_layers
-from fedllm.server import run
+from fedllm.engine.client import micro_batch_loss, train_autocast
+from fedllm.engine.server import run
+from fedllm.models.loading import load_model, lora_layers
+from fedllm.recipe.schema import LoraConfig, ModelConfig, TrainConfig, parse_recipe
 
 
 def _batch():

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedllm.config import parse_recipe
-from fedllm.server import run
+from fedllm.engine.server import run
+from fedllm.recipe.schema import parse_recipe
 
 
 def _lines(run_dir):

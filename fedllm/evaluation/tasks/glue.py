@@ -7,10 +7,10 @@ examples, else ``nyu-mll/glue`` (validation split).
 
 from __future__ import annotations
 
+from fedllm.common.registry import register_task
 from fedllm.evaluation.classification_task import ClassificationTask
 from fedllm.evaluation.metrics import matthews_corrcoef
 from fedllm.evaluation.sources import HubSource
-from fedllm.registry import register_task
 
 
 @register_task("rte")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
+from fedllm.common.registry import register_task
 from fedllm.evaluation import metamath_rules
 from fedllm.evaluation.answer_task import AnswerRules, AnswerTask
 from fedllm.evaluation.context import EvalContext
@@ -21,7 +22,6 @@ from fedllm.evaluation.numeric_answer import extract_number, numbers_equal
 from fedllm.evaluation.records import answer_of
 from fedllm.evaluation.sources import HubSource
 from fedllm.evaluation.tasks.gsm8k_exemplars import GSM8K_COT_EXEMPLARS
-from fedllm.registry import register_task
 
 
 @register_task("gsm8k")

@@ -29,7 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from fedllm.errors import InputError
+from fedllm.common.errors import InputError
+from fedllm.common.registry import register_task
 from fedllm.evaluation import metamath_rules
 from fedllm.evaluation.answer_task import AnswerRules, AnswerTask
 from fedllm.evaluation.context import EvalContext
@@ -37,7 +38,6 @@ from fedllm.evaluation.hendrycks_equiv import is_equiv
 from fedllm.evaluation.math_answer import extract_math_answer, math_equal
 from fedllm.evaluation.records import answer_of
 from fedllm.evaluation.sources import DataSourceError, HubSource, read_hub
-from fedllm.registry import register_task
 
 SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
             "prealgebra", "precalculus")

@@ -26,12 +26,11 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from fedllm.common.registry import register_task
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.judged_task import JudgedTask, read_reference_answers
 from fedllm.evaluation.mtbench_assets import find_mt_bench
 from fedllm.evaluation.prompt_styles import PromptStyle, make_prompt_style
-from fedllm.registry import register_task
-
 
 FASTCHAT_ALPACA_TEMPLATE = "alpaca"
 """The FastChat conversation template of a run trained with the Alpaca prompt (``eval.judged_prompts:

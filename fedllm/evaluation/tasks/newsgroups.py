@@ -6,9 +6,9 @@ held-out tokenized training examples, else ``SetFit/20_newsgroups`` (test split)
 
 from __future__ import annotations
 
+from fedllm.common.registry import register_task
 from fedllm.evaluation.classification_task import ClassificationTask
 from fedllm.evaluation.sources import HubSource
-from fedllm.registry import register_task
 
 
 @register_task("20ng")

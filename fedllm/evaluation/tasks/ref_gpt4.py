@@ -30,19 +30,19 @@ import random
 from pathlib import Path
 from typing import Optional
 
+from fedllm.common.registry import register_task
 from fedllm.evaluation.context import EvalContext
-from fedllm.evaluation.prompt_styles import PromptStyle, ReferenceTemplateStyle
 from fedllm.evaluation.judge_protocols import (
-    OPENFEDLLM_ALPACA_PROMPT,
     FEDLLM_BENCH_PROMPT,
     FEDLLM_BENCH_SAMPLING,
+    OPENFEDLLM_ALPACA_PROMPT,
     AnswerSampling,
     SingleAnswerPrompt,
 )
 from fedllm.evaluation.judged_task import JudgedTask
+from fedllm.evaluation.prompt_styles import PromptStyle, ReferenceTemplateStyle
 from fedllm.evaluation.records import instruction_and_input, question_of
 from fedllm.evaluation.sources import DataSourceError, read_records
-from fedllm.registry import register_task
 
 SAMPLES = 50
 """Held-out records drawn when no ``testset.json`` is given (the size of FedLLM-Bench's test files)."""

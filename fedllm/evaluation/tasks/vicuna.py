@@ -31,11 +31,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from fedllm.common.registry import register_task
 from fedllm.evaluation.context import EvalContext
-from fedllm.evaluation.prompt_styles import PromptStyle, ReferenceTemplateStyle, make_prompt_style
 from fedllm.evaluation.judge_protocols import (
-    OPENFEDLLM_ALPACA_PROMPT,
     FASTCHAT_SAMPLING,
+    OPENFEDLLM_ALPACA_PROMPT,
     OPENFEDLLM_VICUNA_PROMPT,
     OPENFEDLLM_VICUNA_SAMPLING,
     AnswerSampling,
@@ -43,10 +43,14 @@ from fedllm.evaluation.judge_protocols import (
 )
 from fedllm.evaluation.judged_task import JudgedTask, read_reference_answers
 from fedllm.evaluation.mtbench_assets import find_mt_bench
+from fedllm.evaluation.prompt_styles import (
+    PromptStyle,
+    ReferenceTemplateStyle,
+    make_prompt_style,
+)
 from fedllm.evaluation.records import question_of
-from fedllm.evaluation.tasks.mt_bench import FASTCHAT_ALPACA_TEMPLATE
 from fedllm.evaluation.sources import DataSourceError, read_records
-from fedllm.registry import register_task
+from fedllm.evaluation.tasks.mt_bench import FASTCHAT_ALPACA_TEMPLATE
 
 PROTOCOLS: dict[str, tuple[AnswerSampling, Optional[SingleAnswerPrompt]]] = {
     "openfedllm": (OPENFEDLLM_VICUNA_SAMPLING, OPENFEDLLM_VICUNA_PROMPT),

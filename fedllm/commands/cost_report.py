@@ -1,0 +1,385 @@
+"""What a recipe costs, computed from the model's shapes and fedllm's own strategy accounting.
+
+Works the same on a real model and on one built on the meta device from its config
+(:mod:`fedllm.models.info`): every figure is a function of parameter shapes and dtypes,
+of the strategy's hooks (``configure_client``, ``download_bytes``, ``client_upload``,
+``extra_download_bytes``, ``state_dict``) and of the recipe. ``fedllm train RECIPE --dry-run``
+prints it; the paper tests (tests/meta/) compare it with the papers' tables.
+
+Peak memory of one training process (formula printed with the report)::
+
+    weights + trainable + gradients + optimizer moments + strategy state + activations
+    activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8)
+
+``b`` micro-batch, ``s`` max_length (every sequence taken at full length: an upper bound), ``L``
+layers, ``h`` hidden size, ``d_q``/``d_kv`` query and key/value widths, ``i`` MLP width, ``V``
+vocabulary (causal LMs), ``p`` bytes of the compute dtype. The per-token term counts the tensors
+a pre-norm transformer block saves for backward with fused (SDPA) attention: the two norm inputs and
+outputs (4h), q, attention output and SDPA output (3·d_q), k and v (2·d_kv), and the MLP's gate, up,
+activation and product (4i); the last term is the logits in the compute dtype plus their fp32 copy
+and its gradient. No gradient checkpointing (fedllm does not use it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fedllm.recipe.schema import Recipe
+
+#: Bytes per parameter of a bitsandbytes-quantised linear weight: 8-bit (int8 + an fp32 scale per
+#: output row, added separately) and 4-bit NF4 with double quantisation (4 bits, an 8-bit absmax per
+#: block of 64, an fp32 second-level absmax per 256 blocks).
+QUANT_BYTES = {"8bit": 1.0, "4bit": 0.5 + 1 / 64 + 4 / (64 * 256)}
+#: Modules bitsandbytes leaves unquantised (transformers skips the output head).
+UNQUANTISED_HEADS = ("lm_head", "score", "classifier")
+LORA_PARTS = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.[^.]+")
+SUFFIXES = (".base_layer", ".modules_to_save.default", ".original_module")
+
+
+def module_type(param_name: str) -> str:
+    """``base_model.model.model.layers.7.self_attn.q_proj.lora_A.default.weight`` -> ``self_attn.q_proj``."""
+    name = param_name.removeprefix("base_model.model.")
+    name = re.sub(r"^(model|roberta|bert|transformer)\.", "", name)
+    name = re.sub(r"(^|\.)(layers|layer|h|blocks)\.\d+\.", r"\1", name)
+    name = LORA_PARTS.sub("", name)
+    for s in SUFFIXES:
+        name = name.replace(s, "")
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def logical_numel(p: Any) -> int:
+    """Parameters a tensor stands for (a packed 4-bit weight holds two per byte)."""
+    state = getattr(p, "quant_state", None)
+    if state is not None and getattr(state, "shape", None) is not None:
+        return int(math.prod(state.shape))
+    return p.numel()
+
+
+def _quantised(name: str, module: Any, quantization: str) -> bool:
+    return (quantization != "none" and type(module).__name__ in ("Linear", "Linear8bitLt", "Linear4bit")
+            and not any(h in name.split(".") for h in UNQUANTISED_HEADS))
+
+
+@dataclass
+class ParamRow:
+    """Parameters of one module type (summed over layers)."""
+
+    name: str
+    count: int = 0  # modules of this type
+    trainable: int = 0
+    frozen: int = 0
+    frozen_bytes: float = 0.0
+
+
+def parameter_rows(model: Any, quantization: str = "none", on_meta: bool = False,
+                   trained: frozenset[str] = frozenset()) -> list[ParamRow]:
+    """Trainable and frozen parameters per module type, with the frozen weights' bytes as loaded.
+
+    A parameter is trainable when it requires grad or is named in ``trained`` (e.g. the strategy's global
+    keys: FedLoRA-PFL's shared full weights train in a phase of their own).
+
+    On the meta device the bytes of a quantised recipe are computed with :data:`QUANT_BYTES`;
+    on a real model they are the tensors' own bytes.
+    """
+    rows: "OrderedDict[str, ParamRow]" = OrderedDict()
+    seen_modules: dict[str, set[str]] = {}
+    owners = {}
+    for mod_name, module in model.named_modules():
+        for p_name, _ in module.named_parameters(recurse=False):
+            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = (mod_name, module)
+    for name, p in model.named_parameters():
+        kind = module_type(name)
+        row = rows.setdefault(kind, ParamRow(kind))
+        mod_name, module = owners[name]
+        seen_modules.setdefault(kind, set()).add(re.sub(r"\.(lora_[AB]|base_layer).*", "", mod_name))
+        n = logical_numel(p)
+        if p.requires_grad or name in trained:
+            row.trainable += n
+            continue
+        row.frozen += n
+        if on_meta and _quantised(mod_name, module, quantization) and p.dim() == 2:
+            row.frozen_bytes += n * QUANT_BYTES[quantization] + (4 * p.shape[0] if quantization == "8bit" else 0)
+        else:
+            row.frozen_bytes += p.numel() * p.element_size()
+    for kind, row in rows.items():
+        row.count = len(seen_modules[kind])
+    return list(rows.values())
+
+
+@dataclass
+class Communication:
+    """Bytes of round 1 as the strategy accounts them (``federation.comm_dtype``)."""
+
+    sampled: list[int]
+    down: dict[int, int]  # participating client -> bytes received
+    up: dict[int, int]  # participating client -> bytes sent
+    idle_down: dict[int, int]  # non-participating client -> bytes received (syncs)
+    full_model_bytes: int  # one transfer of every parameter (full fine-tuning) in comm_dtype
+
+    @property
+    def round_up(self) -> int:
+        return sum(self.up.values())
+
+    @property
+    def round_down(self) -> int:
+        return sum(self.down.values()) + sum(self.idle_down.values())
+
+
+def communication(recipe: Recipe, model: Any, strategy: Any, steps: int) -> Communication:
+    """Round 1's bytes per client, from the strategy's own hooks (what a run's metrics.jsonl records)."""
+    from fedllm.engine.server import sample_clients
+    from fedllm.models.loading import read_state
+    from fedllm.models.state import DTYPES, cast
+
+    comm, fed = recipe.federation.comm_dtype, recipe.federation
+    global_state = read_state(model, strategy.global_keys(model))
+    sampled = sample_clients(recipe.seed, 1, fed.num_clients, recipe.sampled_per_round())
+    down, up = {}, {}
+    for cid in sampled:
+        plan = strategy.configure_client(1, cid, global_state)
+        plan.state = cast(plan.state, comm)
+        down[cid] = strategy.download_bytes(plan, comm)
+        up[cid] = upload_bytes(strategy, plan, steps, comm)
+    idle = strategy.extra_download_bytes(1, sampled, fed.num_clients, comm)
+    return Communication(sampled, down, up, idle, base_numel(model) * DTYPES[comm].itemsize)
+
+
+def base_numel(model: Any) -> int:
+    """Parameters of the base model alone (what full fine-tuning trains and sends): without LoRA factors,
+    PEFT's trainable head copies and tensors a strategy added (modules of fedllm's own classes)."""
+    added = {id(p) for m in model.modules() if type(m).__module__.startswith("fedllm.") for p in m.parameters()}
+    return sum(logical_numel(p) for n, p in model.named_parameters()
+               if id(p) not in added and "lora_" not in n and ".modules_to_save." not in n)
+
+
+def upload_bytes(strategy: Any, plan: Any, steps: int, comm: str) -> int:
+    """Bytes one client sends: the strategy's upload of the state it received (same keys and shapes)."""
+    from fedllm.models.state import cast, num_bytes
+
+    trained = {**plan.local, **plan.state}  # what the client holds after training: same keys and shapes
+    try:
+        return num_bytes(cast(strategy.client_upload(plan, trained, steps), comm), comm)
+    except Exception:  # noqa: BLE001 — a strategy that needs a trained client state: count what it received
+        return num_bytes(plan.state, comm)
+
+
+@dataclass
+class StateBytes:
+    """Tensors kept between rounds (bytes as stored)."""
+
+    server: int  # the strategy's server state (moments, control variates, FRLoRA's base changes ...)
+    global_state: int  # the aggregated trainable state
+    client_entry: Optional[int]  # one client's stored per-client state (None: could not be derived)
+    client_moments: int  # one client's optimizer moments when train.optimizer_state is per_client
+    base_changes: int  # changes of the base every client keeps too (dense residuals, kept factors)
+
+
+def state_bytes(recipe: Recipe, model: Any, strategy: Any, steps: int) -> StateBytes:
+    """Server and per-client state bytes, from the strategy's ``state_dict`` and client hooks."""
+    from fedllm.models.loading import read_state
+    from fedllm.models.state import num_bytes
+
+    global_state = read_state(model, strategy.global_keys(model))
+    entry: Optional[int]
+    try:
+        plan = strategy.configure_client(1, 0, global_state)
+        plan.client_state = {}
+        strategy.open_client(plan)
+        trained = {**dict(model.named_parameters()), **plan.state}  # every tensor a client could keep
+        entry = num_bytes(strategy.close_client(plan, trained, steps) or {})
+    except Exception:  # noqa: BLE001 — a strategy whose client state needs a trained model
+        entry = None
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    slots = {"adamw": 2, "sgd": 1 if recipe.train.momentum else 0}[recipe.train.optimizer]
+    moments = slots * trainable if recipe.train.optimizer_state == "per_client" else 0
+    base = num_bytes(strategy.base_residuals()) + sum(
+        num_bytes({"b": b, "a": a}) for pieces in strategy.kept_factors().values() for b, a, _ in pieces)
+    return StateBytes(num_bytes(strategy.state_dict()), num_bytes(global_state), entry, moments, base)
+
+
+@dataclass
+class Shapes:
+    """The sizes the activation formula reads from a model config."""
+
+    layers: int
+    hidden: int
+    q_dim: int
+    kv_dim: int
+    mlp: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any, task: str) -> "Shapes":
+        text = getattr(config, "text_config", None) or config
+        h = text.hidden_size
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or h // heads
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        return cls(text.num_hidden_layers, h, heads * head_dim, kv * head_dim, text.intermediate_size,
+                   text.vocab_size if task == "causal_lm" else 0)
+
+
+def activation_bytes(shapes: Shapes, batch: int, length: int, dtype_bytes: int) -> int:
+    """``b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8)`` (see the module docstring)."""
+    s = shapes
+    tokens = batch * length
+    per_token = 4 * s.hidden + 3 * s.q_dim + 2 * s.kv_dim + 4 * s.mlp
+    return tokens * s.layers * dtype_bytes * per_token + tokens * s.vocab * (dtype_bytes + 8)
+
+
+@dataclass
+class SvdCost:
+    """FRLoRA's SVD init of every wrapped layer (flops; the largest layer's extra fp32 memory)."""
+
+    method: str
+    flops: float
+    peak_bytes: int
+    layers: int
+
+
+def svd_cost(shapes: list[tuple[int, int]], rank: int, method: str, niter: int, oversample: int) -> SvdCost:
+    """Flop count of the init: exact ``6mn² + 20n³`` (thin R-SVD, Golub & Van Loan, ``m >= n``);
+    randomized ``2mnq(2·niter + 2) + 4(m + n)q²`` (``torch.svd_lowrank``: ``2·niter + 2`` passes over
+    ``W`` with ``q = r + oversample`` probes, plus QR factorisations). Peak extra memory: the layer's
+    fp32 copy plus its factors (exact: ``U``, ``S``, ``Vh`` of size ``n``; randomized: of size ``q``)."""
+    flops, peak = 0.0, 0
+    for out, inp in shapes:
+        m, n = max(out, inp), min(out, inp)
+        if method == "exact":
+            flops += 6 * m * n * n + 20 * n ** 3
+            peak = max(peak, 4 * (m * n + m * n + n + n * n))
+        else:
+            q = min(rank + oversample, n)
+            flops += 2 * m * n * q * (2 * niter + 2) + 4 * (m + n) * q * q
+            peak = max(peak, 4 * (m * n + (m + n) * q + q))
+    return SvdCost(method, flops, peak, len(shapes))
+
+
+@dataclass
+class CostReport:
+    """Everything ``--dry-run`` prints about a recipe's model, bytes and memory."""
+
+    recipe: Recipe
+    source: str  # where the model came from (meta device + shipped config, or real weights)
+    rows: list[ParamRow]
+    targets: dict[str, int]
+    comm: Communication
+    state: StateBytes
+    shapes: Shapes
+    steps: Optional[int]
+    svd: Optional[SvdCost] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> int:
+        return sum(r.trainable for r in self.rows)
+
+    @property
+    def frozen(self) -> int:
+        return sum(r.frozen for r in self.rows)
+
+    def memory(self) -> dict[str, int]:
+        """The peak-memory estimate's terms (bytes)."""
+        from fedllm.models.state import DTYPES
+
+        r = self.recipe
+        compute = DTYPES[r.train.dtype].itemsize
+        trainable = self.trainable * 4  # LoRA factors and heads train in fp32
+        slots = {"adamw": 2, "sgd": 1 if r.train.momentum else 0}[r.train.optimizer]
+        return {
+            "weights": int(sum(x.frozen_bytes for x in self.rows)),
+            "trainable": trainable,
+            "gradients": trainable,
+            "optimizer": slots * trainable,
+            "strategy state": self.state.server,
+            "activations": activation_bytes(self.shapes, r.train.batch_size, r.train.max_length, compute),
+        }
+
+    def lines(self) -> list[str]:
+        r, c, st = self.recipe, self.comm, self.state
+        comm = r.federation.comm_dtype
+        out = [f"  model: {self.source}"]
+        out.append(f"  parameters: {self.trainable:,} trainable (exact), {self.frozen:,} frozen "
+                   f"({100 * self.trainable / max(1, self.trainable + self.frozen):.4f}% trainable)")
+        width = max(len(x.name) for x in self.rows)
+        out.append(f"    {'module':<{width}}  {'count':>5}  {'trainable':>13}  {'frozen':>15}")
+        for x in self.rows:
+            out.append(f"    {x.name:<{width}}  {x.count:>5}  {x.trainable:>13,}  {x.frozen:>15,}")
+        found = ", ".join(f"{t} x{n}" for t, n in self.targets.items())
+        out.append(f"  LoRA r={r.lora.r} alpha={r.lora.alpha:g} on {sum(self.targets.values())} layers: {found}")
+        part = sorted(set(c.down.values())), sorted(set(c.up.values()))
+        out.append(f"  bytes per participating client per round ({comm}): down {_sizes(part[0])}, "
+                   f"up {_sizes(part[1])}")
+        idle, n_idle = sorted(set(c.idle_down.values())), r.federation.num_clients - len(c.sampled)
+        out.append(f"  bytes per non-participating client per round: down {_sizes(idle) if idle else '0 B'}"
+                   f" ({len(c.idle_down) if idle else n_idle} of {r.federation.num_clients} clients"
+                   f"{'' if idle or not n_idle else ' receive nothing'})")
+        out.append(f"  bytes per round ({len(c.sampled)} of {r.federation.num_clients} clients sampled): "
+                   f"up {_mb(c.round_up)}, down {_mb(c.round_down)}; full fine-tuning would move "
+                   f"{_mb(c.full_model_bytes)} per client per direction")
+        entry = "unknown (needs a trained client)" if st.client_entry is None else _mb(st.client_entry)
+        out.append(f"  state: server {_mb(st.server)} (strategy) + {_mb(st.global_state)} (global adapter); "
+                   f"per client {entry} (strategy) + {_mb(st.client_moments)} (optimizer moments"
+                   f"{', kept per client' if r.train.optimizer_state == 'per_client' else ', reset each round'})"
+                   + (f"; every client also keeps the base changes, {_mb(st.base_changes)}" if st.base_changes else ""))
+        mem = self.memory()
+        unit = (lambda n: f"{n / 1e9:.2f} GB") if sum(mem.values()) >= 1e8 else _mb
+        out.append(f"  peak memory estimate (one training process): {unit(sum(mem.values()))} = "
+                   + " + ".join(f"{k} {unit(v)}" for k, v in mem.items()))
+        s = self.shapes
+        out.append(f"    activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8) with b={r.train.batch_size}, "
+                   f"s={r.train.max_length}, L={s.layers}, p={_dtype_bytes(r.train.dtype)}, h={s.hidden}, "
+                   f"d_q={s.q_dim}, d_kv={s.kv_dim}, i={s.mlp}, V={s.vocab} (every sequence at max_length; "
+                   "fused attention; no checkpointing)")
+        out.append(f"    weights as loaded ({r.model.dtype}{', ' + r.model.quantization if r.model.quantization != 'none' else ''}); "
+                   f"trainable, gradients and {r.train.optimizer} moments in fp32")
+        if self.svd is not None:
+            v = self.svd
+            out.append(f"  FRLoRA SVD init ({v.method}): {_flops(v.flops)} over {v.layers} layers, "
+                       f"peak extra {_mb(v.peak_bytes)} (largest layer, fp32; one layer at a time)")
+        out += [f"  not checked: {n}" for n in self.notes]
+        return out
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.3f} MB" if n >= 1e5 else f"{int(n):,} B"
+
+
+def _flops(n: float) -> str:
+    return f"{n / 1e12:.2f} TFLOP" if n >= 1e11 else f"{n / 1e9:.3f} GFLOP"
+
+
+def _sizes(values: list[int]) -> str:
+    if not values:
+        return "0 B"
+    if len(values) == 1:
+        return _mb(values[0]) + (f" ({values[0]:,} B)" if values[0] >= 1e5 else "")
+    return f"{_mb(values[0])} .. {_mb(values[-1])}"
+
+
+def cost_report(recipe: Recipe, model: Any, strategy: Any, task: str, source: str, on_meta: bool,
+                steps: Optional[int], notes: Optional[list[str]] = None) -> CostReport:
+    """The report for ``model`` (PEFT-wrapped, strategy set up) under ``recipe``."""
+    from fedllm.models.info import target_counts
+    from fedllm.strategies.frlora import FRLoRA
+
+    rows = parameter_rows(model, recipe.model.quantization, on_meta, frozenset(strategy.global_keys(model)))
+    comm = communication(recipe, model, strategy, steps or 1)
+    state = state_bytes(recipe, model, strategy, steps or 1)
+    shapes = Shapes.of(model.base_model.model.config, task)
+    svd = None
+    if isinstance(strategy, FRLoRA) and strategy.init == "principal":
+        from fedllm.models.loading import lora_layers
+
+        layer_shapes = [(m.out_features, m.in_features) for m in lora_layers(model).values()]
+        svd = svd_cost(layer_shapes, recipe.lora.r, strategy.svd, strategy.niter, strategy.oversample)
+    return CostReport(recipe, source, rows, target_counts(model, recipe.lora), comm, state, shapes, steps, svd,
+                      list(notes or []))

@@ -1,0 +1,236 @@
+"""``fedllm train RECIPE --dry-run``: know the cost of a recipe before committing to it.
+
+Validates the recipe, builds everything a run builds (tokenizer, data, partition,
+model, strategy), times a few optimizer steps of one client through the real client
+loop, and estimates the seconds per round and for the run; then prints the cost report
+of :mod:`fedllm.commands.cost_report` (parameters per module type, LoRA targets, bytes per client
+and per round, state bytes, a peak-memory estimate, FRLoRA's SVD-init cost).
+
+Without the model's weights on this machine (a hub id offline, a preset's package not
+installed) the model is built on the meta device from fedllm's shipped config
+(:mod:`fedllm.models.info`) and the same cost report is printed, without timing;
+without the data set the figures that need it use the recipe's batch size and
+``max_length``, and the report says what it could not check. Nothing is written to
+``output_dir``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fedllm.recipe.schema import Recipe
+
+#: Optimizer steps timed (the first is a warm-up and not counted).
+TIMED_STEPS = 3
+
+
+class _Enough(Exception):
+    """Raised by the step timer to stop the client loop after the timed steps."""
+
+
+class _StepTimer:
+    """Stands in for the progress bar of ``train_client``: records when each step ends, stops after ``limit``."""
+
+    def __init__(self, limit: int):
+        self.ends = [time.perf_counter()]
+        self.limit = limit
+
+    def update(self, n: int = 1) -> None:
+        self.ends.append(time.perf_counter())
+        if len(self.ends) > self.limit:
+            raise _Enough
+
+    def seconds_per_step(self) -> float:
+        gaps = [b - a for a, b in zip(self.ends[:-1], self.ends[1:])]
+        timed = gaps[1:] or gaps
+        return sum(timed) / len(timed)
+
+
+@dataclass
+class DryRunReport:
+    """What ``--dry-run`` measured and estimated."""
+
+    recipe: Recipe
+    build_seconds: float
+    seconds_per_step: float
+    steps_per_round: int
+    bytes_up: int
+    bytes_down: int
+    eval_rounds: list[int]
+    costs: Any = None  # fedllm.commands.cost_report.CostReport
+
+    @property
+    def seconds_per_round(self) -> float:
+        return self.seconds_per_step * self.steps_per_round
+
+    @property
+    def seconds_total(self) -> float:
+        return self.seconds_per_round * self.recipe.federation.rounds
+
+    def report(self) -> str:
+        r = self.recipe
+        evals = (f"; plus evaluation ({', '.join(r.eval.tasks)}) after round(s) "
+                 f"{', '.join(map(str, self.eval_rounds))}, not timed" if r.eval.tasks and self.eval_rounds else "")
+        return "\n".join([
+            f"dry run of {r.source}: recipe valid; data, model ({r.model.name}) and strategy "
+            f"({r.federation.strategy}) built in {self.build_seconds:.1f} s",
+            f"  one optimizer step: {self.seconds_per_step:.3f} s (mean of {TIMED_STEPS - 1} after a warm-up; "
+            f"batch {r.train.batch_size} x grad_accum {r.train.grad_accum}, max_length {r.train.max_length})",
+            f"  per round: {self.steps_per_round} client steps ({r.sampled_per_round()} clients) -> "
+            f"~{_duration(self.seconds_per_round)}",
+            f"  whole run: {r.federation.rounds} rounds -> ~{_duration(self.seconds_total)}{evals}",
+            f"  bytes per round: up {self.bytes_up / 1e6:.2f} MB, down {self.bytes_down / 1e6:.2f} MB "
+            f"({r.federation.comm_dtype})",
+            *(self.costs.lines() if self.costs is not None else []),
+            f"  nothing was written to {r.output_dir}",
+        ])
+
+
+@dataclass
+class UntimedReport:
+    """``--dry-run`` without the weights or without the data: the cost report, no step timing."""
+
+    recipe: Recipe
+    build_seconds: float
+    costs: Any  # fedllm.commands.cost_report.CostReport
+    built: str  # how the model was built
+
+    def report(self) -> str:
+        r = self.recipe
+        return "\n".join([
+            f"dry run of {r.source}: recipe valid; model ({r.model.name}) {self.built} and strategy "
+            f"({r.federation.strategy}) set up in {self.build_seconds:.1f} s; no step timed",
+            *self.costs.lines(),
+            f"  nothing was written to {r.output_dir}",
+        ])
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.1f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def dry_run(recipe: Recipe) -> "DryRunReport | UntimedReport":
+    """Build the federation and time :data:`TIMED_STEPS` local steps of the largest sampled client; without
+    the weights or the data, the untimed cost report of the model (on the meta device without weights)."""
+    from fedllm.data.errors import DataError
+    from fedllm.engine.server import build_federation
+    from fedllm.models.info import weights_unavailable
+
+    missing = weights_unavailable(recipe.model)
+    if missing is not None:
+        return untimed(recipe, weights_missing=missing)
+    t0 = time.perf_counter()
+    try:
+        fed = build_federation(recipe)
+    except DataError as e:
+        return untimed(recipe, data_missing=str(e).splitlines()[0])
+    return _timed(recipe, fed, time.perf_counter() - t0)
+
+
+def _estimated_clients(recipe: Recipe) -> tuple[list[int], Optional[int], list[str]]:
+    """Client sizes and steps per round without the data: from ``data.max_examples`` or one round's batches."""
+    fed, train = recipe.federation, recipe.train
+    per_step = train.batch_size * train.grad_accum
+    if recipe.data.max_examples:
+        size, how = recipe.data.max_examples // fed.num_clients, f"data.max_examples / {fed.num_clients} clients"
+    else:
+        size, how = per_step * (train.local_steps or 1), "one round of batches"
+    notes = [f"client sizes (taken as {size:,} examples each: {how}) and the partition"]
+    steps = train.local_steps
+    if steps is None:
+        steps = max(1, math.ceil(train.local_epochs * size / per_step))
+        notes.append(f"steps per round with local_epochs (taken as {steps} from that size)")
+    notes.append(f"token lengths: activations taken at batch {train.batch_size} x max_length {train.max_length}")
+    return [size] * fed.num_clients, steps, notes
+
+
+def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
+            data_missing: Optional[str] = None) -> UntimedReport:
+    """The cost report of the recipe's model without its data: built on the meta device from its config when
+    ``weights_missing`` says why the weights are absent (tests pass any reason to force the meta device)."""
+    import torch
+
+    from fedllm.commands.cost_report import cost_report
+    from fedllm.engine.client import derived_seed
+    from fedllm.models.info import check_targets, meta_model, shipped_config_dir
+    from fedllm.models.loading import load_model
+    from fedllm.strategies import get_strategy
+    from fedllm.strategies.base import ClientInfo
+
+    t0 = time.perf_counter()
+    sizes, steps, notes = _estimated_clients(recipe)
+    num_labels = len(recipe.data.labels) if recipe.data.labels else 2
+    if weights_missing is not None:
+        model, task = meta_model(recipe.model, recipe.lora, num_labels, recipe.source)
+        where = shipped_config_dir(recipe.model.name)
+        built = "built on the meta device from " + (f"fedllm's shipped config ({where.relative_to(where.parents[3])})"
+                                                    if where else "its config")
+        source = f"{recipe.model.name} on the meta device (weights absent: {weights_missing})"
+        notes = ["step time (no weights here)", "the data set (not loaded without the model's tokenizer)"] + notes
+    else:
+        loaded = load_model(recipe.model, recipe.lora, num_labels, recipe.seed, recipe.source)
+        model, task, built = loaded.model, loaded.task, "loaded"
+        check_targets(model, recipe.lora, recipe.model.name, recipe.source)
+        source = f"{recipe.model.name} (real weights)"
+        notes = [f"step time and the data set ({data_missing})"] + notes
+    if task == "classification" and not recipe.data.labels and not recipe.model.num_labels:
+        notes.append("classifier labels (taken as 2: set data.labels or model.num_labels)")
+    strategy = get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args)
+    strategy.recipe = recipe
+    torch.manual_seed(derived_seed(recipe.seed, 0x57A7))
+    strategy.setup(model, [ClientInfo(c, n) for c, n in enumerate(sizes)])
+    costs = cost_report(recipe, model, strategy, task, source, weights_missing is not None, steps, notes)
+    return UntimedReport(recipe, time.perf_counter() - t0, costs, built)
+
+
+def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
+    """Time :data:`TIMED_STEPS` local steps of the largest sampled client and add the cost report."""
+    from functools import partial
+
+    from fedllm.commands.cost_report import cost_report, upload_bytes
+    from fedllm.data import collate
+    from fedllm.engine.client import derived_seed, run_client, steps_per_round
+    from fedllm.engine.server import sample_clients
+    from fedllm.evaluation.runner import eval_due
+    from fedllm.models.info import check_targets
+    from fedllm.models.loading import read_state
+    from fedllm.models.state import cast
+    from fedllm.runs.client_store import ClientStore
+
+    strategy, data, comm = fed.strategy, fed.data, recipe.federation.comm_dtype
+    global_state = read_state(fed.loaded.model, fed.global_keys)
+    sampled = sample_clients(recipe.seed, 1, recipe.federation.num_clients, recipe.sampled_per_round())
+    largest = sorted(range(recipe.federation.num_clients), key=lambda c: -len(data.clients[c]))
+    steps, up, down = 0, 0, 0
+    for cid in largest[:recipe.sampled_per_round()]:
+        plan = strategy.configure_client(1, cid, global_state)
+        plan.state = cast(plan.state, comm)
+        default = steps_per_round(recipe.train, len(data.clients[cid]))
+        steps += sum(ph.steps if ph.steps is not None else default for ph in plan.phases)
+        down += strategy.download_bytes(plan, comm)
+        up += upload_bytes(strategy, plan, default, comm)
+    down += sum(strategy.extra_download_bytes(1, sampled, recipe.federation.num_clients, comm).values())
+
+    check_targets(fed.loaded.model, recipe.lora, recipe.model.name, recipe.source)
+    costs = cost_report(recipe, fed.loaded.model, strategy, fed.loaded.task, f"{recipe.model.name} (real weights)",
+                        False, steps_per_round(recipe.train, len(data.clients[largest[0]])))
+    cid = largest[0]
+    plan = strategy.configure_client(1, cid, global_state)
+    plan.lr = recipe.train.lr
+    timer = _StepTimer(TIMED_STEPS)
+    coll = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
+    try:
+        run_client(fed.loaded.model, plan, strategy, ClientStore(), data.examples, data.clients[cid], recipe.train,
+                   coll, derived_seed(recipe.seed, 1, cid), timer)
+    except _Enough:
+        pass
+    eval_rounds: list[Any] = [r for r in range(recipe.federation.rounds + 1) if eval_due(recipe.eval, r,
+                                                                                        recipe.federation.rounds)]
+    return DryRunReport(recipe, build_seconds, timer.seconds_per_step(), steps, up, down, eval_rounds, costs)

@@ -1,0 +1,205 @@
+"""`fedllm eval CHECKPOINT_OR_RUN_DIR --tasks ...`: evaluate a run, checkpoint, exported model or hub model.
+
+The eval section of the run's recipe (when the path belongs to a run) is the
+starting point; flags override it. Results go to ``--out`` (default:
+``<path>/eval``, or ``eval_results/<name>`` for a hub model); re-running with
+the same directory resumes. The judge's API key is only ever read from the
+environment variable named by ``--judge-api-key-env``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+from typing import Optional
+
+from fedllm.common.errors import InputError, check_local_path, did_you_mean
+from fedllm.common.registry import tasks
+from fedllm.evaluation.personal import client_choice
+from fedllm.evaluation.prompt_styles import prompt_styles
+from fedllm.evaluation.report import markdown_table
+from fedllm.recipe.schema import EvalConfig, Recipe
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``fedllm eval``."""
+    parser.add_argument("checkpoint", help="run directory, round checkpoint, exported model, preset or hub id")
+    parser.add_argument("--tasks", default=None, help=f"comma-separated tasks (default: the run's eval.tasks); "
+                                                      f"known: {', '.join(tasks.names())}")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="evaluate N examples of each task (the first N; for judged tasks a seeded sample "
+                             "stratified across categories)")
+    parser.add_argument("--data", action="append", default=[], metavar="TASK=SPEC",
+                        help="data of a task: local file/dir or hub id[:config][@split] (repeatable); "
+                             "also judge_prompts=PATH")
+    parser.add_argument("--out", default=None, help="results directory (re-running with it resumes)")
+    parser.add_argument("--batch-size", type=int, default=None, help="generation batch size")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="generation limit (default: each task protocol's, see eval/README.md)")
+    parser.add_argument("--decoding", choices=["protocol", "greedy"], default=None,
+                        help="judged tasks: sample answers as the benchmark's protocol does (default), or greedy")
+    parser.add_argument("--seed", type=int, default=None, help="seed of sampled answers and of a --limit sample")
+    parser.add_argument("--seeding", choices=["question", "batch"], default=None,
+                        help="judged tasks' sampled answers: seeded once per question, its turns from one stream, "
+                             "as FastChat (default), or once per generation batch (batched, faster)")
+    parser.add_argument("--shots", type=int, default=None, help="few-shot exemplars (gsm8k, 0-8)")
+    parser.add_argument("--answer-protocol", choices=["fedllm", "metamath", "lm_eval"], default=None,
+                        help="gsm8k/math/math500: fedllm's lenient scorer, MetaMath's eval scripts, or "
+                             "lm-evaluation-harness (default: the run's eval.answer_protocol, else fedllm)")
+    parser.add_argument("--judged-prompts", choices=["reference", "training"], default=None,
+                        help="judged tasks of Alpaca-style runs: the reference scripts' prompts (default) or "
+                             "the run's training prompt for every turn")
+    parser.add_argument("--prompt-style", choices=prompt_styles.names(), default=None,
+                        help="alpaca, chat or plain (default: as the run was trained, else chat if the "
+                             "tokenizer has a chat template, else plain)")
+    parser.add_argument("--chat-template", default=None, help="FastChat conversation template name (needs fschat)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype")
+    parser.add_argument("--client", type=client_choice, default=None,
+                        help="personalized runs: evaluate this client's personal model, or 'all' of them, each on "
+                             "its own held-out split (per client and mean/min/max)")
+    parser.add_argument("--judge-base-url", default=None, help="OpenAI-compatible endpoint of the judge")
+    parser.add_argument("--judge-model", default=None, help="judge model name")
+    parser.add_argument("--judge-api-key-env", default=None,
+                        help="environment variable holding the judge's API key (default: OPENAI_API_KEY)")
+    parser.add_argument("--judge-concurrency", type=int, default=None, help="parallel judge requests")
+    parser.add_argument("--judge-protocol", choices=["openfedllm", "fastchat"], default=None,
+                        help="Vicuna grading protocol (default openfedllm, as the FRLoRA paper)")
+    parser.add_argument("--judge-ratings", choices=["reference", "minus_one", "in_range"], default=None,
+                        help="rating means as the references keep them (default), unparsed counted as -1 "
+                             "(OpenFedLLM's Vicuna), or ratings outside 1-10 counted as unparsed")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def parse_task_list(text: Optional[str]) -> list[str]:
+    """``"gsm8k, mt_bench"`` -> ``["gsm8k", "mt_bench"]``; InputError naming unknown tasks."""
+    names = [t.strip() for t in (text or "").split(",") if t.strip()]
+    from fedllm.evaluation.task_names import known_task
+
+    unknown = [t for t in names if not known_task(t)]
+    if unknown:
+        hints = "".join(did_you_mean(t, tasks.names()) for t in unknown)
+        raise InputError(f"--tasks: unknown task(s) {', '.join(unknown)}{hints}; known: {', '.join(tasks.names())} "
+                         f"and lm_eval:<lm-evaluation-harness task>")
+    return names
+
+
+def parse_data_specs(items: list[str]) -> dict[str, str]:
+    """``["gsm8k=path", ...]`` -> ``{"gsm8k": "path"}``; InputError for an item without ``=``."""
+    specs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise InputError(f"--data {item!r}: expected TASK=PATH_OR_HUB_ID")
+        specs[key.strip()] = value.strip()
+    return specs
+
+
+def find_run_recipe(path: str) -> Optional[Path]:
+    """The ``recipe.yaml`` of the run that ``path`` (run dir, checkpoint, ``final/``) belongs to, if any."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return None
+    for candidate in (p, p.parent, p.parent.parent):
+        if (candidate / "recipe.yaml").is_file():
+            return candidate / "recipe.yaml"
+    return None
+
+
+def heldout_records(recipe: Recipe) -> Optional[list[dict]]:
+    """The run's held-out raw records (its eval source, or the ``eval_fraction`` split), or None."""
+    from fedllm.data import load_records
+    from fedllm.data.federated import select_records
+
+    d = recipe.data
+    if d.eval_path or d.eval_split:
+        return load_records(d.eval_path or d.path, None if d.eval_path else d.name, d.eval_split or "test")
+    if d.eval_fraction > 0 and d.path:
+        records = load_records(d.path, d.name, d.split)
+        _, eval_ids = select_records(records, d, recipe.seed)
+        return [records[i] for i in eval_ids]
+    return None
+
+
+def default_out_dir(checkpoint: str) -> Path:
+    """``<checkpoint>/eval`` for a local directory, else ``eval_results/<sanitised name>``."""
+    p = Path(checkpoint).expanduser()
+    if p.is_dir():
+        return p / "eval"
+    return Path("eval_results") / re.sub(r"[^\w.-]+", "__", checkpoint).strip("_")
+
+
+def build_eval_config(args: argparse.Namespace, base: EvalConfig) -> EvalConfig:
+    """The eval config of a command: ``base`` (the run's) overridden by the flags."""
+    names = parse_task_list(args.tasks) or list(base.tasks)
+    if not names:
+        raise InputError(f"no tasks to evaluate: pass --tasks (known: {', '.join(tasks.names())})")
+    judge = base.judge
+    judge_flags = {"base_url": args.judge_base_url, "model": args.judge_model, "api_key_env": args.judge_api_key_env,
+                   "concurrency": args.judge_concurrency, "protocol": args.judge_protocol,
+                   "ratings": args.judge_ratings}
+    judge = dataclasses.replace(judge, **{k: v for k, v in judge_flags.items() if v is not None})
+    flags = {"limit": args.limit, "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
+             "shots": args.shots, "chat_template": args.chat_template, "decoding": args.decoding, "seed": args.seed,
+             "seeding": args.seeding, "answer_protocol": args.answer_protocol, "judged_prompts": args.judged_prompts}
+    for key in ("limit", "batch_size", "max_new_tokens"):
+        if flags[key] is not None and flags[key] < 1:
+            raise InputError(f"--{key.replace('_', '-')}: expected a positive integer, got {flags[key]}")
+    return dataclasses.replace(base, tasks=names, data={**base.data, **parse_data_specs(args.data)}, judge=judge,
+                               **{k: v for k, v in flags.items() if v is not None})
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    """``fedllm eval``: load, evaluate, print a markdown table; returns the exit code.
+
+    Raises:
+        InputError: bad flags, unknown tasks, missing data or judge settings (exit code 2).
+    """
+    check_local_path(args.checkpoint, "checkpoint")  # before torch: a mistyped run directory is not a hub id
+    parse_task_list(args.tasks)
+    from fedllm.evaluation.runner import (
+        eval_config_for_data,
+        evaluate,
+        prompt_style_for_data,
+    )
+    from fedllm.export.inference import load_for_inference
+    from fedllm.recipe.schema import load_recipe
+
+    recipe_path = find_run_recipe(args.checkpoint)
+    recipe = load_recipe(recipe_path) if recipe_path else None
+    cfg = build_eval_config(args, eval_config_for_data(recipe.eval, recipe.data) if recipe else EvalConfig())
+    prompt_style = args.prompt_style or (prompt_style_for_data(recipe.data) if recipe else None)
+    out_dir = Path(args.out) if args.out else default_out_dir(args.checkpoint)
+    if args.client is not None:
+        return _eval_clients(args, cfg, out_dir, prompt_style)
+    records = None
+    if recipe is not None and any(t in tasks and tasks.get(t).uses_records and t not in cfg.data
+                                for t in cfg.tasks):
+        records = heldout_records(recipe)
+    model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype)
+    metrics = evaluate(model, tokenizer, cfg, out_dir, records=records,
+                       prompt_style=prompt_style, progress=not args.no_progress)
+    print(markdown_table(metrics, title=args.checkpoint))
+    print(f"\nper-example results: {out_dir}")
+    return 0
+
+
+def _eval_clients(args: argparse.Namespace, cfg: EvalConfig, out_dir: Path, prompt_style: Optional[str]) -> int:
+    """``fedllm eval --client ID|all``: personal models on their own splits; per-client table and mean/min/max."""
+    import json
+
+    from fedllm.evaluation.personal import evaluate_clients, personal_stats
+
+    per_client = evaluate_clients(args.checkpoint, args.client, cfg, out_dir, dtype=args.dtype,
+                                  prompt_style=prompt_style, progress=not args.no_progress)
+    stats = personal_stats(per_client)
+    for cid, metrics in per_client.items():
+        print(markdown_table(metrics, title=f"{args.checkpoint} client {cid}"))
+    if len(per_client) > 1:
+        print(markdown_table({f"{k}/{s}": v[s] for k, v in stats.items() for s in ("mean", "min", "max")},
+                             title=f"{args.checkpoint}: {len(per_client)} clients"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "personal_summary.json").write_text(json.dumps({"clients": per_client, "stats": stats}, indent=2))
+    print(f"\nper-example results: {out_dir}")
+    return 0

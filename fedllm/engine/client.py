@@ -1,0 +1,244 @@
+"""Local training of one client: a plain, lean PyTorch loop.
+
+The client loads the plan's state into the one shared model, trains the
+parameters each phase names, and reads the trained values back out (cloned).
+It knows the strategy only through its client-side hooks. :func:`run_client` is the one
+client-side entry point every runtime calls (in-process simulation, each process of a
+multi-process run, a Flower ClientApp): per-client state in, upload out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
+from fedllm.models.loading import read_state, write_state
+from fedllm.models.state import DTYPES, StateDict
+from fedllm.models.supervised_loss import loss_path
+from fedllm.recipe.schema import TrainConfig
+from fedllm.runs.client_store import ClientStore, join_optimizer, split_optimizer
+from fedllm.strategies.base import ClientPlan, ClientUpdate, Strategy
+
+OPTIMIZERS: dict[str, Callable[[list, TrainConfig, float], torch.optim.Optimizer]] = {
+    "adamw": lambda params, cfg, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay),
+    "sgd": lambda params, cfg, lr: torch.optim.SGD(params, lr=lr, momentum=cfg.momentum,
+                                                   weight_decay=cfg.weight_decay),
+}
+
+
+@dataclass
+class ClientResult:
+    """Trained values of every key the client loaded or trained, and how training went."""
+
+    state: StateDict
+    loss: float
+    steps: int
+    optimizer_state: StateDict | None = None
+    padding: tuple[int, int] = (0, 0)  # (padded positions, all positions) of the micro-batches trained on
+
+
+def derived_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (seed, round, client ...)."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+def steps_per_round(cfg: TrainConfig, num_examples: int) -> int:
+    """Optimizer steps a client takes per round (``local_steps``, or ``local_epochs`` passes)."""
+    if cfg.local_steps is not None:
+        return cfg.local_steps
+    per_step = cfg.batch_size * cfg.grad_accum
+    return max(1, math.ceil(cfg.local_epochs * num_examples / per_step))
+
+
+class BatchStream:
+    """Endless seeded shuffled micro-batches over a client's examples (reshuffled each pass)."""
+
+    def __init__(self, indices: Sequence[int], batch_size: int, seed: int):
+        self.indices = list(indices)
+        self.batch_size = batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+
+    def next(self) -> list[int]:
+        batch: list[int] = []
+        while len(batch) < self.batch_size:
+            if not self.order:
+                self.order = [self.indices[i] for i in torch.randperm(len(self.indices), generator=self.gen)]
+            take = min(self.batch_size - len(batch), len(self.order))
+            batch += self.order[:take]
+            del self.order[:take]
+            if len(self.indices) < self.batch_size and not self.order:
+                break  # a client smaller than one batch trains on all it has
+        return batch
+
+
+def batch_stream(cfg: TrainConfig, examples: Sequence[dict], indices: Sequence[int],
+                 seed: int) -> BatchStream | LengthGroupedStream:
+    """The client's micro-batch stream: plain shuffled, or grouped by length (``train.group_by_length``)."""
+    if cfg.group_by_length:
+        return LengthGroupedStream(indices, [len(examples[i]["input_ids"]) for i in indices], cfg.batch_size, seed)
+    return BatchStream(indices, cfg.batch_size, seed)
+
+
+def micro_batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: TrainConfig) -> torch.Tensor:
+    """Loss of one micro-batch: ``train.loss_positions`` for a causal LM, the model's own otherwise."""
+    task = "causal_lm" if batch["labels"].dim() == 2 else "classification"
+    return loss_path(model, cfg.loss_positions, task)(model, batch)
+
+
+def _named_optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> StateDict:
+    out: StateDict = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for k, v in opt.state.get(p, {}).items():
+                out[f"{names[id(p)]}::{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone()
+    return out
+
+
+def _load_optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str], state: StateDict) -> None:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            prefix = f"{names[id(p)]}::"
+            entries = {k[len(prefix):]: v.to(p.device, copy=True) if v.dim() else v.clone()
+                       for k, v in state.items() if k.startswith(prefix)}
+            if entries:
+                opt.state[p] = entries
+
+
+def train_autocast(device: torch.device, dtype: str):
+    """``torch.autocast`` on ``device`` for ``train.dtype`` bf16/fp16 (CPU or GPU); nothing for fp32."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
+
+
+def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, examples: Sequence[dict],
+                 indices: Sequence[int], cfg: TrainConfig, collate: Callable[[list[dict]], dict],
+                 seed: int, optimizer_state: StateDict | None = None, progress: Any = None) -> ClientResult:
+    """Train one client for every phase of ``plan`` and return its trained state.
+
+    Args:
+        model: the shared PEFT model (its state is overwritten by ``plan.state``).
+        plan: what to load and which parameters train for how many steps.
+        strategy: supplies ``client_loss`` and ``after_step``.
+        examples: tokenized examples of the whole federation; ``indices`` are this client's.
+        cfg: local-training options; the learning rate is ``plan.lr``.
+        collate: turns a list of examples into model inputs.
+        seed: seeds data order and dropout, so a round is reproducible (and resumable).
+        optimizer_state: per-client optimizer moments to continue from (``optimizer_state: per_client``).
+        progress: a tqdm bar advanced once per optimizer step.
+    """
+    if not indices:
+        raise ValueError(f"client {plan.client_id} has no training examples")
+    torch.manual_seed(seed)
+    write_state(model, {**plan.state, **plan.local})
+    device = next(model.parameters()).device
+    params = dict(model.named_parameters())
+    private = strategy.sample_level_privacy(plan, len(indices))  # DP-SGD (fedllm.privacy.dp_sgd) or None
+    stream = private.stream(indices) if private else batch_stream(cfg, examples, indices, seed)
+    default_steps = steps_per_round(cfg, len(indices))
+    touched = list(plan.state) + [k for k in plan.local if k not in plan.state]
+    losses: list[float] = []
+    total_steps = 0
+    padded = positions = 0
+    new_opt_state: StateDict = {}
+    scaler = torch.amp.GradScaler(device.type) if cfg.dtype == "fp16" else None
+    was_training = model.training
+    original_flags = {name: p.requires_grad for name, p in params.items()}
+    model.train()
+    try:
+        for phase in plan.phases:
+            keys = list(phase.keys) if phase.keys is not None else list(plan.state)
+            touched += [k for k in keys if k not in plan.state]
+            for name, p in params.items():
+                p.requires_grad_(name in keys)
+            trainable = [params[k] for k in keys]
+            names = {id(params[k]): k for k in keys}
+            opt = OPTIMIZERS[cfg.optimizer](trainable, cfg, plan.lr)
+            if optimizer_state:
+                _load_optimizer_state(opt, names, optimizer_state)
+            dp_phase = private.phase(model, opt) if private else contextlib.nullcontext(opt)
+            with dp_phase as stepper:  # the optimizer that steps (DP-SGD: opacus's DPOptimizer)
+                for _ in range(phase.steps if phase.steps is not None else default_steps):
+                    stepper.zero_grad(set_to_none=True)
+                    for _ in range(cfg.grad_accum):
+                        drawn = stream.next()
+                        if not drawn:  # an empty Poisson batch (DP-SGD): the step adds noise only
+                            private.empty_batch(trainable)
+                            continue
+                        batch = collate([examples[i] for i in drawn])
+                        pad, pos = padded_positions(batch["attention_mask"])  # on the CPU: no device sync
+                        batch = {k: v.to(device) for k, v in batch.items()}
+                        padded, positions = padded + pad, positions + pos
+                        with train_autocast(device, cfg.dtype):
+                            if private:
+                                total, loss = private.loss(model, batch)
+                            else:
+                                loss = micro_batch_loss(model, batch, cfg)
+                                extra = strategy.client_loss(model, plan)
+                                total = loss if extra is None else loss + extra
+                        losses.append(float(loss.detach()))
+                        total = total / cfg.grad_accum
+                        (scaler.scale(total) if scaler else total).backward()
+                    if scaler:
+                        scaler.unscale_(stepper)
+                    if cfg.max_grad_norm:
+                        torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+                    if scaler:
+                        scaler.step(stepper)
+                        scaler.update()
+                    else:
+                        stepper.step()
+                    strategy.after_step(model, plan)
+                    total_steps += 1
+                    if progress is not None:
+                        progress.update(1)
+            new_opt_state.update(_named_optimizer_state(opt, names))
+    finally:
+        for name, p in params.items():
+            p.requires_grad_(original_flags[name])
+        model.train(was_training)
+    loss = sum(losses) / len(losses) if losses else 0.0  # none: DP-SGD drew only empty Poisson batches
+    return ClientResult(state=read_state(model, touched), loss=loss, steps=total_steps,
+                        optimizer_state=new_opt_state if cfg.optimizer_state == "per_client" else None,
+                        padding=(padded, positions))
+
+
+def open_client_state(plan: ClientPlan, strategy: Strategy, store: ClientStore) -> StateDict | None:
+    """Hand client ``plan.client_id``'s stored entry to the strategy; return the moments it continues from."""
+    plan.client_state, moments = split_optimizer(store.get(plan.client_id))
+    strategy.open_client(plan)
+    return strategy.client_optimizer_state(plan.rnd, plan.client_id, moments)
+
+
+def close_client_state(plan: ClientPlan, strategy: Strategy, store: ClientStore, result: ClientResult,
+                       moments: StateDict | None, num_examples: int) -> ClientUpdate:
+    """Store client ``plan.client_id``'s new entry and return what it uploads."""
+    kept = strategy.close_client(plan, result.state, result.steps)
+    store.put(plan.client_id, join_optimizer(kept, result.optimizer_state if result.optimizer_state is not None
+                                             else moments))
+    upload = strategy.client_upload(plan, result.state, result.steps)
+    return ClientUpdate(plan.client_id, upload, num_examples, result.loss, result.steps, padding=result.padding)
+
+
+def run_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, store: ClientStore,
+               examples: Sequence[dict], indices: Sequence[int], cfg: TrainConfig,
+               collate: Callable[[list[dict]], dict], seed: int, progress: Any = None) -> ClientUpdate:
+    """Train client ``plan.client_id`` from its stored state and return what it uploads.
+
+    The client's entry in ``store`` is handed to the strategy through ``plan.client_state``
+    (``open_client``), its optimizer moments continue when ``train.optimizer_state: per_client``,
+    and the new entry (``close_client`` plus the moments) replaces the old one in ``store``.
+    """
+    moments = open_client_state(plan, strategy, store)
+    result = train_client(model, plan, strategy, examples, indices, cfg, collate, seed, moments, progress)
+    return close_client_state(plan, strategy, store, result, moments, len(indices))

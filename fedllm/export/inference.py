@@ -1,0 +1,119 @@
+"""Rebuild a model for inference from a run directory, a checkpoint, an exported model or a hub model.
+
+For a fedllm checkpoint this is the in-memory global model of the run: the base
+(with any weights the strategy changed), the strategy's state and the global
+adapter, or a client's personal model for personalized strategies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import transformers
+
+from fedllm.common.errors import InputError
+from fedllm.models.loading import load_model, load_tokenizer
+from fedllm.recipe.schema import ModelConfig, Recipe, parse_recipe, read_yaml
+from fedllm.runs import checkpoint as ckpt_io
+from fedllm.strategies import ClientInfo, Strategy, get_strategy
+
+log = logging.getLogger("fedllm")
+
+
+def recipe_of(ck: ckpt_io.Checkpoint, where: Path) -> Recipe:
+    """The resolved recipe stored in a checkpoint."""
+    if not ck.recipe_yaml:
+        raise ckpt_io.CheckpointError(f"{where}: checkpoint has no recipe.yaml")
+    return parse_recipe(read_yaml(ck.recipe_yaml), str(where / "recipe.yaml"))
+
+
+def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,
+                          client: Optional[int] = None) -> tuple[Any, Any, Strategy, Recipe]:
+    """``(peft_model, tokenizer, strategy, recipe)`` holding a checkpoint's global (or personal) model."""
+    where = ckpt_io.resolve_checkpoint(Path(path))
+    ck = ckpt_io.load_checkpoint(where)
+    recipe = recipe_of(ck, where)
+    if dtype is not None:
+        recipe.model.dtype = dtype
+    tok = load_tokenizer(recipe.model)
+    labels = ck.meta.get("label_names") or []
+    loaded = load_model(recipe.model, recipe.lora, num_labels=len(labels) or 2, seed=recipe.seed,
+                        source=recipe.source, tokenizer=tok)
+    strategy = get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args)
+    strategy.recipe = recipe
+    torch.manual_seed(0)
+    sizes = ck.meta.get("client_sizes") or [1] * recipe.federation.num_clients
+    strategy.setup(loaded.model, [ClientInfo(c, n) for c, n in enumerate(sizes)])
+    ckpt_io.restore_into(loaded.model, strategy, ck)
+    if client is not None:
+        personal = strategy.personal_state(client, ckpt_io.client_store(ck).get(client))
+        if personal is None:
+            raise InputError(f"{where}: strategy {recipe.federation.strategy!r} has no personal model "
+                             f"for client {client}")
+        from fedllm.models.loading import write_state
+
+        write_state(loaded.model, personal)
+    loaded.model.eval()
+    return loaded.model, tok, strategy, recipe
+
+
+def load_for_inference(path: str, dtype: str = "fp32", client: Optional[int] = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for a run dir / checkpoint, a PEFT adapter dir, a model dir, a preset or hub id."""
+    p = Path(path)
+    if p.is_dir() and (ckpt_io.looks_like_checkpoint(p) or (p / "final").is_dir() or (p / "checkpoints").is_dir()):
+        model, tok, _, _ = model_from_checkpoint(p, dtype, client)
+        return model, tok
+    if p.is_dir() and (p / "adapter_config.json").is_file():
+        return load_adapter(p, dtype)
+    cfg = ModelConfig(name=str(path), dtype=dtype)
+    from fedllm.models.loading import load_base_model
+
+    tok = load_tokenizer(cfg)
+    return load_base_model(cfg, tok).eval(), tok
+
+
+def _exported_base(p: Path, base_name: str, tok: Any, dtype: str) -> Optional[Any]:
+    """The base model of an exported adapter without the hub: its ``base/`` copy (``--with-base``),
+    or a fedllm preset rebuilt as the run built it (from ``export.json``); None for a hub id."""
+    from fedllm.common.registry import model_presets
+    from fedllm.models.loading import load_base_model
+
+    facts_path = p / "export.json"
+    facts = json.loads(facts_path.read_text()) if facts_path.is_file() else {}
+    base = facts.get("base_model") or {}
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {k: v for k, v in base.items() if k in known}
+    if (p / "base" / "config.json").is_file():
+        fields.update(name=str(p / "base"), gguf_file=None, quantization=fields.get("quantization", "none"))
+    elif base_name not in model_presets:
+        return None
+    else:
+        fields["name"] = base_name
+        if not base:
+            log.warning("%s: no export.json; rebuilding preset %r with seed 0", p, base_name)
+    cfg = ModelConfig(**{**fields, "dtype": dtype})
+    return load_base_model(cfg, tok, num_labels=int(base.get("num_labels", 2)), seed=int(base.get("seed", 0)))
+
+
+def load_adapter(p: Path, dtype: str = "fp32") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of an exported PEFT adapter directory; offline for preset bases."""
+    from peft import (
+        AutoPeftModelForCausalLM,
+        AutoPeftModelForSequenceClassification,
+        PeftConfig,
+        PeftModel,
+    )
+
+    cfg = PeftConfig.from_pretrained(str(p))
+    tok_dir = p if (p / "tokenizer_config.json").is_file() else cfg.base_model_name_or_path
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    base = _exported_base(p, str(cfg.base_model_name_or_path), tok, dtype)
+    if base is not None:
+        return PeftModel.from_pretrained(base, str(p)).eval(), tok
+    auto = (AutoPeftModelForSequenceClassification if cfg.task_type == "SEQ_CLS" else AutoPeftModelForCausalLM)
+    return auto.from_pretrained(str(p)).eval(), tok

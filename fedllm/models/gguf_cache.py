@@ -1,0 +1,82 @@
+"""GGUF models converted once: the dequantised weights and the tokenizer kept in fedllm's cache.
+
+transformers converts a GGUF file at every load: it parses the metadata (the whole vocabulary), dequantises
+every tensor and builds the tokenizer — about 20 s for SmolLM2-135M on one core of a small machine, longer for
+Gemma 3 270M's 262k vocabulary — on every ``train``, ``eval``, ``export`` and ``serve``. The first fp32 load
+keeps what it converted under ``$FEDLLM_CACHE_DIR/models/converted/<file stem>-<key>/`` (default
+``~/.cache/fedllm``): ``tokenizer/`` and ``model/`` (config, generation config, fp32 safetensors). Later loads
+read them in about a second, with the same tensors bit for bit. The key covers the GGUF's resolved path, size
+and modification time and the transformers version, so a changed file or converter is converted again.
+
+transformers refuses to ``save_pretrained`` a GGUF-loaded model (its GGUF "quantizer" is not serialisable), so
+the weights are written with safetensors' ``save_model``, which keeps tied tensors once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+def converted_dir(directory: str, gguf_file: str) -> Path:
+    """Where the conversion of ``directory/gguf_file`` is kept."""
+    import transformers
+
+    from fedllm.models.chunked_weights import models_cache_dir
+
+    path = (Path(directory) / gguf_file).resolve()
+    stat = path.stat()
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|transformers {transformers.__version__}"
+    return models_cache_dir() / "converted" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def tokenizer_dir(directory: str, gguf_file: str) -> Optional[str]:
+    """The kept tokenizer of this GGUF, or None when it was not converted yet."""
+    saved = converted_dir(directory, gguf_file) / "tokenizer"
+    return str(saved) if (saved / "tokenizer_config.json").is_file() else None
+
+
+def model_dir(directory: str, gguf_file: str) -> Optional[str]:
+    """The kept fp32 model of this GGUF, or None when it was not converted yet."""
+    saved = converted_dir(directory, gguf_file) / "model"
+    return str(saved) if (saved / "model.safetensors").is_file() else None
+
+
+def keep_tokenizer(tokenizer: Any, directory: str, gguf_file: str) -> None:
+    """Keep a tokenizer just converted from ``directory/gguf_file`` (first writer wins; failures are ignored)."""
+    _write_once(converted_dir(directory, gguf_file) / "tokenizer", tokenizer.save_pretrained)
+
+
+def keep_model(model: Any, directory: str, gguf_file: str) -> None:
+    """Keep an fp32 model just converted from ``directory/gguf_file`` (first writer wins; failures are ignored)."""
+    from safetensors.torch import save_model
+
+    def write(target: str) -> None:
+        model.config.save_pretrained(target)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(target)
+        save_model(model, str(Path(target) / "model.safetensors"), metadata={"format": "pt"})
+
+    _write_once(converted_dir(directory, gguf_file) / "model", write)
+
+
+def _write_once(target: Path, write: Callable[[str], None]) -> None:
+    """``write`` into a temporary directory beside ``target``, renamed into place unless another process was first.
+
+    The cache only saves time: a full disk or a concurrent writer leaves the conversion uncached, never an error.
+    """
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    except OSError:
+        return
+    try:  # kept by another process meanwhile, or no space: the GGUF is converted again next time
+        with contextlib.suppress(OSError):
+            write(str(tmp))
+            tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

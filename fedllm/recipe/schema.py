@@ -1,0 +1,724 @@
+"""Typed recipe: YAML + dotted overrides -> :class:`Recipe`, validated all at once.
+
+Every field has a type, a default and a one-line ``doc``. Validation walks the
+dataclasses by their type hints, collects *every* problem (unknown key, wrong
+type, impossible value) and raises one :class:`RecipeError` naming the file, the
+dotted key, what was given and what is expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from fedllm.common.errors import InputError, did_you_mean
+
+
+def doc(default: Any, text: str) -> Any:
+    """A dataclass field with a default and a one-line docstring."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": text})
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda d=default: dataclasses.replace(d), metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+class RecipeError(InputError):
+    """A recipe problem; ``problems`` lists ``(key, given, expected)``."""
+
+    def __init__(self, source: str, problems: list[tuple[str, Any, str]]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s) in the recipe:"]
+        for key, given, expected in problems:
+            lines.append(f"  - {key}: got {given!r}; expected {expected}")
+        super().__init__("\n".join(lines))
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    name: str = doc("tiny-llama", "preset name (tiny-llama, smollm2-135m-instruct, minilm-l6, ...), hub id, local dir or .gguf file")
+    task: Literal["auto", "causal_lm", "classification"] = doc("auto", "causal LM or sequence classifier; auto picks from the preset/config")
+    gguf_file: Optional[str] = doc(None, "GGUF file name inside `name` when `name` is a directory")
+    dtype: Literal["fp32", "bf16", "fp16"] = doc("fp32", "dtype of the base weights")
+    quantization: Literal["none", "4bit", "8bit"] = doc("none", "load the base through bitsandbytes (QLoRA)")
+    device_map: Optional[str] = doc(None, "where the base lives: null (as loaded: CPU), a device (cuda:1; cuda = this process's GPU, cuda:LOCAL_RANK), or auto (spread over every visible GPU, then CPU: a model too large for one GPU; one process)")
+    num_labels: Optional[int] = doc(None, "classifier labels; default: from the data")
+    revision: Optional[str] = doc(None, "hub revision")
+    trust_remote_code: bool = doc(False, "allow custom model code from the hub")
+
+
+@dataclass
+class LoraConfig:
+    r: int = doc(8, "LoRA rank")
+    alpha: float = doc(16.0, "LoRA alpha; scaling s = alpha / r")
+    dropout: float = doc(0.0, "LoRA dropout")
+    target_modules: Optional[list[str]] = doc(None, "module names to wrap; default: the family's attention projections")
+    modules_to_save: Optional[list[str]] = doc(None, "extra fully-trained modules; default: classifier head for classifiers")
+    init: Literal["default", "gaussian"] = doc("default", "PEFT init of A (B is zero)")
+
+
+@dataclass
+class PartitionConfig:
+    method: str = doc("iid", "partitioner name: iid, dirichlet, natural (registry)")
+    beta: float = doc(0.5, "Dirichlet concentration (smaller = more skew)")
+    column: Optional[str] = doc(None, "label/category column (dirichlet) or user column (natural)")
+    min_size: int = doc(1, "smallest allowed client; Dirichlet re-draws until every client has this many")
+    path: Optional[str] = doc(None, "load a partition manifest written by `fedllm partition` instead")
+
+
+@dataclass
+class DataConfig:
+    path: str = doc("", "hub id, or local json/jsonl/csv/parquet file or directory")
+    name: Optional[str] = doc(None, "hub dataset config name")
+    split: str = doc("train", "split to train on")
+    format: Literal["instruction", "chat", "classification"] = doc("instruction", "how records become token sequences")
+    template: Optional[str] = doc(None, "instruction template (default alpaca), or for chat 'tokenizer' (default) or a FastChat template name")
+    fields: dict[str, str] = doc({}, "column renames, e.g. {instruction: query, output: response, label: label}")
+    labels: Optional[list[str]] = doc(None, "label names for classification (default: sorted distinct values)")
+    max_examples: Optional[int] = doc(None, "keep at most this many training records (after shuffling with the seed)")
+    eval_path: Optional[str] = doc(None, "held-out records (file or hub id); default: `eval_fraction` of `path`")
+    eval_split: Optional[str] = doc(None, "hub split of the held-out records")
+    eval_fraction: float = doc(0.0, "fraction of records held out when no eval_path is given")
+    client_eval_fraction: float = doc(0.0, "fraction of each client's records held out as its personal test split")
+    cache: bool = doc(True, "reuse tokenized examples from earlier runs (keyed by data file hash, tokenizer, options, max_length)")
+    cache_dir: Optional[str] = doc(None, "tokenized-data cache; default $FEDLLM_CACHE_DIR or ~/.cache/fedllm (tokenized/ inside)")
+    on_bad_record: Literal["error", "drop"] = doc("drop", "records with an empty text, more text than max_record_chars or nothing trainable within max_length: stop with exit 2, or drop and count them")
+    max_record_chars: Optional[int] = doc(4_000_000, "a record with more characters of text is a bad record (too_large), found before tokenizing; null: no limit")
+
+    def __post_init__(self) -> None:
+        if self.template is None:
+            self.template = "tokenizer" if self.format == "chat" else "alpaca"
+
+
+@dataclass
+class FederationConfig:
+    num_clients: int = doc(2, "clients in the partition")
+    clients_per_round: Optional[int] = doc(None, "clients sampled per round (or give `fraction`)")
+    fraction: Optional[float] = doc(None, "fraction of clients sampled per round")
+    rounds: int = doc(1, "communication rounds")
+    strategy: str = doc("fedavg", "strategy registry name")
+    strategy_args: dict[str, Any] = doc({}, "keyword arguments of the strategy")
+    partition: PartitionConfig = doc(PartitionConfig(), "how records are split into clients")
+    comm_dtype: Literal["fp32", "bf16", "fp16"] = doc("fp32", "dtype of tensors sent, for byte accounting and transport")
+    on_client_error: Literal["skip", "fail"] = doc("skip", "a client that raises or sends a non-finite/malformed update: drop it from the round, or stop the run")
+    min_clients_per_round: int = doc(1, "fewest valid updates a round aggregates; fewer: retry the round with a fresh sample")
+    round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint)")
+    max_update_norm: Optional[float] = doc(None, "drop an update whose norm ||u - global|| is above this (null: no absolute bound)")
+    update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (null: off)")
+
+
+@dataclass
+class TrainConfig:
+    local_steps: Optional[int] = doc(None, "optimizer steps per client per round (or give local_epochs)")
+    local_epochs: Optional[float] = doc(None, "passes over the client's data per round")
+    batch_size: int = doc(4, "examples per micro-batch")
+    grad_accum: int = doc(1, "micro-batches per optimizer step")
+    lr: float = doc(2e-4, "peak learning rate")
+    min_lr: float = doc(0.0, "final learning rate of the cosine/linear schedule")
+    lr_schedule: Literal["constant", "cosine", "linear"] = doc("constant", "schedule across rounds (constant within a round)")
+    optimizer: Literal["adamw", "sgd"] = doc("adamw", "local optimizer")
+    weight_decay: float = doc(0.0, "weight decay")
+    momentum: float = doc(0.0, "SGD momentum")
+    optimizer_state: Literal["reset", "per_client"] = doc("reset", "reset optimizer moments each round or keep them per client")
+    max_grad_norm: Optional[float] = doc(None, "clip gradients to this norm")
+    max_length: int = doc(512, "truncate token sequences to this length")
+    dtype: Literal["fp32", "bf16", "fp16"] = doc("fp32", "mixed precision of the forward/backward (torch.autocast, CPU or GPU)")
+    loss_positions: Literal["supervised", "all"] = doc("supervised", "run the LM head only where labels are supervised, or at every position")
+    group_by_length: bool = doc(False, "order each client's micro-batches so similar lengths share one (seeded; less padding)")
+    clients_per_pass: int = doc(1, "train this many sampled clients of a process together in one batched pass")
+    threads: Optional[int] = doc(None, "CPU threads of this process; default: usable cores / local processes "
+                                       "(env FEDLLM_THREADS overrides; see fedllm.common.threads)")
+
+
+@dataclass
+class JudgeConfig:
+    base_url: Optional[str] = doc(None, "OpenAI-compatible endpoint; default: env FEDLLM_JUDGE_BASE_URL / OPENAI_BASE_URL")
+    model: Optional[str] = doc(None, "judge model name; default: env FEDLLM_JUDGE_MODEL")
+    api_key_env: str = doc("OPENAI_API_KEY", "environment variable holding the key (the key is never written)")
+    concurrency: int = doc(4, "parallel judge requests")
+    max_retries: int = doc(5, "retries with exponential backoff")
+    protocol: Literal["openfedllm", "fastchat"] = doc("openfedllm", "Vicuna grading: OpenFedLLM's (FRLoRA's numbers) or FastChat's vicuna_bench")
+    ratings: Literal["reference", "minus_one", "in_range"] = doc("reference", "means over parsed ratings as the references keep them; minus_one: unparsed count -1 (OpenFedLLM's Vicuna); in_range: ratings outside 1-10 count as unparsed")
+
+
+@dataclass
+class EvalConfig:
+    tasks: list[str] = doc([], "task registry names evaluated on the global model")
+    every: int = doc(0, "evaluate every N rounds (0: only after the last round)")
+    before_training: bool = doc(False, "also evaluate the initial model (round 0)")
+    limit: Optional[int] = doc(None, "examples per task")
+    batch_size: int = doc(8, "generation batch size")
+    max_new_tokens: Optional[int] = doc(None, "generation limit; default: each task protocol's (eval/README.md)")
+    decoding: Literal["protocol", "greedy"] = doc("protocol", "judged tasks: sample as the benchmark did (seeded), or greedy")
+    seed: int = doc(0, "seed of sampled answers and of the sample a limited judged run takes")
+    seeding: Literal["question", "batch"] = doc("question", "judged tasks' sampled answers: question = FastChat's (seeded once per question, all its turns from that stream, one at a time); batch = one seed per generation batch (batched, faster; an answer depends on its batch)")
+    shots: int = doc(0, "few-shot exemplars (GSM8K)")
+    answer_protocol: Literal["fedllm", "metamath", "lm_eval"] = doc("fedllm", "gsm8k/math/math500 prompt, decoding and scoring: fedllm's lenient scorer, MetaMath's scripts, or lm-evaluation-harness (eval/README.md)")
+    judged_prompts: Literal["reference", "training"] = doc("reference", "judged tasks of Alpaca-style runs: prompts as the reference scripts wrote them, or the run's training prompt for every turn")
+    data: dict[str, str] = doc({}, "task -> local file or hub id of its data")
+    chat_template: Optional[str] = doc(None, "FastChat template name; default: a chat run's FastChat data.template, else the tokenizer's chat template")
+    personal: bool = doc(False, "personalized strategies: also evaluate each client's model on its own split")
+    judge: JudgeConfig = doc(JudgeConfig(), "LLM judge for MT-Bench / Vicuna / Ref-GPT4")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = doc(0, "write a checkpoint every N rounds (0: only final)")
+    keep_last: Optional[int] = doc(None, "keep only the newest N round checkpoints")
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = doc(True, "progress bars over rounds and client steps")
+    quiet: bool = doc(False, "only warnings and the run directory")
+    report_to: list[str] = doc([], "experiment trackers fed each round: tensorboard, wandb, mlflow, trackio")
+
+
+@dataclass
+class AdaptiveClippingConfig:
+    enabled: bool = doc(False, "adapt the clipping norm each round toward a quantile of the update norms (Andrew et al. 2021); privacy.clipping_norm is the initial norm")
+    target_quantile: float = doc(0.5, "fraction of client updates the norm should leave unclipped, in [0, 1]")
+    learning_rate: float = doc(0.2, "geometric step of the norm: C <- C * exp(-lr * (unclipped fraction - target_quantile))")
+    count_stddev: Optional[float] = doc(None, "std of the noise on the unclipped count; default: clients per round / 20")
+
+
+@dataclass
+class PrivacyConfig:
+    mechanism: Literal["none", "central", "central_client_clipping", "dp_sgd"] = doc("none", "none; client-level DP with server-side clipping (central) or client-side clipping (central_client_clipping); sample-level DP-SGD on each client with opacus (dp_sgd)")
+    clipping_norm: float = doc(1.0, "L2 bound of a client's update (central*) or of one example's gradient (dp_sgd)")
+    noise_multiplier: Optional[float] = doc(None, "noise std / clipping norm; with target_epsilon too, target_epsilon is the budget the run stops at")
+    target_epsilon: Optional[float] = doc(None, "epsilon after the planned rounds: picks the noise multiplier (when none is given) and stops the run before it is exceeded")
+    delta: float = doc(1e-5, "delta of the (epsilon, delta) guarantee; keep it well below 1/clients (central*) or 1/examples of a client (dp_sgd)")
+    accounting: Literal["auto", "without_replacement", "no_amplification"] = doc("auto", "central*: amplification by fedllm's sampling of clients without replacement (replace-one neighbours), or none (add/remove one client, as Flower; only with full participation); auto: no_amplification when every client trains every round")
+    adaptive_clipping: AdaptiveClippingConfig = doc(AdaptiveClippingConfig(), "central*: adaptive clipping norm")
+    grad_sample_mode: Literal["hooks", "ghost"] = doc("hooks", "dp_sgd: how opacus clips each example's gradient: hooks (per-example gradients of every trainable tensor) or ghost (per-example gradient norms by ghost clipping, then a second backward pass weighted by the clipping factors; opacus's grad_sample_mode)")
+    noise_seed: Optional[int] = doc(None, "null: noise from a secret random seed (the default; needed for the guarantee); an integer reproduces the noise (experiments only: whoever knows it can remove the noise)")
+    secure_aggregation: bool = doc(False, "Flower SecAgg+ of the client updates (refused: see docs/privacy.md)")
+
+
+@dataclass
+class Recipe:
+    seed: int = doc(0, "seed of sampling, partition, init and data order")
+    output_dir: str = doc("runs/run", "run directory")
+    model: ModelConfig = doc(ModelConfig(), "base model")
+    lora: LoraConfig = doc(LoraConfig(), "LoRA adapter")
+    data: DataConfig = doc(DataConfig(), "training data")
+    federation: FederationConfig = doc(FederationConfig(), "clients, rounds, strategy")
+    train: TrainConfig = doc(TrainConfig(), "local training")
+    eval: EvalConfig = doc(EvalConfig(), "evaluation during training")
+    checkpoint: CheckpointConfig = doc(CheckpointConfig(), "checkpointing")
+    logging: LoggingConfig = doc(LoggingConfig(), "progress and logs")
+    privacy: PrivacyConfig = doc(PrivacyConfig(), "differential privacy (docs/privacy.md)")
+    source: str = field(default="<recipe>", metadata={"doc": "file the recipe came from (set by the loader)", "internal": True})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the recipe, without internal fields and with URL credentials redacted
+        (the resolved recipe.yaml; see :mod:`fedllm.common.redact`)."""
+        from fedllm.common.redact import redact
+
+        d = dataclasses.asdict(self)
+        d.pop("source", None)
+        return redact(d)
+
+    def sampled_per_round(self) -> int:
+        """Number of clients sampled each round."""
+        fed = self.federation
+        if fed.clients_per_round is not None:
+            return fed.clients_per_round
+        if fed.fraction is not None:
+            return max(1, round(fed.fraction * fed.num_clients))
+        return fed.num_clients
+
+
+# --------------------------------------------------------------------------- parsing
+
+FINITE = "a finite number"
+"""What a nan/inf value is told it should be (a value problem: the other checks still run)."""
+
+
+MAX_YAML_NODES = 100_000
+"""Most values a recipe may expand to (aliases counted at each use): refuses alias bombs ("billion laughs")."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and lists a recipe may have."""
+MAX_SEED = 2**63 - 1
+"""Largest seed (64-bit, non-negative: torch, numpy and Python generators all accept it)."""
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` / ``2E5`` as floats (YAML 1.2), as users write learning rates,
+    and refuses duplicate keys (YAML says a key is unique; PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {key_node.start_mark.line + 1}; first given on line "
+                    f"{first})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text with :class:`_Loader`; a :class:`yaml.YAMLError` for duplicate keys, nesting deeper than
+    :data:`MAX_YAML_DEPTH` or more than :data:`MAX_YAML_NODES` values once aliases are expanded."""
+    try:
+        value = yaml.load(text, Loader=_Loader)  # noqa: S506 — a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError(f"nested deeper than {MAX_YAML_DEPTH} levels") from None
+    _expanded_size(value, 0, {})
+    return value
+
+
+def _expanded_size(value: Any, depth: int, memo: dict[int, int]) -> int:
+    """Values in ``value`` with every alias expanded (memoised per object: linear in the YAML's own size)."""
+    if not isinstance(value, (dict, list)):
+        return 1
+    if depth > MAX_YAML_DEPTH:
+        raise yaml.YAMLError(f"nested deeper than {MAX_YAML_DEPTH} levels")
+    if id(value) not in memo:
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        memo[id(value)] = 1 + sum(_expanded_size(v, depth + 1, memo) for v in items)
+        if memo[id(value)] > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"more than {MAX_YAML_NODES:,} values once aliases are expanded (an alias bomb?)")
+    return memo[id(value)]
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(f.name for f in _public_fields(tp))}"
+    if tp is Any:
+        return "any value"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _public_fields(cls: Any) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+
+def _coerce(value: Any, tp: Any, key: str, problems: list) -> Any:
+    """Return ``value`` as type ``tp`` or record a problem (and return the sentinel)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        _check_finite(value, key, problems)
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(value, inner[0], key, problems)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, key, problems)
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (item,) = typing.get_args(tp)
+            return [_coerce(v, item, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            _, item = typing.get_args(tp)
+            return {str(k): _coerce(v, item, f"{key}.{k}", problems) for k, v in value.items()}
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) <= MAX_SEED:
+                return value
+            problems.append((key, value, "an integer within 64 bits"))
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isfinite(value):
+                return float(value)
+            problems.append((key, value, FINITE))
+            return value
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    problems.append((key, value, _type_name(tp)))
+    return value
+
+
+def _check_finite(value: Any, key: str, problems: list) -> None:
+    """Record every nan/inf inside a free-form value (strategy_args ...)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        problems.append((key, value, FINITE))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{key}.{k}", problems)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{key}[{i}]", problems)
+
+
+def _build(cls: Any, raw: dict, prefix: str, problems: list) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in _public_fields(cls)}
+    kwargs = {}
+    for k, v in raw.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in known:
+            problems.append((key, v, f"a known key of {prefix or 'the recipe'}: {', '.join(known)}"
+                                     f"{did_you_mean(str(k), known)}"))
+            continue
+        kwargs[k] = _coerce(v, hints[k], key, problems)
+    return cls(**kwargs)
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for p in parts[:-1]:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def apply_overrides(raw: dict, overrides: list[str], problems: list) -> None:
+    """Apply ``key.sub=value`` strings (values parsed as YAML) to a raw recipe dict."""
+    for item in overrides:
+        if "=" not in item:
+            problems.append((item, item, "an override of the form dotted.key=value"))
+            continue
+        key, text = item.split("=", 1)
+        try:
+            value = read_yaml(text) if text.strip() else ""
+        except yaml.YAMLError as e:
+            problems.append((key.strip(), text, f"a YAML value ({_yaml_problem(e)})"))
+            continue
+        _set_dotted(raw, key.strip(), value)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def missing_files(r: Recipe) -> list[tuple[str, Any, str]]:
+    """Local data files the recipe names that do not exist or hold nothing (hub ids are checked when loaded)."""
+    from fedllm.data.loading import looks_local
+    from fedllm.evaluation.task_names import what_data
+
+    named = [("data.path", r.data.path), ("data.eval_path", r.data.eval_path),
+             ("federation.partition.path", r.federation.partition.path)]
+    named += [(f"eval.data.{task}", path) for task, path in r.eval.data.items()]
+    problems = []
+    for key, path in named:
+        if not path or not looks_local(path):
+            continue
+        local = Path(path).expanduser()
+        if not local.exists():
+            where = "" if local.is_absolute() else (f"; looked for {Path.cwd() / local} (relative to the working "
+                                                    f"directory {Path.cwd()})")
+            what = what_data(key[len("eval.data."):]) if key.startswith("eval.data.") else ""
+            problems.append((key, path, f"an existing local file or directory (or a hub id){where}"
+                                        + (f"; for this task: {what}" if what else "")))
+        elif key != "federation.partition.path" and _holds_nothing(local, r.data.split if key == "data.path" else None):
+            problems.append((key, path, "a data file with at least one record (it is empty)"))
+    return problems
+
+
+def _holds_nothing(path: Path, split: Optional[str]) -> bool:
+    """Whether a local data file (or a directory's ``<split>.*`` file) is empty or only whitespace / ``[]``."""
+    if path.is_dir():
+        found = [p for p in sorted(path.glob(f"{split or 'train'}.*")) if p.is_file()]
+        if not found:
+            return False
+        path = found[0]
+    if path.suffix.lower() == ".parquet" or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+        while head and not head.strip() and len(head) == 1 << 16:
+            head = f.read(1 << 16)
+    return head.strip() in (b"", b"[]")
+
+
+def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool = True) -> list[tuple[str, Any, str]]:
+    p: list[tuple[str, Any, str]] = missing_files(r) if check_files else []
+    if check_files:  # the model's name and the LoRA rank against its layers, from its config (no weights, no torch)
+        from fedllm.data.federated import split_problems
+        from fedllm.evaluation.task_names import missing_fastchat_files
+        from fedllm.models.info import model_problems
+
+        p.extend(model_problems(r))
+        if not any(key == "data.path" for key, _, _ in p):  # more clients than a local file's records
+            p.extend(split_problems(r.data, r.federation.partition, r.federation.num_clients))
+        p.extend(missing_fastchat_files(r.eval))
+    fed, tr = r.federation, r.train
+    if r.lora.r <= 0:
+        p.append(("lora.r", r.lora.r, "a positive integer"))
+    for key, seed in (("seed", r.seed), ("eval.seed", r.eval.seed)):
+        if not 0 <= seed <= MAX_SEED:
+            p.append((key, seed, f"an integer in 0..{MAX_SEED}"))
+    if r.model.device_map is not None and r.model.device_map not in ("auto", "balanced", "sequential") and not \
+            r.model.device_map.split(":")[0] in ("cpu", "cuda", "mps", "xpu"):
+        p.append(("model.device_map", r.model.device_map, "null, auto, balanced, sequential or a device (cuda:0)"))
+    if r.lora.alpha <= 0:
+        p.append(("lora.alpha", r.lora.alpha, "a positive number"))
+    if not 0 <= r.lora.dropout < 1:
+        p.append(("lora.dropout", r.lora.dropout, "a number in [0, 1)"))
+    if fed.num_clients <= 0:
+        p.append(("federation.num_clients", fed.num_clients, "a positive integer"))
+    if fed.rounds <= 0:
+        p.append(("federation.rounds", fed.rounds, "a positive integer"))
+    if fed.clients_per_round is not None and fed.fraction is not None:
+        p.append(("federation.fraction", fed.fraction, "only one of clients_per_round and fraction"))
+    if fed.clients_per_round is not None and not 0 < fed.clients_per_round <= fed.num_clients:
+        p.append(("federation.clients_per_round", fed.clients_per_round,
+                  f"an integer in 1..num_clients ({fed.num_clients})"))
+    if fed.fraction is not None and not 0 < fed.fraction <= 1:
+        p.append(("federation.fraction", fed.fraction, "a number in (0, 1]"))
+    if fed.partition.beta <= 0:
+        p.append(("federation.partition.beta", fed.partition.beta, "a positive number"))
+    if fed.partition.min_size < 1:
+        p.append(("federation.partition.min_size", fed.partition.min_size, "an integer >= 1"))
+    if (tr.local_steps is None) == (tr.local_epochs is None):
+        p.append(("train.local_steps", tr.local_steps, "exactly one of train.local_steps and train.local_epochs"))
+    if tr.local_steps is not None and tr.local_steps <= 0:
+        p.append(("train.local_steps", tr.local_steps, "a positive integer"))
+    if tr.local_epochs is not None and tr.local_epochs <= 0:
+        p.append(("train.local_epochs", tr.local_epochs, "a positive number"))
+    for key in ("batch_size", "grad_accum", "max_length", "clients_per_pass"):
+        if getattr(tr, key) <= 0:
+            p.append((f"train.{key}", getattr(tr, key), "a positive integer"))
+    if tr.lr < 0:
+        p.append(("train.lr", tr.lr, "a number >= 0"))
+    if math.isfinite(tr.lr) and not 0 <= tr.min_lr <= max(tr.lr, 0):
+        p.append(("train.min_lr", tr.min_lr, f"a number in [0, train.lr] (train.lr is {tr.lr})"))
+    if tr.max_grad_norm is not None and tr.max_grad_norm <= 0:
+        p.append(("train.max_grad_norm", tr.max_grad_norm, "a positive number or null"))
+    if not r.output_dir.strip():
+        p.append(("output_dir", r.output_dir, "a non-empty directory path"))
+    if fed.min_clients_per_round < 1 or fed.min_clients_per_round > r.sampled_per_round():
+        p.append(("federation.min_clients_per_round", fed.min_clients_per_round,
+                  f"an integer in 1..clients sampled per round ({r.sampled_per_round()})"))
+    for key in ("max_update_norm", "update_outlier_factor"):
+        if getattr(fed, key) is not None and not getattr(fed, key) > 0:
+            p.append((f"federation.{key}", getattr(fed, key), "a positive number, or null"))
+    if fed.round_retries < 0:
+        p.append(("federation.round_retries", fed.round_retries, "an integer >= 0"))
+    if not r.data.path and not r.federation.partition.path:
+        p.append(("data.path", r.data.path, "a hub id or a local data file"))
+    if r.data.max_record_chars is not None and r.data.max_record_chars < 1:
+        p.append(("data.max_record_chars", r.data.max_record_chars, "an integer >= 1, or null for no limit"))
+    for key in ("eval_fraction", "client_eval_fraction"):
+        v = getattr(r.data, key)
+        if not 0 <= v < 1:
+            p.append((f"data.{key}", v, "a number in [0, 1)"))
+    if r.eval.every < 0:
+        p.append(("eval.every", r.eval.every, "an integer >= 0"))
+    if r.eval.limit is not None and r.eval.limit < 1:
+        p.append(("eval.limit", r.eval.limit, "an integer >= 1, or null for every example"))
+    if r.eval.max_new_tokens is not None and r.eval.max_new_tokens < 1:
+        p.append(("eval.max_new_tokens", r.eval.max_new_tokens, "an integer >= 1, or null for the task's default"))
+    if r.eval.batch_size < 1:
+        p.append(("eval.batch_size", r.eval.batch_size, "an integer >= 1"))
+    if r.eval.shots < 0:
+        p.append(("eval.shots", r.eval.shots, "an integer >= 0"))
+    if r.eval.judge.concurrency < 1:
+        p.append(("eval.judge.concurrency", r.eval.judge.concurrency, "an integer >= 1"))
+    if r.eval.judge.max_retries < 0:
+        p.append(("eval.judge.max_retries", r.eval.judge.max_retries, "an integer >= 0"))
+    if r.checkpoint.every < 0:
+        p.append(("checkpoint.every", r.checkpoint.every, "an integer >= 0"))
+    if r.checkpoint.keep_last is not None and r.checkpoint.keep_last < 1:
+        p.append(("checkpoint.keep_last", r.checkpoint.keep_last, "an integer >= 1, or null to keep every checkpoint"))
+    if tr.threads is not None and tr.threads <= 0:
+        p.append(("train.threads", tr.threads, "a positive integer (CPU threads)"))
+    from fedllm.common.tracking import TRACKERS
+
+    for i, name in enumerate(r.logging.report_to):
+        if name not in TRACKERS:
+            p.append((f"logging.report_to[{i}]", name, f"one of {', '.join(TRACKERS)}{did_you_mean(name, TRACKERS)}"))
+    from fedllm.common.registry import partitioners, strategies, tasks
+    from fedllm.evaluation.task_names import known_task, task_data_problems
+
+    for t in r.eval.tasks:
+        if not known_task(t):
+            p.append(("eval.tasks", t, f"one of {', '.join(tasks.names())} or lm_eval:<harness task>"
+                      f"{did_you_mean(t, tasks.names())}"))
+    p.extend(task_data_problems(r.eval, r.data))
+
+    if fed.partition.method not in partitioners:
+        p.append(("federation.partition.method", fed.partition.method, f"one of {', '.join(partitioners.names())}"
+                  f"{did_you_mean(fed.partition.method, partitioners.names())}"))
+    if fed.strategy not in strategies:
+        p.append(("federation.strategy", fed.strategy, f"one of {', '.join(strategies.names())}"
+                  f"{did_you_mean(fed.strategy, strategies.names())}"))
+    elif ask_strategy and (not p or "torch" in sys.modules):
+        # the strategy class checks its own arguments; importing it loads torch, which a recipe
+        # with other problems should not wait for (they are reported first, at once)
+        p.extend(_strategy_arg_problems(r))
+    if tr.clients_per_pass > 1:
+        p.extend(_client_batching_problems(r, with_strategy=ask_strategy and (not p or "torch" in sys.modules)))
+    from fedllm.privacy.recipe_checks import privacy_problems
+
+    p.extend(privacy_problems(r))
+    return p
+
+
+def _strategy_arg_problems(r: Recipe) -> list[tuple[str, Any, str]]:
+    """What the strategy class says about ``federation.strategy_args`` (importing it loads torch)."""
+    from fedllm.common.registry import strategies
+
+    return [(f"federation.strategy_args.{key}", given, expected)
+            for key, given, expected in strategies.get(r.federation.strategy).check_args(r.federation.strategy_args)]
+
+
+def check_strategy(recipe: Recipe) -> None:
+    """The checks a ``parse_recipe(..., ask_strategy=False)`` left out: the strategy's own (loads torch).
+
+    Raises:
+        RecipeError: the strategy rejects its arguments or client batching.
+    """
+    problems = _strategy_arg_problems(recipe)
+    if recipe.train.clients_per_pass > 1:
+        problems += [x for x in _client_batching_problems(recipe) if x not in _client_batching_problems(
+            recipe, with_strategy=False)]
+    if problems:
+        raise RecipeError(recipe.source, problems)
+
+
+def _client_batching_problems(r: Recipe, with_strategy: bool = True) -> list[tuple[str, Any, str]]:
+    """What stops ``train.clients_per_pass > 1`` (the strategy, per-client moments, fp16, extra trained modules);
+    ``with_strategy``: also ask the strategy class (importing it loads torch)."""
+    from fedllm.common.registry import strategies
+
+    given = r.train.clients_per_pass
+    p = []
+    if with_strategy and r.federation.strategy in strategies:
+        why = strategies.get(r.federation.strategy).client_batching_problem()
+        if why:
+            p.append(("train.clients_per_pass", given, f"1 ({why})"))
+    if r.train.optimizer_state != "reset":
+        p.append(("train.clients_per_pass", given, "1 with train.optimizer_state: per_client (moments restart each round when batched)"))
+    if r.train.dtype == "fp16":
+        p.append(("train.clients_per_pass", given, "1 with train.dtype: fp16 (one skipped step would skip every client; use bf16)"))
+    if r.lora.modules_to_save:
+        p.append(("train.clients_per_pass", given, "1 with lora.modules_to_save (only LoRA factors are batched)"))
+    return p
+
+
+def parse_recipe(raw: Any, source: str = "<recipe>", overrides: Optional[list[str]] = None,
+                 check_files: bool = False, ask_strategy: bool = True) -> Recipe:
+    """Build and validate a :class:`Recipe` from a raw mapping; raise :class:`RecipeError`.
+
+    ``check_files``: also report local data files that do not exist or are empty, a model that cannot load
+    from here and a LoRA rank above a layer's size (the CLI does, before loading torch).
+    ``ask_strategy=False``: leave out the strategy's own checks, which import torch; the caller runs
+    :func:`check_strategy` after its other torch-free checks.
+    """
+    problems: list = []
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(source, [("<top level>", type(raw).__name__, "a mapping of recipe sections")])
+    apply_overrides(raw, list(overrides or []), problems)
+    recipe = _build(Recipe, raw, "", problems)
+    _expand_home(recipe)
+    if all(expected == FINITE for _, _, expected in problems):  # the types are right: check the values
+        reported = {key for key, _, _ in problems}
+        problems.extend(x for x in _semantic_problems(recipe, check_files, ask_strategy) if x[0] not in reported)
+    if problems:
+        raise RecipeError(source, problems)
+    recipe.source = source
+    return recipe
+
+
+def _expand_home(recipe: Recipe) -> None:
+    """``~`` and ``~user`` at the start of a path key become the home directory (never a literal ``./~``)."""
+    import os
+
+    for section, key in (("", "output_dir"), ("model", "name"), ("data", "path"), ("data", "eval_path"),
+                         ("data", "cache_dir"), ("federation.partition", "path")):
+        owner = recipe
+        for part in filter(None, section.split(".")):
+            owner = getattr(owner, part)
+        value = getattr(owner, key, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(owner, key, os.path.expanduser(value))
+    if isinstance(recipe.eval.data, dict):
+        recipe.eval.data = {t: os.path.expanduser(v) if isinstance(v, str) and v.startswith("~") else v
+                            for t, v in recipe.eval.data.items()}
+
+
+def load_recipe(path: str | Path, overrides: Optional[list[str]] = None, check_files: bool = False,
+                ask_strategy: bool = True) -> Recipe:
+    """Load ``path`` (UTF-8 YAML, a byte-order mark allowed; ``~`` expanded), apply dotted ``overrides`` and
+    validate (see :func:`parse_recipe`)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise RecipeError(str(path), [("<file>", str(path), "an existing recipe YAML file")])
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise RecipeError(str(path), [("<file>", f"byte 0x{data[e.start]:02x} on line {line}", "UTF-8 text")]) \
+            from None
+    try:
+        raw = read_yaml(text)
+    except yaml.YAMLError as e:
+        raise RecipeError(str(path), [(_yaml_where(e), _yaml_problem(e), "valid YAML")]) from None
+    return parse_recipe(raw, str(path), overrides, check_files, ask_strategy)
+
+
+def _yaml_where(e: yaml.YAMLError) -> str:
+    """``<yaml> line L, column C`` of a YAML error (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    return f"<yaml> line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "<yaml>"
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What the YAML parser found wrong (its context and problem, without the quoted source lines)."""
+    parts = [getattr(e, "context", None), getattr(e, "problem", None)]
+    return "; ".join(p for p in parts if p) or str(e).splitlines()[0]
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """YAML text of the resolved recipe."""
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

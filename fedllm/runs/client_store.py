@@ -1,0 +1,73 @@
+"""Per-client state (DESIGN.md §3): a keyed tensor dict per client, owned by whoever trains it.
+
+What a client keeps between its rounds — SCAFFOLD's control variate ``c_i``, a personalized
+strategy's private factors, its optimizer moments — lives here, never in the server's strategy
+object. The in-process simulation holds one store for every client; each process of a
+multi-process run holds the entries of all clients, kept identical by gathering the entries a
+round changed (:meth:`fedllm.engine.distributed.Dispatch.gather`); a Flower SuperNode holds its own
+client's entry on disk. The strategy sees an entry only through ``ClientPlan.client_state``
+(client side: :meth:`Strategy.open_client` / :meth:`Strategy.close_client`).
+
+Keys of one client's entry: the strategy's own names, plus the optimizer moments under
+``optimizer/<param>::<moment>`` (``train.optimizer_state: per_client``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from fedllm.models.state import StateDict
+
+OPTIMIZER = "optimizer/"
+
+
+def split_optimizer(entry: StateDict) -> tuple[StateDict, Optional[StateDict]]:
+    """``(strategy part, optimizer moments or None)`` of one client's entry."""
+    moments = {k[len(OPTIMIZER):]: v for k, v in entry.items() if k.startswith(OPTIMIZER)}
+    return {k: v for k, v in entry.items() if not k.startswith(OPTIMIZER)}, (moments or None)
+
+
+def join_optimizer(strategy_part: StateDict, moments: Optional[StateDict]) -> StateDict:
+    """One client's entry from its strategy part and optimizer moments."""
+    return {**strategy_part, **{OPTIMIZER + k: v for k, v in (moments or {}).items()}}
+
+
+class ClientStore:
+    """Every known client's keyed state (empty for a client that never trained)."""
+
+    def __init__(self, entries: Optional[dict[int, StateDict]] = None):
+        self._entries: dict[int, StateDict] = {int(c): dict(s) for c, s in (entries or {}).items()}
+
+    def get(self, client_id: int) -> StateDict:
+        """Client ``client_id``'s entry (a new dict; the tensors are shared, never modified in place)."""
+        return dict(self._entries.get(client_id, {}))
+
+    def put(self, client_id: int, state: StateDict) -> None:
+        """Replace client ``client_id``'s entry (tensors are detached copies)."""
+        self._entries[int(client_id)] = {k: v.detach().clone() for k, v in state.items()}
+
+    def update(self, entries: dict[int, StateDict]) -> None:
+        """Replace the entries of the clients in ``entries`` (gathered from other processes)."""
+        for cid, state in entries.items():
+            self._entries[int(cid)] = dict(state)
+
+    def clients(self) -> list[int]:
+        """Clients with an entry (sorted)."""
+        return sorted(self._entries)
+
+    def __contains__(self, client_id: object) -> bool:
+        return client_id in self._entries
+
+    def flat(self) -> StateDict:
+        """One flat dict ``client<k>/<name> -> tensor`` (what a checkpoint stores)."""
+        return {f"client{c}/{k}": v for c, st in sorted(self._entries.items()) for k, v in st.items()}
+
+    @classmethod
+    def from_flat(cls, flat: StateDict, prefixes: Iterable[str] = ()) -> "ClientStore":
+        """Inverse of :meth:`flat`; ``prefixes`` are prepended to the names (old checkpoint layouts)."""
+        prefix = "".join(prefixes)
+        entries: dict[int, StateDict] = {}
+        for key, value in flat.items():
+            client, name = key.split("/", 1)
+            entries.setdefault(int(client[len("client"):]), {})[prefix + name] = value
+        return cls(entries)
