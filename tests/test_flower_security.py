@@ -21,16 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from flower_cluster import (  # noqa: F401
-    assert_matches,
-    deployment,
-    finished_status,
-    launch,
-    logged,
-    stop,
-    wait_until,
-    worker_pid,
-)
+from flower_cluster import assert_matches, deployment, finished_status, launch, logged, stop, wait_until, worker_pid  # noqa: F401
 
 pytest.importorskip("flwr")
 

@@ -5,12 +5,7 @@ import torch
 import transformers
 
 from fedllm.models import gguf_cache
-from fedllm.models.loading import (
-    load_base_model,
-    load_model,
-    load_tokenizer,
-    lora_layers,
-)
+from fedllm.models.loading import load_base_model, load_model, load_tokenizer, lora_layers
 from fedllm.recipe.schema import LoraConfig, ModelConfig
 from tests.conftest import tensor_digests
 

@@ -5,11 +5,7 @@ import torch
 import transformers
 
 from fedllm.models.loading import attach_lora, load_model
-from fedllm.models.supervised_loss import (
-    all_positions_loss,
-    loss_path,
-    supervised_positions_loss,
-)
+from fedllm.models.supervised_loss import all_positions_loss, loss_path, supervised_positions_loss
 from fedllm.recipe.schema import LoraConfig, ModelConfig
 
 

@@ -158,11 +158,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     """
     check_local_path(args.checkpoint, "checkpoint")  # before torch: a mistyped run directory is not a hub id
     parse_task_list(args.tasks)
-    from fedllm.evaluation.runner import (
-        eval_config_for_data,
-        evaluate,
-        prompt_style_for_data,
-    )
+    from fedllm.evaluation.runner import eval_config_for_data, evaluate, prompt_style_for_data
     from fedllm.export.inference import load_for_inference
     from fedllm.recipe.schema import load_recipe
 

@@ -84,8 +84,6 @@ def quiet_loading_bars() -> None:
             continue
         if hasattr(module, "tqdm"):
             module.tqdm = partial(tqdm, disable=True)
-    from transformers.utils import (
-        logging as hf_logging,  # save_pretrained's "Writing model shards"
-    )
+    from transformers.utils import logging as hf_logging  # save_pretrained's "Writing model shards"
 
     hf_logging.tqdm = partial(tqdm, disable=True)

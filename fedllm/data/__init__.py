@@ -11,26 +11,11 @@ Typical use (the server does this)::
 from fedllm.common.lazy import lazy_attributes
 from fedllm.data.errors import DataError, PartitionError
 from fedllm.data.federated import FederatedData, build_federated_data, partition_to_disk
-from fedllm.data.formats import (
-    FORMATS,
-    encode_records,
-    make_encoder,
-    resolve_label_names,
-)
+from fedllm.data.formats import FORMATS, encode_records, make_encoder, resolve_label_names
 from fedllm.data.loading import load_records
-from fedllm.data.manifest import (
-    load_manifest,
-    manifest_clients,
-    partition_manifest,
-    save_manifest,
-)
+from fedllm.data.manifest import load_manifest, manifest_clients, partition_manifest, save_manifest
 from fedllm.data.partition import partition_records
-from fedllm.data.templates import (
-    INSTRUCTION_TEMPLATES,
-    format_prompt,
-    format_response,
-    record_field,
-)
+from fedllm.data.templates import INSTRUCTION_TEMPLATES, format_prompt, format_response, record_field
 from fedllm.data.tokens import IGNORE_INDEX
 
 __getattr__ = lazy_attributes(__name__, {"collate": "fedllm.data.collate"})  # torch only when batching

@@ -31,12 +31,7 @@ import numpy as np
 from fedllm.data.errors import DataError, PartitionError
 from fedllm.data.formats import FORMAT_TASKS, Encoder, make_encoder, resolve_label_names
 from fedllm.data.loading import load_records
-from fedllm.data.manifest import (
-    load_manifest,
-    manifest_clients,
-    partition_manifest,
-    save_manifest,
-)
+from fedllm.data.manifest import load_manifest, manifest_clients, partition_manifest, save_manifest
 from fedllm.data.partition import partition_records
 from fedllm.data.templates import field_name
 from fedllm.data.token_cache import open_token_cache

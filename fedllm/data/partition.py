@@ -17,12 +17,7 @@ import numpy as np
 
 from fedllm.common.registry import partitioners, register_partitioner
 from fedllm.data.errors import DataError, PartitionError
-from fedllm.data.manifest import (
-    load_manifest,
-    manifest_clients,
-    partition_manifest,
-    save_manifest,
-)
+from fedllm.data.manifest import load_manifest, manifest_clients, partition_manifest, save_manifest
 from fedllm.recipe.schema import DataConfig, PartitionConfig
 
 __all__ = [

@@ -43,11 +43,7 @@ from fedllm.engine.client import (
 )
 from fedllm.models.loading import write_state
 from fedllm.models.state import StateDict
-from fedllm.models.supervised_loss import (
-    supervised_hidden,
-    supports_supervised_positions,
-    token_losses,
-)
+from fedllm.models.supervised_loss import supervised_hidden, supports_supervised_positions, token_losses
 from fedllm.recipe.schema import TrainConfig
 from fedllm.runs.client_store import ClientStore
 from fedllm.strategies.base import ClientPlan, ClientUpdate, Strategy

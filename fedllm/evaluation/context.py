@@ -12,11 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from fedllm.evaluation import generation
 from fedllm.evaluation.judge_cache import JudgmentCache
 from fedllm.evaluation.judge_client import Complete, JudgeClient
-from fedllm.evaluation.prompt_styles import (
-    PromptStyle,
-    default_prompt_style,
-    make_prompt_style,
-)
+from fedllm.evaluation.prompt_styles import PromptStyle, default_prompt_style, make_prompt_style
 from fedllm.evaluation.results import ResultFile, model_fingerprint
 from fedllm.recipe.schema import EvalConfig
 

@@ -21,20 +21,8 @@ import torch
 from fedllm.export.errors import ExportInputError
 from fedllm.export.factors import LayerFactors, layer_factors
 from fedllm.export.merged import check_probe
-from fedllm.export.source import (
-    Source,
-    load_original_base,
-    probe_inputs,
-    probe_logits,
-    to_fp32,
-)
-from fedllm.export.weights import (
-    PEFT_PREFIX,
-    oriented,
-    read_layers,
-    relative_name,
-    wrapped_layers,
-)
+from fedllm.export.source import Source, load_original_base, probe_inputs, probe_logits, to_fp32
+from fedllm.export.weights import PEFT_PREFIX, oriented, read_layers, relative_name, wrapped_layers
 from fedllm.models.lowrank import dense_weight
 from fedllm.models.state import DTYPES
 

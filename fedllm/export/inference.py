@@ -102,12 +102,7 @@ def _exported_base(p: Path, base_name: str, tok: Any, dtype: str) -> Optional[An
 
 def load_adapter(p: Path, dtype: str = "fp32") -> tuple[Any, Any]:
     """``(model, tokenizer)`` of an exported PEFT adapter directory; offline for preset bases."""
-    from peft import (
-        AutoPeftModelForCausalLM,
-        AutoPeftModelForSequenceClassification,
-        PeftConfig,
-        PeftModel,
-    )
+    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification, PeftConfig, PeftModel
 
     cfg = PeftConfig.from_pretrained(str(p))
     tok_dir = p if (p / "tokenizer_config.json").is_file() else cfg.base_model_name_or_path

@@ -15,12 +15,7 @@ import torch
 
 from fedllm.export.errors import ExportCheckError
 from fedllm.export.source import Source, probe_inputs, probe_logits, to_fp32
-from fedllm.export.weights import (
-    dequantize_linears,
-    read_layers,
-    relative_name,
-    wrapped_layers,
-)
+from fedllm.export.weights import dequantize_linears, read_layers, relative_name, wrapped_layers
 from fedllm.models.state import DTYPES
 
 EXACT_TOLERANCE = 1e-4

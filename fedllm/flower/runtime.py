@@ -81,10 +81,7 @@ def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[st
     """Claim ``task_type`` tasks from the Runtime API at ``address`` forever; ``handle(token)`` each one
     (``idle()`` whenever there is none)."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
-    from flwr.supercore.interceptors import (
-        RuntimeVersionHttpInterceptor,
-        SuperExecAuthHttpInterceptor,
-    )
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
 
     client = RuntimeHttpClient.from_server_address(
@@ -151,12 +148,7 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
 
     from flwr.common.config import get_fused_config_from_fab
     from flwr.common.constant import SubStatus
-    from flwr.common.serde import (
-        context_from_proto,
-        context_to_proto,
-        fab_from_proto,
-        run_from_proto,
-    )
+    from flwr.common.serde import context_from_proto, context_to_proto, fab_from_proto, run_from_proto
     from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest  # pylint: disable=E0611
     from flwr.server.run_serverapp import run as run_server_app
     from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
@@ -292,9 +284,7 @@ def pull_task_input(client):
         make_confirm_message_received_fn_protobuf,
         make_pull_object_fn_protobuf,
     )
-    from flwr.supercore.inflatable.inflatable_utils import (
-        pull_and_inflate_object_from_tree,
-    )
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
     from flwr.supercore.task_identity import TaskIdentity
 
     res = client.PullTaskInput(PullTaskInputRequest())
@@ -320,10 +310,7 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
     from flwr.app.error import Error
     from flwr.common.constant import ErrorCode, SubStatus
     from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-    from flwr.supercore.interceptors import (
-        RuntimeTokenHttpInterceptor,
-        RuntimeVersionHttpInterceptor,
-    )
+    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 

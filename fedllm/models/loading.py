@@ -306,9 +306,7 @@ def attach_lora(model: Any, lora: LoraConfig, task: str, source: str = "<recipe>
         peft_model = get_peft_model(model, config)
     except ValueError as e:
         raise RecipeError(source, [("lora.target_modules", targets, f"modules present in the model ({e})")]) from None
-    from peft.tuners.lora import (
-        LoraLayer,  # its in/out features also cover GPT-2's transposed Conv1D
-    )
+    from peft.tuners.lora import LoraLayer  # its in/out features also cover GPT-2's transposed Conv1D
 
     shapes = {n: (m.out_features, m.in_features) for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
     too_small = [(n, shape) for n, shape in shapes.items() if lora.r > min(shape)]

@@ -88,10 +88,7 @@ def dense_weight(layer: torch.nn.Module) -> torch.Tensor:
         # (the inverse rewrites the quant state it is given in place).
         import copy
 
-        from bitsandbytes.functional import (
-            _convert_weight_packed_for_cpu_inverse,
-            dequantize_4bit,
-        )
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse, dequantize_4bit
 
         data, state = _convert_weight_packed_for_cpu_inverse(weight.data.clone(), copy.deepcopy(weight.quant_state))
         return dequantize_4bit(data, state).float()

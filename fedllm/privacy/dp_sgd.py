@@ -120,9 +120,7 @@ class LocalDPSGD:
         if self.mode != "ghost":
             losses = per_example_losses(model, batch)
             return losses.sum(), losses.detach().mean()
-        from opacus.utils.fast_gradient_clipping_utils import (
-            DPTensorFastGradientClipping,
-        )
+        from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
         try:
             losses = per_example_losses(model, batch)

@@ -9,13 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedllm.data import (
-    DataError,
-    PartitionError,
-    build_federated_data,
-    load_records,
-    partition_to_disk,
-)
+from fedllm.data import DataError, PartitionError, build_federated_data, load_records, partition_to_disk
 from fedllm.data.tokens import IGNORE_INDEX
 from fedllm.recipe.schema import DataConfig, PartitionConfig
 

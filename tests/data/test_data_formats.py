@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedllm.data import (
-    DataError,
-    encode_records,
-    format_prompt,
-    make_encoder,
-    resolve_label_names,
-)
+from fedllm.data import DataError, encode_records, format_prompt, make_encoder, resolve_label_names
 from fedllm.data.formats import fit_prompt_response
 from fedllm.data.tokens import IGNORE_INDEX, text_ids
 from fedllm.recipe.schema import DataConfig

@@ -6,12 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedllm.data.token_cache import (
-    TokenCache,
-    entry_key,
-    open_token_cache,
-    source_fingerprint,
-)
+from fedllm.data.token_cache import TokenCache, entry_key, open_token_cache, source_fingerprint
 from fedllm.engine.server import run
 from fedllm.models.loading import tiny_tokenizer
 from fedllm.recipe.schema import DataConfig, parse_recipe

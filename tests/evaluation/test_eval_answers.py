@@ -8,13 +8,7 @@ wrong: commas, units, symbolic forms).
 
 import pytest
 
-from fedllm.evaluation.math_answer import (
-    extract_math_answer,
-    last_boxed,
-    math_equal,
-    plain_number,
-    verify_equal,
-)
+from fedllm.evaluation.math_answer import extract_math_answer, last_boxed, math_equal, plain_number, verify_equal
 from fedllm.evaluation.numeric_answer import extract_number, numbers_equal
 from fedllm.evaluation.tasks.gsm8k import GSM8K
 from fedllm.evaluation.tasks.math_qa import MATH

@@ -8,12 +8,7 @@ from evalkit import ASSETS
 
 import fedllm.export.inference
 from fedllm.commands.cli import main
-from fedllm.commands.evaluate import (
-    default_out_dir,
-    find_run_recipe,
-    parse_data_specs,
-    parse_task_list,
-)
+from fedllm.commands.evaluate import default_out_dir, find_run_recipe, parse_data_specs, parse_task_list
 from fedllm.common.errors import InputError
 from fedllm.evaluation.sources import read_records
 

@@ -7,23 +7,9 @@ import time
 import pytest
 
 from fedllm.evaluation.judge_cache import JudgmentCache
-from fedllm.evaluation.judge_client import (
-    JudgeClient,
-    JudgeConfigError,
-    JudgeError,
-    openai_complete,
-)
-from fedllm.evaluation.judge_prompts import (
-    grading_messages,
-    load_judge_prompts,
-    parse_rating,
-    prompt_name,
-)
-from fedllm.evaluation.mtbench_assets import (
-    find_judge_prompts,
-    find_mt_bench,
-    package_data_dir,
-)
+from fedllm.evaluation.judge_client import JudgeClient, JudgeConfigError, JudgeError, openai_complete
+from fedllm.evaluation.judge_prompts import grading_messages, load_judge_prompts, parse_rating, prompt_name
+from fedllm.evaluation.mtbench_assets import find_judge_prompts, find_mt_bench, package_data_dir
 from fedllm.recipe.schema import JudgeConfig
 
 

@@ -6,11 +6,7 @@ import types
 import pytest
 
 from fedllm.evaluation import eval_due, prompt_style_for_data
-from fedllm.evaluation.prompt_styles import (
-    default_prompt_style,
-    make_prompt_style,
-    prompt_styles,
-)
+from fedllm.evaluation.prompt_styles import default_prompt_style, make_prompt_style, prompt_styles
 from fedllm.recipe.schema import DataConfig, EvalConfig
 
 TWO_TURNS = [

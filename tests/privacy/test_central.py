@@ -8,23 +8,14 @@ import pytest
 import torch
 from flwr.serverapp import strategy as flower
 from flwr.supercore.differential_privacy import compute_clip_model_update
-from flwr.supercore.privacy_accounting import (
-    NeighboringRelation,
-    PrivacyConfig,
-    SamplingMethod,
-)
+from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from fedllm.privacy import accounting, with_privacy
 from fedllm.privacy.central import ClientLevelDP
 from fedllm.recipe.schema import parse_recipe
 from fedllm.strategies import ClientUpdate, get_strategy
-from tests.strategies.flower_reference import (
-    assert_equal_rounds,
-    client_arrays,
-    flower_rounds,
-    initial_state,
-)
+from tests.strategies.flower_reference import assert_equal_rounds, client_arrays, flower_rounds, initial_state
 
 SIZES = [20, 20, 20]  # equal weights: Flower's accounted DP path needs them, and fedllm's DP mean is uniform
 Z, C = 0.8, 0.5
@@ -100,14 +91,7 @@ def test_client_side_fixed_clipping_equals_flower_with_the_same_noise(monkeypatc
 
 def flower_loop(strategy, uploads, monkeypatch, rounds=3):
     """Rounds of a Flower strategy whose clients upload ``uploads(rnd, arrays they received)``."""
-    from flwr.app import (
-        Array,
-        ArrayRecord,
-        ConfigRecord,
-        Message,
-        MetricRecord,
-        RecordDict,
-    )
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.app.message import arrayrecord
     from flwr.supercore.task_identity import TaskIdentity
 

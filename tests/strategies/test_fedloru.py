@@ -2,13 +2,7 @@
 
 import pytest
 import torch
-from strategy_helpers import (
-    base_weight_keys,
-    effective_weights,
-    fake_round,
-    make_strategy,
-    tiny,
-)
+from strategy_helpers import base_weight_keys, effective_weights, fake_round, make_strategy, tiny
 
 from fedllm.models.loading import read_state
 from fedllm.models.state import num_bytes

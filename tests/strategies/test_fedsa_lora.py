@@ -1,13 +1,7 @@
 """FedSA-LoRA: A is averaged, every client's B stays with it (never uploaded, never downloaded)."""
 
 import torch
-from strategy_helpers import (
-    effective_weights,
-    fake_round,
-    make_raw,
-    make_strategy,
-    tiny,
-)
+from strategy_helpers import effective_weights, fake_round, make_raw, make_strategy, tiny
 
 from fedllm.engine.server import run
 from fedllm.models.loading import read_state, write_state

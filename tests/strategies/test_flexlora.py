@@ -3,13 +3,7 @@ receives the best rank-r_k approximation of that same mean (checked against a de
 
 import pytest
 import torch
-from strategy_helpers import (
-    effective_weights,
-    fake_round,
-    make_raw,
-    make_strategy,
-    tiny,
-)
+from strategy_helpers import effective_weights, fake_round, make_raw, make_strategy, tiny
 
 from fedllm.common.errors import InputError
 from fedllm.engine.server import run

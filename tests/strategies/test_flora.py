@@ -3,14 +3,7 @@ from a fresh LoRA init."""
 
 import pytest
 import torch
-from strategy_helpers import (
-    base_weight_keys,
-    effective_weights,
-    fake_round,
-    make_raw,
-    make_strategy,
-    tiny,
-)
+from strategy_helpers import base_weight_keys, effective_weights, fake_round, make_raw, make_strategy, tiny
 
 from fedllm.engine.server import run
 from fedllm.models.loading import read_state

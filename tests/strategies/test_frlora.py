@@ -2,14 +2,7 @@
 
 import pytest
 import torch
-from strategy_helpers import (
-    base_weight_keys,
-    effective_weights,
-    fake_round,
-    make_strategy,
-    tiny,
-    unit_recipe,
-)
+from strategy_helpers import base_weight_keys, effective_weights, fake_round, make_strategy, tiny, unit_recipe
 
 from fedllm.models.loading import lora_layers, read_state
 from fedllm.models.state import DTYPES, num_bytes

@@ -3,14 +3,7 @@ same uploads, with and without an attacking client."""
 
 import pytest
 import torch
-from flower_reference import (
-    SHAPES,
-    assert_equal_rounds,
-    client_arrays,
-    fedllm_rounds,
-    flower_rounds,
-    initial_state,
-)
+from flower_reference import SHAPES, assert_equal_rounds, client_arrays, fedllm_rounds, flower_rounds, initial_state
 from flwr.serverapp import strategy as flower
 
 from fedllm.common.errors import InputError

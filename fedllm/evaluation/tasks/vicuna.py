@@ -43,11 +43,7 @@ from fedllm.evaluation.judge_protocols import (
 )
 from fedllm.evaluation.judged_task import JudgedTask, read_reference_answers
 from fedllm.evaluation.mtbench_assets import find_mt_bench
-from fedllm.evaluation.prompt_styles import (
-    PromptStyle,
-    ReferenceTemplateStyle,
-    make_prompt_style,
-)
+from fedllm.evaluation.prompt_styles import PromptStyle, ReferenceTemplateStyle, make_prompt_style
 from fedllm.evaluation.records import question_of
 from fedllm.evaluation.sources import DataSourceError, read_records
 from fedllm.evaluation.tasks.mt_bench import FASTCHAT_ALPACA_TEMPLATE
