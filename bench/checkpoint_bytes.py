@@ -21,7 +21,7 @@ from pathlib import Path
 def measure(out: Path) -> dict:
     from fedllm.data.synthetic import arith_splits
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     train, _ = arith_splits(200, 0)
     data = out / "train.jsonl"

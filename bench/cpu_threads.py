@@ -71,7 +71,7 @@ def option_env(option: str) -> dict[str, str]:
 def child_tiny(out: Path) -> list[float]:
     from fedllm.data.synthetic import generate_arith
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     data = out / "arith.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate_arith(400, seed=0)))

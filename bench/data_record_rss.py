@@ -27,7 +27,7 @@ def main() -> None:
         return
     from fedllm.data import build_federated_data
     from fedllm.models.loading import load_tokenizer, resolve_task
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     r = parse_recipe({"model": {"name": "tiny-llama"}, "federation": {"num_clients": 3},
                       "data": {"path": PATH, "cache": False, "fields": {"instruction": "question", "output": "answer"}},

@@ -40,7 +40,8 @@ from fedllm.data import collate  # noqa: E402
 from fedllm.engine.server import build_federation  # noqa: E402
 from fedllm.models.loading import resolve_task  # noqa: E402
 from fedllm.privacy.dp_sgd import LocalDPSGD, ghost_fallback_layers  # noqa: E402
-from fedllm.recipe.schema import ModelConfig, parse_recipe  # noqa: E402
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import ModelConfig  # noqa: E402
 
 MODES = ("hooks", "ghost")
 WORDS = ("alpha", "beta", "gamma", "delta", "sum", "of", "the", "numbers", "seven", "eleven", "plus", "minus")

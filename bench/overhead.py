@@ -28,7 +28,7 @@ from fedllm.data import collate
 from fedllm.data.synthetic import generate_arith
 from fedllm.engine.client import BatchStream
 from fedllm.engine.server import RoundLoop, build_federation
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 
 def recipe(model: str, data: Path, out: Path, clients: int, rounds: int, steps: int):

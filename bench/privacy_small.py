@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repro_small import add_task_arguments, evaluate, task_recipe, write_splits  # noqa: E402
 
 from fedllm.engine.server import RoundLoop, build_federation  # noqa: E402
-from fedllm.recipe.schema import parse_recipe  # noqa: E402
+from fedllm.recipe.checks import parse_recipe  # noqa: E402
 
 
 def step_norm(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> float:

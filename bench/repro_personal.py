@@ -36,7 +36,7 @@ from fedllm.data.label_groups import permute_label_groups
 from fedllm.data.synthetic import arith_splits
 from fedllm.engine.server import RoundLoop, build_federation
 from fedllm.models.loading import read_state, write_state
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 METHODS: dict[str, tuple[str, dict, dict]] = {  # name -> strategy, strategy_args, train overrides
     "local": ("local", {}, {}),

@@ -41,7 +41,7 @@ from fedllm.data.synthetic import arith_splits
 from fedllm.engine.server import RoundLoop, build_federation
 from fedllm.models.loading import lora_layers
 from fedllm.models.lowrank import numerical_rank
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 METHODS = {
     "FedAvg (=FedLoRA)": ("fedavg", {"weighting": "uniform"}),

@@ -157,7 +157,7 @@ def main() -> None:
         interleave(args)
         return
 
-    from fedllm.recipe.schema import load_recipe
+    from fedllm.recipe.checks import load_recipe
 
     recipe = Path(args.recipe).resolve()
     overrides = [f"federation.rounds={args.rounds}", "logging.progress=false", "logging.quiet=true"]
@@ -196,7 +196,7 @@ def interleave(args: argparse.Namespace) -> None:
     """In-process and Flower runs of one recipe, alternating, on the same machine load."""
     import statistics
 
-    from fedllm.recipe.schema import load_recipe
+    from fedllm.recipe.checks import load_recipe
 
     recipe = Path(args.recipe).resolve()
     overrides = [f"federation.rounds={args.rounds}", "logging.progress=false", "logging.quiet=true",

@@ -43,7 +43,7 @@ from fedllm.engine.client import BatchStream, derived_seed, steps_per_round
 from fedllm.engine.server import RoundLoop, build_federation, round_lr, sample_clients
 from fedllm.models.loading import read_state, write_state
 from fedllm.models.state import weighted_mean
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 ITEMS = {  # name -> train overrides (on top of the plain configuration)
     "fedllm plain": {},

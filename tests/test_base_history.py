@@ -9,7 +9,8 @@ import torch
 
 from fedllm.engine.server import base_fields, base_weights, run
 from fedllm.models.loading import load_model, read_state, write_state
-from fedllm.recipe.schema import LoraConfig, ModelConfig, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import LoraConfig, ModelConfig
 from fedllm.runs import checkpoint as ckpt_io
 from fedllm.runs.base_history import (
     INDEX,

@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedllm.recipe.schema import RecipeError, load_recipe, parse_recipe
+from fedllm.recipe.checks import load_recipe, parse_recipe
+from fedllm.recipe.schema import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,8 @@ from safetensors.torch import load_file
 
 from fedllm.engine.server import run
 from fedllm.models.loading import ModelError
-from fedllm.recipe.schema import RecipeError, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import RecipeError
 
 
 def test_device_map_auto_trains_like_the_plain_model(tiny_recipe, tmp_path):

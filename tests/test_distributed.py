@@ -24,7 +24,7 @@ import yaml
 from safetensors.torch import load_file
 
 from fedllm.engine.server import RoundLoop, run
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from tests.conftest import arith_records, crashing_round, tiny_raw, write_jsonl
 
 LAUNCH_TIMEOUT_S = 900  # every job of the launch together, on a busy 2-core machine (~1 min idle)

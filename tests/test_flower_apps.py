@@ -21,7 +21,7 @@ from fedllm.flower import records  # noqa: E402
 from fedllm.flower.client_app import app as client_app  # noqa: E402
 from fedllm.flower.executor import FlowerExecutor  # noqa: E402
 from fedllm.models.state import cast  # noqa: E402
-from fedllm.recipe.schema import parse_recipe  # noqa: E402
+from fedllm.recipe.checks import parse_recipe  # noqa: E402
 from fedllm.runs.base_history import load_base  # noqa: E402
 
 

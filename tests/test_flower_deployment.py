@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 pytest.importorskip("flwr")
 
 from fedllm.engine.server import run  # noqa: E402
-from fedllm.recipe.schema import parse_recipe  # noqa: E402
+from fedllm.recipe.checks import parse_recipe  # noqa: E402
 from fedllm.runs.base_history import load_base  # noqa: E402
 
 CASES = {  # strategy, clients per round (of 2), extra run options

@@ -27,7 +27,7 @@ pytest.importorskip("flwr")
 
 from fedllm.engine.server import run  # noqa: E402
 from fedllm.flower.certs import write_certificates, write_node_keys  # noqa: E402
-from fedllm.recipe.schema import parse_recipe  # noqa: E402
+from fedllm.recipe.checks import parse_recipe  # noqa: E402
 
 FOREIGN_APP = '''
 from pathlib import Path

@@ -160,7 +160,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     parse_task_list(args.tasks)
     from fedllm.evaluation.runner import eval_config_for_data, evaluate, prompt_style_for_data
     from fedllm.export.inference import load_for_inference
-    from fedllm.recipe.schema import load_recipe
+    from fedllm.recipe.checks import load_recipe
 
     recipe_path = find_run_recipe(args.checkpoint)
     recipe = load_recipe(recipe_path) if recipe_path else None

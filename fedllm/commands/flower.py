@@ -208,7 +208,7 @@ def _supernode(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from fedllm.flower import APP_DIR
-    from fedllm.recipe.schema import load_recipe
+    from fedllm.recipe.checks import load_recipe
 
     # bad recipes fail here, with exit code 2; the strategy's own checks (they import torch and peft: ~9 CPU-s
     # in this process) are left to the ServerApp, whose InputError also makes this command exit 2

@@ -418,7 +418,7 @@ def run_prompt_style(checkpoint: str) -> str:
     if recipe is None:
         return "chat"
     from fedllm.evaluation.runner import prompt_style_for_data
-    from fedllm.recipe.schema import load_recipe
+    from fedllm.recipe.checks import load_recipe
 
     return prompt_style_for_data(load_recipe(recipe).data) or "chat"
 

@@ -28,7 +28,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train_command(args: argparse.Namespace) -> int:
     """Run ``fedllm train`` from parsed arguments; prints the run directory (rank 0)."""
     from fedllm.common import logs, threads
-    from fedllm.recipe.schema import check_strategy, load_recipe
+    from fedllm.recipe.checks import check_strategy, load_recipe
 
     overrides = list(args.overrides)
     if args.quiet:

@@ -266,7 +266,7 @@ def run_partition_command(args: argparse.Namespace) -> int:
 
     data_cfg, partition_cfg, num_clients, seed = DataConfig(), PartitionConfig(), args.num_clients, args.seed
     if args.recipe:
-        from fedllm.recipe.schema import load_recipe
+        from fedllm.recipe.checks import load_recipe
 
         recipe = load_recipe(args.recipe, ask_strategy=False)  # the strategy plays no part in a split (and needs torch)
         data_cfg, partition_cfg = recipe.data, dataclasses.replace(recipe.federation.partition, path=None)

@@ -18,7 +18,8 @@ import transformers
 
 from fedllm.common.errors import InputError
 from fedllm.models.loading import load_model, load_tokenizer
-from fedllm.recipe.schema import ModelConfig, Recipe, parse_recipe, read_yaml
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import ModelConfig, Recipe, read_yaml
 from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies import ClientInfo, Strategy, get_strategy
 

@@ -16,7 +16,8 @@ import torch
 
 from fedllm.common.errors import InputError
 from fedllm.export.errors import ExportInputError
-from fedllm.recipe.schema import Recipe, parse_recipe, read_yaml
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import Recipe, read_yaml
 from fedllm.runs import checkpoint as ckpt_io
 
 TENSOR_FILES = ("adapter", "base", "strategy", "clients", "optimizer")

@@ -72,7 +72,8 @@ class Node:
 
     def __init__(self, config: NodeConfig, recipe_yaml: str, token: str):
         from fedllm.engine.server import build_federation
-        from fedllm.recipe.schema import parse_recipe, read_yaml
+        from fedllm.recipe.checks import parse_recipe
+        from fedllm.recipe.schema import read_yaml
 
         self.config = config
         overrides = []

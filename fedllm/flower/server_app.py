@@ -43,7 +43,7 @@ def main(grid: Grid, context: Context) -> None:
     """Build the federation from the recipe and run the round loop with a :class:`FlowerExecutor`."""
     from fedllm.engine.server import run
     from fedllm.flower.executor import FlowerExecutor
-    from fedllm.recipe.schema import load_recipe
+    from fedllm.recipe.checks import load_recipe
 
     cfg = context.run_config
     if not cfg.get("recipe"):

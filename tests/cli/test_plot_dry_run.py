@@ -27,7 +27,7 @@ def test_series_cumulates_bytes_and_splits_eval():
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
     from tests.conftest import arith_records, plot_png, write_jsonl
 
     tmp = tmp_path_factory.mktemp("plots")
@@ -73,7 +73,7 @@ def test_dry_run_writes_nothing_and_matches_a_real_round(tiny_recipe, tmp_path, 
 
     from fedllm.commands.dry_run import dry_run
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     raw = tiny_recipe()
     recipe_file = tmp_path / "r.yaml"

@@ -43,7 +43,7 @@ def test_your_own_data_example_runs_as_written(tmp_path, monkeypatch, capsys):
     (tmp_path / "my.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "my-recipe.yaml").write_text(recipe_text)
     monkeypatch.chdir(tmp_path)
-    from fedllm.recipe.schema import load_recipe
+    from fedllm.recipe.checks import load_recipe
 
     recipe = load_recipe("my-recipe.yaml", check_files=True, ask_strategy=False)
     assert (recipe.data.path, recipe.federation.num_clients, recipe.federation.partition.column) == \

@@ -62,7 +62,7 @@ def test_train_threads_reaches_torch_and_summary(tiny_recipe, monkeypatch):
     import torch
 
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     before = torch.get_num_threads()
     monkeypatch.delenv("FEDLLM_THREADS", raising=False)
@@ -87,7 +87,7 @@ def test_losses_do_not_depend_on_the_thread_count(tiny_recipe, monkeypatch):
     import torch
 
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     before = torch.get_num_threads()
     monkeypatch.setattr(threads, "_chosen", None)  # no earlier CLI choice in this process: run() keeps ours

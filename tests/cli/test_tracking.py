@@ -36,7 +36,7 @@ def tracked_run(tmp_path_factory):
     os.environ.update(env)
     try:
         from fedllm.engine.server import run
-        from fedllm.recipe.schema import parse_recipe
+        from fedllm.recipe.checks import parse_recipe
 
         recipe = parse_recipe({
             "seed": 0, "output_dir": str(tmp / "run"), "model": {"name": "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
@@ -112,7 +112,7 @@ def test_trackio_local_store(tracked_run):
 def test_only_rank_0_tracks(tiny_recipe, monkeypatch):
     from fedllm.engine.distributed import Dispatch
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     monkeypatch.setattr(Dispatch, "is_main", property(lambda self: False))
     run_dir = Path(tiny_recipe()["output_dir"])

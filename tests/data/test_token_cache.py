@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from fedllm.data.token_cache import TokenCache, entry_key, open_token_cache, source_fingerprint
 from fedllm.engine.server import run
 from fedllm.models.loading import tiny_tokenizer
-from fedllm.recipe.schema import DataConfig, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import DataConfig
 
 
 def test_round_trip_keeps_examples_dropped_records_and_scalars(tmp_path):

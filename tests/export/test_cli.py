@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from fedllm.commands.cli import main
 from fedllm.engine.server import run
 from fedllm.export import ExportCheckError, ExportInputError, export
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.runs import checkpoint as ckpt_io
 
 

@@ -18,7 +18,8 @@ def test_a_4bit_run_exports_a_plain_fp32_model_and_an_adapter(tiny_recipe, tmp_p
     from fedllm.export import export
     from fedllm.models.loading import load_base_model, load_tokenizer
     from fedllm.models.lowrank import dense_weight
-    from fedllm.recipe.schema import ModelConfig, parse_recipe
+    from fedllm.recipe.checks import parse_recipe
+    from fedllm.recipe.schema import ModelConfig
 
     base_dir = tmp_path / "tiny-llama"
     tok = load_tokenizer(ModelConfig(name="tiny-llama"))

@@ -10,7 +10,7 @@ def meta_costs():
     """``meta_costs(recipe_path, *overrides)``: the :class:`fedllm.commands.cost_report.CostReport` of the recipe's model on
     the meta device (forced, even where the weights happen to be cached)."""
     from fedllm.commands.dry_run import untimed
-    from fedllm.recipe.schema import load_recipe
+    from fedllm.recipe.checks import load_recipe
 
     cache = {}
 

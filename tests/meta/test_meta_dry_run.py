@@ -43,7 +43,7 @@ def test_cost_report_bytes_equal_a_real_rounds(tiny_recipe):
     """On a model that trains here, the report's bytes are those round 1 records in metrics.jsonl."""
     from fedllm.commands.dry_run import dry_run
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     raw = tiny_recipe(federation={"strategy": "frlora", "num_clients": 4, "clients_per_round": 2, "rounds": 1,
                                   "partition": {"method": "iid"}})

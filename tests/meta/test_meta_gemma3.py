@@ -84,7 +84,7 @@ def test_gemma3_270m_trains_a_round_and_its_exports_load_in_plain_transformers_a
     from fedllm.engine.server import run
     from fedllm.models import gguf_cache
     from fedllm.models.loading import model_presets
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
     from tests.conftest import arith_records, write_jsonl
 
     directory, gguf = model_presets.get("gemma3-270m").location()  # the chunks, assembled (sha256 checked)

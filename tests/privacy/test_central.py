@@ -13,7 +13,7 @@ from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from fedllm.privacy import accounting, with_privacy
 from fedllm.privacy.central import ClientLevelDP
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies import ClientUpdate, get_strategy
 from tests.strategies.flower_reference import assert_equal_rounds, client_arrays, flower_rounds, initial_state
 

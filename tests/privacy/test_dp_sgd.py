@@ -14,7 +14,7 @@ from fedllm.data import collate
 from fedllm.engine.server import build_federation, run
 from fedllm.privacy import accounting, with_privacy
 from fedllm.privacy.dp_sgd import LocalDPSGD, ghost_fallback_layers, per_example_losses
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies import ClientInfo, get_strategy
 
 DP_SGD = {"mechanism": "dp_sgd", "noise_multiplier": 1.1, "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 0}

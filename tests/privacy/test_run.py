@@ -10,7 +10,7 @@ from fedllm.common.errors import InputError
 from fedllm.engine.client_faults import RoundStopped
 from fedllm.engine.server import run
 from fedllm.privacy import accounting
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 DP = {"mechanism": "central", "noise_multiplier": 1.0, "clipping_norm": 0.5, "delta": 1e-3}
 

@@ -27,7 +27,7 @@ def tiny_raw(tmp, data, **sections):
 def finished_run(tmp_path_factory):
     """``(run_dir, raw recipe)`` of an uninterrupted 3-round run with round-0001, round-0002 and final/."""
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     tmp = tmp_path_factory.mktemp("reliability")
     data = write_jsonl(tmp / "arith.jsonl", arith_records(48))

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from fedllm.commands.cli import main
-from fedllm.recipe.schema import load_recipe, parse_recipe
+from fedllm.recipe.checks import load_recipe, parse_recipe
 from tests.conftest import arith_records
 
 BOMB = "lol0: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from fedllm.commands.cli import main
 from fedllm.engine.server import run
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.runs import checkpoint as ckpt_io
 
 

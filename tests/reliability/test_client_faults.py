@@ -9,7 +9,7 @@ import torch
 from fedllm.commands.cli import main
 from fedllm.engine import server
 from fedllm.engine.client_faults import RoundStopped
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies.fedavg import FedAvg
 

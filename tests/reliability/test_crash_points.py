@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from fedllm.commands.cli import main
 from fedllm.engine.server import RunDirError, run
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from tests.conftest import plot_png
 
 

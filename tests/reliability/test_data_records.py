@@ -7,7 +7,7 @@ import yaml
 
 from fedllm.commands.cli import main
 from fedllm.engine.server import run
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from tests.conftest import arith_records
 
 

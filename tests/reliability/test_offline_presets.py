@@ -59,7 +59,7 @@ def test_an_exported_adapter_evaluates_and_serves_offline(exported, tmp_path, ca
 def test_an_adapter_of_the_smollm2_preset_loads_offline(tmp_path):
     """The real SmolLM2-135M GGUF preset: one tiny round, export, reload offline (~1.5 CPU-minutes)."""
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
     from tests.conftest import arith_records, write_jsonl
 
     data = write_jsonl(tmp_path / "arith.jsonl", arith_records(8))

@@ -3,7 +3,8 @@
 import pytest
 
 from fedllm.commands.cli import main
-from fedllm.recipe.schema import RecipeError, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import RecipeError
 
 
 def base(**over):

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from fedllm.commands.cli import main
 from fedllm.engine.server import RunDirError, run
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.runs.rundir import RUN_MARKER
 
 

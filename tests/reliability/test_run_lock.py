@@ -59,7 +59,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_holders_lock_
 
 def test_the_lock_is_released_on_any_exit_and_leaves_nothing_behind(tiny_recipe, tmp_path, crash_at_round):
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     out = tmp_path / "deep" / "run"
     recipe = parse_recipe(tiny_recipe(output_dir=str(out), federation={"rounds": 1}))

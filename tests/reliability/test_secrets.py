@@ -9,7 +9,7 @@ import yaml
 from fedllm.commands.cli import main
 from fedllm.common.redact import RedactingFilter, redact_text
 from fedllm.engine.server import run
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 SECRET = "s3cretPa55"
 

@@ -21,7 +21,7 @@ def test_non_finite_numbers_become_null_at_any_depth():
 
 def test_a_nan_eval_metric_reaches_metrics_and_summary_as_null(tiny_recipe, monkeypatch):
     from fedllm.engine.server import run
-    from fedllm.recipe.schema import parse_recipe
+    from fedllm.recipe.checks import parse_recipe
 
     monkeypatch.setattr(RoundLoop, "evaluate", lambda self, rnd, *a, **k: {"eval_loss": math.nan})
     result = run(parse_recipe(tiny_recipe(federation={"rounds": 1}, eval={"tasks": ["gsm8k"], "before_training": True})))

@@ -5,7 +5,8 @@ import random
 import torch
 
 from fedllm.models.loading import load_model, lora_layers, write_state
-from fedllm.recipe.schema import LoraConfig, ModelConfig, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import LoraConfig, ModelConfig
 from fedllm.runs.client_store import ClientStore
 from fedllm.strategies import ClientInfo, ClientUpdate, get_strategy
 from tests.conftest import arith_records, tiny_raw, write_jsonl  # noqa: F401 (re-exported)

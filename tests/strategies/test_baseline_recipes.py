@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from fedllm.engine.server import run
-from fedllm.recipe.schema import load_recipe
+from fedllm.recipe.checks import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 BASELINES = ["fedprox", "scaffold", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa-lora"]

@@ -9,7 +9,7 @@ from strategy_helpers import effective_weights, make_raw, record_updates, tiny
 
 from fedllm.engine.server import run
 from fedllm.models.lowrank import numerical_rank
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies.fedloru import FedLoRU
 from fedllm.strategies.mfedloru import MFedLoRU

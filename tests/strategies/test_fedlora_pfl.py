@@ -10,7 +10,7 @@ from fedllm.data import collate
 from fedllm.engine.client import BatchStream, derived_seed
 from fedllm.engine.server import build_federation, run
 from fedllm.models.loading import read_state
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies.fedlora_pfl import FedLoRAPFL
 
 
@@ -73,7 +73,7 @@ def test_schedules_make_the_papers_phases():
 ])
 def test_the_phases_share_one_budget(args, phases):
     """Seed 002 §3.4: ``E_lora + E_global = E``, E = the recipe's local steps (issue #23.2)."""
-    from fedllm.recipe.schema import parse_recipe as parse
+    from fedllm.recipe.checks import parse_recipe as parse
 
     model = tiny().model
     recipe = parse({"data": {"path": "unused.jsonl"}, "train": {"local_steps": 6},

@@ -8,7 +8,7 @@ from flower_reference import ROUNDS, SIZES, client_arrays, fedllm_rounds, flower
 from flwr.serverapp import strategy as flower
 
 from fedllm.common.errors import InputError
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies import ClientUpdate, get_strategy
 
 CASES = [

@@ -5,7 +5,7 @@ from strategy_helpers import make_raw, make_strategy, tiny
 
 from fedllm.engine.server import run
 from fedllm.models.loading import read_state, write_state
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 
 def test_the_proximal_term_and_its_gradient_against_hand_computed_values():

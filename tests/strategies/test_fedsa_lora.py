@@ -5,7 +5,7 @@ from strategy_helpers import effective_weights, fake_round, make_raw, make_strat
 
 from fedllm.engine.server import run
 from fedllm.models.loading import read_state, write_state
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.runs.client_store import ClientStore
 from fedllm.strategies.fedavg import FedAvg
 

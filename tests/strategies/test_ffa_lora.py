@@ -6,7 +6,7 @@ from strategy_helpers import make_raw, record_updates, tiny
 from fedllm.engine import server
 from fedllm.engine.server import run
 from fedllm.models.loading import read_state
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies.ffa_lora import FFALoRA, is_lora_a
 
 

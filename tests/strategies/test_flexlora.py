@@ -8,7 +8,8 @@ from strategy_helpers import effective_weights, fake_round, make_raw, make_strat
 from fedllm.common.errors import InputError
 from fedllm.engine.server import run
 from fedllm.models.loading import read_state, write_state
-from fedllm.recipe.schema import RecipeError, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import RecipeError
 from fedllm.strategies import ClientUpdate
 from fedllm.strategies.client_ranks import assign_ranks
 from fedllm.strategies.flexlora import FlexLoRA

@@ -7,7 +7,7 @@ from strategy_helpers import base_weight_keys, effective_weights, fake_round, ma
 
 from fedllm.engine.server import run
 from fedllm.models.loading import read_state
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 R, ALPHA = 4, 8
 SIZES = {0: 10, 1: 20, 2: 30}

@@ -5,7 +5,8 @@ import torch
 from strategy_helpers import effective_weights, make_strategy, tiny
 
 from fedllm.models.loading import read_state, write_state
-from fedllm.recipe.schema import RecipeError, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import RecipeError
 from fedllm.strategies import ClientUpdate
 
 S, NESTED = 8 / 4, 0.5

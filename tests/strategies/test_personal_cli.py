@@ -8,7 +8,7 @@ from strategy_helpers import make_raw
 
 from fedllm.commands.cli import main
 from fedllm.engine.server import run
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 RUNS: dict = {}
 

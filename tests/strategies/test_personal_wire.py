@@ -8,7 +8,7 @@ import torch
 from strategy_helpers import make_raw
 
 from fedllm.engine.server import run
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 # strategy, args, classification, what the upload must consist of (a predicate on its keys)
 PERSONALIZED = {

@@ -10,7 +10,7 @@ from fedllm.data import collate
 from fedllm.engine.client import BatchStream, run_client
 from fedllm.engine.server import build_federation
 from fedllm.models.loading import read_state, write_state
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.runs.client_store import ClientStore
 from fedllm.strategies.pflmf import U_KEY, V_KEY
 

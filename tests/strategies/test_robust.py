@@ -7,7 +7,7 @@ from flower_reference import SHAPES, assert_equal_rounds, client_arrays, fedllm_
 from flwr.serverapp import strategy as flower
 
 from fedllm.common.errors import InputError
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 FIVE = [10, 25, 40, 15, 30]
 SEVEN = FIVE + [20, 35]

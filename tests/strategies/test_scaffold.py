@@ -7,7 +7,7 @@ from strategy_helpers import make_raw, record_updates
 from fedllm.data import collate
 from fedllm.engine.server import build_federation, run
 from fedllm.models.loading import read_state, write_state
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies.scaffold import DELTA_C, Scaffold
 
 

@@ -5,7 +5,8 @@ import torch
 
 from fedllm.engine.server import run
 from fedllm.models.loading import load_model
-from fedllm.recipe.schema import RecipeError, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import RecipeError
 
 STRATEGIES = ["fedavg", "frlora", "fedprox"]
 ARGS = {"fedprox": {"mu": 50.0}}  # a proximal term strong enough to change the result

@@ -6,7 +6,8 @@ import torch
 from fedllm.engine.client import micro_batch_loss, train_autocast
 from fedllm.engine.server import run
 from fedllm.models.loading import load_model, lora_layers
-from fedllm.recipe.schema import LoraConfig, ModelConfig, TrainConfig, parse_recipe
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import LoraConfig, ModelConfig, TrainConfig
 
 
 def _batch():

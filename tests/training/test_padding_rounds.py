@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedllm.engine.server import run
-from fedllm.recipe.schema import parse_recipe
+from fedllm.recipe.checks import parse_recipe
 
 
 def _lines(run_dir):
