@@ -368,7 +368,7 @@ def _sizes(values: list[int]) -> str:
 def cost_report(recipe: Recipe, model: Any, strategy: Any, task: str, source: str, on_meta: bool,
                 steps: Optional[int], notes: Optional[list[str]] = None) -> CostReport:
     """The report for ``model`` (PEFT-wrapped, strategy set up) under ``recipe``."""
-    from fedllm.models.info import target_counts
+    from fedllm.models.meta import target_counts
     from fedllm.strategies.frlora import FRLoRA
 
     rows = parameter_rows(model, recipe.model.quantization, on_meta, frozenset(strategy.global_keys(model)))

@@ -48,7 +48,7 @@ def run_train_command(args: argparse.Namespace) -> int:
                 check_run_dir(recipe, args.resume, args.overwrite)
         check_strategy(recipe)  # the strategy's own checks import torch
         if not args.dry_run:  # lora.r of a family whose layers need torch to tell: the meta model, before the load
-            from fedllm.models.info import meta_rank_problems
+            from fedllm.models.meta import meta_rank_problems
             from fedllm.recipe.schema import RecipeError
 
             problems = meta_rank_problems(recipe)

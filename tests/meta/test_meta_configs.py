@@ -57,7 +57,7 @@ def test_roberta_base_encoder_size_and_classifier_task():
 
 
 def test_target_shapes_from_the_config_alone():
-    from fedllm.models.info import meta_target_shapes
+    from fedllm.models.meta import meta_target_shapes
 
     shapes = meta_target_shapes(ModelConfig(name="Qwen/Qwen2-0.5B"), LoraConfig(r=8, target_modules=["k_proj", "o_proj"]))
     assert len(shapes) == 48
