@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fedllm.commands.partition import add_partition_arguments, run_partition_command
 from fedllm.common.errors import InputError
-from fedllm.data.partition import add_partition_arguments, run_partition_command
 
 
 def main(argv: list[str] | None = None) -> int:

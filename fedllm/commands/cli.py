@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
              "add_eval_arguments", "run_eval_command"),
     "export": ("export a merged model or a PEFT adapter", "fedllm.commands.export", "add_export_arguments",
                "run_export_command"),
-    "partition": ("split a data set into client files + a manifest", "fedllm.data.partition",
+    "partition": ("split a data set into client files + a manifest", "fedllm.commands.partition",
                   "add_partition_arguments", "run_partition_command"),
     "serve": ("OpenAI-compatible chat server on 127.0.0.1", "fedllm.commands.serve", "add_serve_arguments",
               "run_serve_command"),
