@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                   "add_partition_arguments", "run_partition_command"),
     "serve": ("OpenAI-compatible chat server on 127.0.0.1", "fedllm.commands.serve", "add_serve_arguments",
               "run_serve_command"),
-    "plot": ("overlay runs: train loss, eval metrics, cumulative bytes per round", "fedllm.runs.plot",
+    "plot": ("overlay runs: train loss, eval metrics, cumulative bytes per round", "fedllm.commands.plot",
              "add_plot_arguments", "run_plot_command"),
     "flower": ("run a recipe on Flower's deployment engine (superlink, supernode, run)", "fedllm.commands.flower",
                "add_flower_arguments", "run_flower_command"),

@@ -1,4 +1,4 @@
-"""``fedllm plot RUN_DIR [RUN_DIR ...] --out FILE.png``: runs overlaid, round by round.
+"""Runs overlaid, round by round, in one PNG (``fedllm plot``, and every finished run's ``plot.png``).
 
 Panels: train loss, each eval metric any run recorded, and cumulative bytes (up + down).
 Each run is one line, labelled ``<run dir name> (<strategy>)``. The figure is
@@ -8,7 +8,6 @@ its own ``plot.png`` beside ``summary.json`` through :func:`plot_runs`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -97,19 +96,3 @@ def plot_runs(run_dirs: list[Path], out: Path, labels: Optional[list[str]] = Non
     fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
-
-
-def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``fedllm plot`` arguments to ``parser``."""
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (each holds metrics.jsonl)")
-    parser.add_argument("--out", default="plot.png", help="PNG file to write (default: plot.png)")
-    parser.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
-
-
-def run_plot_command(args: argparse.Namespace) -> int:
-    """Run ``fedllm plot`` from parsed arguments; prints the PNG path."""
-    labels = args.labels.split(",") if args.labels else None
-    if labels is not None and len(labels) != len(args.runs):
-        raise InputError(f"--labels: got {len(labels)} label(s) for {len(args.runs)} run(s)")
-    print(plot_runs([Path(r) for r in args.runs], Path(args.out), labels))
-    return 0
