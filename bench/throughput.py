@@ -39,11 +39,12 @@ import torch
 
 from fedllm.data import collate
 from fedllm.data.synthetic import generate_arith
-from fedllm.engine.client import BatchStream, derived_seed, steps_per_round
+from fedllm.engine.client import BatchStream
 from fedllm.engine.server import RoundLoop, build_federation, round_lr, sample_clients
 from fedllm.models.loading import read_state, write_state
 from fedllm.models.state import weighted_mean
 from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schedule import derived_seed, steps_per_round
 
 ITEMS = {  # name -> train overrides (on top of the plain configuration)
     "fedllm plain": {},

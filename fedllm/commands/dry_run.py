@@ -158,10 +158,10 @@ def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
     import torch
 
     from fedllm.commands.cost_report import cost_report
-    from fedllm.engine.client import derived_seed
     from fedllm.models.info import shipped_config_dir
     from fedllm.models.loading import load_model
     from fedllm.models.meta import check_targets, meta_model
+    from fedllm.recipe.schedule import derived_seed
     from fedllm.strategies import get_strategy
     from fedllm.strategies.base import ClientInfo
 
@@ -197,12 +197,13 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
 
     from fedllm.commands.cost_report import cost_report, upload_bytes
     from fedllm.data import collate
-    from fedllm.engine.client import derived_seed, run_client, steps_per_round
+    from fedllm.engine.client import run_client
     from fedllm.engine.server import sample_clients
     from fedllm.evaluation.runner import eval_due
     from fedllm.models.loading import read_state
     from fedllm.models.meta import check_targets
     from fedllm.models.state import cast
+    from fedllm.recipe.schedule import derived_seed, steps_per_round
     from fedllm.runs.client_store import ClientStore
 
     strategy, data, comm = fed.strategy, fed.data, recipe.federation.comm_dtype

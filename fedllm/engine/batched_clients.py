@@ -38,12 +38,12 @@ from fedllm.engine.client import (
     batch_stream,
     close_client_state,
     open_client_state,
-    steps_per_round,
     train_autocast,
 )
 from fedllm.models.loading import write_state
 from fedllm.models.state import StateDict
 from fedllm.models.supervised_loss import supervised_hidden, supports_supervised_positions, token_losses
+from fedllm.recipe.schedule import steps_per_round
 from fedllm.recipe.schema import TrainConfig
 from fedllm.runs.client_store import ClientStore
 from fedllm.strategies.base import ClientPlan, ClientUpdate, Strategy

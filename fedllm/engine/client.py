@@ -10,7 +10,6 @@ multi-process run, a Flower ClientApp): per-client state in, upload out.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
 from fedllm.models.loading import read_state, write_state
 from fedllm.models.state import DTYPES, StateDict
 from fedllm.models.supervised_loss import loss_path
+from fedllm.recipe.schedule import steps_per_round
 from fedllm.recipe.schema import TrainConfig
 from fedllm.runs.client_store import ClientStore, join_optimizer, split_optimizer
 from fedllm.strategies.base import ClientPlan, ClientUpdate, Strategy
@@ -41,22 +41,6 @@ class ClientResult:
     steps: int
     optimizer_state: StateDict | None = None
     padding: tuple[int, int] = (0, 0)  # (padded positions, all positions) of the micro-batches trained on
-
-
-def derived_seed(*parts: int) -> int:
-    """A stable 63-bit seed from integers (seed, round, client ...)."""
-    h = 1469598103934665603
-    for p in parts:
-        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
-    return h
-
-
-def steps_per_round(cfg: TrainConfig, num_examples: int) -> int:
-    """Optimizer steps a client takes per round (``local_steps``, or ``local_epochs`` passes)."""
-    if cfg.local_steps is not None:
-        return cfg.local_steps
-    per_step = cfg.batch_size * cfg.grad_accum
-    return max(1, math.ceil(cfg.local_epochs * num_examples / per_step))
 
 
 class BatchStream:

@@ -28,7 +28,7 @@ from fedllm.common.tracking import Tracking
 from fedllm.data import FederatedData, build_federated_data, collate
 from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
-from fedllm.engine.client import derived_seed, run_client, steps_per_round
+from fedllm.engine.client import run_client
 from fedllm.engine.distributed import Dispatch
 from fedllm.evaluation.personal import personal_stats
 from fedllm.evaluation.runner import eval_due
@@ -43,6 +43,7 @@ from fedllm.models.loading import (
 )
 from fedllm.models.state import StateDict, cast, num_bytes
 from fedllm.privacy import with_privacy
+from fedllm.recipe.schedule import derived_seed, steps_per_round
 from fedllm.recipe.schema import Recipe, dump_recipe
 from fedllm.runs import checkpoint as ckpt_io
 from fedllm.runs import rundir, runlock, strict_json

@@ -163,7 +163,8 @@ class Node:
         from functools import partial
 
         from fedllm.data import collate
-        from fedllm.engine.client import derived_seed, run_client
+        from fedllm.engine.client import run_client
+        from fedllm.recipe.schedule import derived_seed
         from fedllm.strategies.base import ClientPlan, Phase
 
         fed = self.fed

@@ -28,9 +28,9 @@ from typing import Any, Optional
 import torch
 
 from fedllm.common.errors import InputError
-from fedllm.engine.client import derived_seed
 from fedllm.models.state import StateDict, cast
 from fedllm.privacy import accounting
+from fedllm.recipe.schedule import derived_seed
 from fedllm.strategies.base import ClientPlan, ClientUpdate
 
 NORM_KEY = "dp_clipping_norm"

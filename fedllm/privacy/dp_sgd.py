@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 from fedllm.common.errors import InputError
 from fedllm.data.tokens import IGNORE_INDEX
-from fedllm.engine.client import derived_seed, steps_per_round
 from fedllm.models.state import StateDict
 from fedllm.privacy import accounting
+from fedllm.recipe.schedule import derived_seed, steps_per_round
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate
 
 STEPS_KEY = "privacy/dp_sgd_steps"

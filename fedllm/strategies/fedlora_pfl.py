@@ -167,7 +167,7 @@ class FedLoRAPFL(PrivateFactors, FedAvg):
     def phase_steps(self, client_id: int) -> tuple[int, int]:
         """``(E_lora, E_global)`` in optimizer steps for client ``client_id``: one budget ``E`` split (see the
         module docstring) unless both are given."""
-        from fedllm.engine.client import steps_per_round
+        from fedllm.recipe.schedule import steps_per_round
 
         train = recipe_value(self.recipe, "train", None)
         budget = steps_per_round(train, self.sizes[client_id]) if train is not None else 1

@@ -112,7 +112,7 @@ class PFLMF(Strategy):
 
     # ----- setup
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
-        from fedllm.engine.client import derived_seed
+        from fedllm.recipe.schedule import derived_seed
 
         train = getattr(self.recipe, "train", None)
         source = getattr(self.recipe, "source", "<recipe>")
@@ -224,7 +224,7 @@ class PFLMF(Strategy):
             return default
         if self.eta_v != "theorem":
             return float(self.eta_v)
-        from fedllm.engine.client import steps_per_round
+        from fedllm.recipe.schedule import steps_per_round
 
         p = self.recipe.sampled_per_round() / self.recipe.federation.num_clients
         return p * self.eta_u / steps_per_round(self.recipe.train, self.sizes[client_id])

@@ -110,7 +110,7 @@ def recipe_value(recipe: Any, dotted: str, default: Any) -> Any:
 
 def layer_seed(seed: int, name: str, *parts: int) -> int:
     """A seed every process derives alike for layer ``name`` (and a round, a purpose ...)."""
-    from fedllm.engine.client import derived_seed
+    from fedllm.recipe.schedule import derived_seed
 
     return derived_seed(seed, zlib.crc32(name.encode()), *parts)
 

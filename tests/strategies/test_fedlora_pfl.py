@@ -7,10 +7,11 @@ import torch
 from strategy_helpers import make_raw, make_strategy, tiny
 
 from fedllm.data import collate
-from fedllm.engine.client import BatchStream, derived_seed
+from fedllm.engine.client import BatchStream
 from fedllm.engine.server import build_federation, run
 from fedllm.models.loading import read_state
 from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schedule import derived_seed
 from fedllm.strategies.fedlora_pfl import FedLoRAPFL
 
 
