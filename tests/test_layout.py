@@ -142,3 +142,15 @@ def test_the_walk_counts_function_level_and_relative_imports(tmp_path):
     assert edges["fedllm.data.loading"] == {"fedllm.engine.server"}
     assert edges["fedllm.engine.server"] == {"fedllm.data.loading", "fedllm.data"}
     assert RANK[unit("fedllm.data.loading")] < RANK[unit("fedllm.engine.server")]  # so the first edge is upward
+
+
+def test_the_recipe_schema_imports_no_heavy_library():
+    """Rule 4 of the layout: the schema is the floor every layer stands on, so it must stay light."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fedllm.recipe.schema, fedllm.recipe.schedule; "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'datasets', 'numpy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -1,1 +1,1 @@
-"""The ground floor: errors, logging, redaction, the thread policy, lazy imports, registries, tracking."""
+"""The ground floor: errors, logging, redaction, the thread policy, lazy imports, registries, tracking, moved paths."""

@@ -1,4 +1,6 @@
-"""``fedllm export``: merged models and PEFT adapters that load without fedllm.
+"""A trained run as a model: rebuilt for use (``inference``), or exported as a merged model or PEFT adapter.
+
+``fedllm export`` writes merged models and PEFT adapters that load without fedllm.
 
 - ``merged``: a transformers model directory (safetensors + config + tokenizer) whose weights
   hold everything the run learned: LoRA, FRLoRA's merged residuals, FedLoRU's kept factors,
