@@ -320,3 +320,67 @@ def test_flower_security_second_node_claiming_a_client_is_refused(tiny_recipe, t
     assert executor.adapter.nodes == {0: 100, 1: 101} and executor.refused == {102}
     assert [h["clients"] for h in result.history] == [[0, 1], [0, 1]]
     assert not (tmp_path / "intruder").exists()  # the intruder's node never trained
+
+
+class FakeClock:
+    """``time`` for :mod:`fedllm.flower.executor`: ``sleep`` and a node's slow answer move it, nothing else."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def busy_federation(monkeypatch, claims, answers_within):
+    """A FlowerExecutor (wait_nodes 10 s, round timeout 600 s) whose connected nodes ``claims`` (node -> client)
+    answer a claim query only when it is given ``answers_within`` seconds or more; a shorter query costs its
+    whole timeout on the fake clock (they are busy: serving another run, on a loaded machine)."""
+    import fedllm.flower.executor as executor_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(executor_module, "time", clock)
+    executor = FlowerExecutor(grid=None, timeout=600.0, wait_nodes=10.0)
+    monkeypatch.setattr(executor, "connected", lambda: {node: b"" for node in claims})
+
+    def ask(nodes, timeout):
+        if timeout < answers_within:
+            clock.now += timeout
+            return {}
+        return {node: claims[node] for node in nodes if node in claims}
+
+    monkeypatch.setattr(executor, "ask", ask)
+    return executor
+
+
+def test_a_connected_node_that_answers_after_the_wait_is_not_a_missing_node(monkeypatch, capsys):
+    """The wait bounds the connecting, not a busy node's answer: 2 nodes that answer only when given a minute
+    still count, and the run fails naming the one client no node serves (it said 0 of 3 before)."""
+    from fedllm.flower.executor import FederationIncomplete
+
+    executor = busy_federation(monkeypatch, {11: 0, 12: 1}, answers_within=60.0)
+    with pytest.raises(FederationIncomplete, match=r"2 SuperNode\(s\) connected, 2 of 3 clients served "
+                                                   r"\(missing: \[2\]\).* after 10s"):
+        executor.discover(3)
+    said = capsys.readouterr().out  # while it waited: what it had, before the nodes answered
+    assert said.startswith("fedllm: waiting ") and "2 SuperNode(s) connected, 0 of 3 clients served" in said
+
+
+def test_busy_nodes_that_answer_at_the_end_of_the_wait_make_the_federation(monkeypatch):
+    executor = busy_federation(monkeypatch, {11: 0, 12: 1, 13: 2}, answers_within=60.0)
+    assert executor.discover(3) == {0: 11, 1: 12, 2: 13}
+
+
+def test_a_connected_node_that_never_answers_is_reported_missing(monkeypatch):
+    from fedllm.flower.executor import FederationIncomplete
+
+    executor = busy_federation(monkeypatch, {11: 0, 12: 1, 13: 2}, answers_within=60.0)
+    answered = executor.ask
+    monkeypatch.setattr(executor, "ask", lambda nodes, timeout: {n: c for n, c in answered(nodes, timeout).items()
+                                                                  if n != 13})
+    with pytest.raises(FederationIncomplete, match=r"3 SuperNode\(s\) connected, 2 of 3 clients served "
+                                                   r"\(missing: \[2\]\)"):
+        executor.discover(3)

@@ -144,28 +144,45 @@ class FlowerExecutor:
     def discover(self, num_clients: int) -> dict[int, int]:
         """Client id -> node id, one SuperNode per client; reports progress every ``report_s`` while it waits.
 
+        ``wait_nodes`` bounds the wait for SuperNodes to *connect*; a node that is connected but has not said yet
+        which client it serves (busy: serving another run, or a loaded machine) is asked once more at the end and
+        given the round timeout to answer, so the clock never counts a slow node as a missing one.
+
         Raises :class:`FederationIncomplete` when some client has no node after ``wait_nodes`` seconds.
         """
         t0 = time.monotonic()
-        deadline, reported = t0 + self.wait_nodes, t0
+        deadline, reported = t0 + self.wait_nodes, None
         nodes: dict[int, int] = {}
         while True:
             keys = self.connected()
             new = [n for n in keys if n not in nodes.values() and n not in self.refused]
             if new:
                 self.claim(self.ask(new, max(1.0, min(30.0, deadline - time.monotonic()))), keys, nodes, num_clients)
-            missing = sorted(set(range(num_clients)) - set(nodes))
-            if not missing:
+            if not self._missing(nodes, num_clients):
                 return nodes
             now = time.monotonic()
-            status = (f"{len(keys)} SuperNode(s) connected, {len(nodes)} of {num_clients} clients served "
-                      f"(missing: {missing}); one SuperNode per client is needed (fedllm flower supernode --client K)")
             if now > deadline:
+                unheard = [n for n in keys if n not in nodes.values() and n not in self.refused]
+                if unheard:  # connected, not heard from: their answer decides, not the clock
+                    self.claim(self.ask(unheard, self.timeout), keys, nodes, num_clients)
+                    if not self._missing(nodes, num_clients):
+                        return nodes
+                status = self._status(keys, nodes, num_clients)
                 raise FederationIncomplete(f"{FederationIncomplete.MARKER}: {status} after {self.wait_nodes:.0f}s")
-            if now - reported >= self.report_s:
+            if reported is None or now - reported >= self.report_s:
                 reported = now
-                print(f"fedllm: waiting {deadline - now:.0f}s more for SuperNodes: {status}", flush=True)
+                print(f"fedllm: waiting {deadline - now:.0f}s more for SuperNodes: "
+                      f"{self._status(keys, nodes, num_clients)}", flush=True)
             time.sleep(0.5)
+
+    @staticmethod
+    def _missing(nodes: dict[int, int], num_clients: int) -> list[int]:
+        return sorted(set(range(num_clients)) - set(nodes))
+
+    def _status(self, keys: dict[int, bytes], nodes: dict[int, int], num_clients: int) -> str:
+        return (f"{len(keys)} SuperNode(s) connected, {len(nodes)} of {num_clients} clients served "
+                f"(missing: {self._missing(nodes, num_clients)}); one SuperNode per client is needed "
+                "(fedllm flower supernode --client K)")
 
     def rejoin(self, num_clients: int) -> None:
         """Take in SuperNodes that connected since the last round: a restarted node takes its client back."""
