@@ -63,6 +63,7 @@ def test_every_old_path_is_no_file_and_every_new_one_imports():
         assert not (PACKAGE / relative).with_suffix(".py").exists() and not (PACKAGE / relative).is_dir(), old
         for target in targets:
             importlib.import_module(target)
+        assert importlib.import_module(old).__name__ == old
 
 
 def test_a_name_the_new_modules_lack_is_an_attribute_error_naming_them():
