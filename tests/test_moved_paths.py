@@ -69,7 +69,7 @@ def test_every_old_path_is_no_file_and_every_new_one_imports():
 def test_a_name_the_new_modules_lack_is_an_attribute_error_naming_them():
     import fedllm.server
 
-    with pytest.raises(AttributeError, match=r"'fedllm.server' \(moved to fedllm.engine.server\) has no attribute 'nope'"):
+    with pytest.raises(AttributeError, match=r"'fedllm.server' \(moved to fedllm.engine.server\) has no attribute"):
         fedllm.server.nope  # noqa: B018
 
 

@@ -1,4 +1,4 @@
-"""``fedllm partition``: split a data set into client files + a manifest (the partitioners: :mod:`fedllm.data.partition`)."""
+"""``fedllm partition``: split a data set into client files + a manifest (the partitioners: fedllm.data.partition)."""
 
 from __future__ import annotations
 

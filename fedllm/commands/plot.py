@@ -1,4 +1,4 @@
-"""``fedllm plot RUN_DIR [RUN_DIR ...] --out FILE.png``: runs overlaid, round by round (drawn by :mod:`fedllm.runs.plot`)."""
+"""``fedllm plot RUN_DIR [RUN_DIR ...] --out FILE.png``: runs overlaid round by round (drawn by fedllm.runs.plot)."""
 
 from __future__ import annotations
 

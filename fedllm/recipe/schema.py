@@ -1,9 +1,11 @@
-"""Typed recipe: YAML + dotted overrides -> :class:`Recipe`, validated all at once.
+"""Typed recipe: YAML + dotted overrides -> :class:`Recipe`, with the checks that need nothing but the recipe.
 
-Every field has a type, a default and a one-line ``doc``. Validation walks the
-dataclasses by their type hints, collects *every* problem (unknown key, wrong
-type, impossible value) and raises one :class:`RecipeError` naming the file, the
-dotted key, what was given and what is expected.
+Every field has a type, a default and a one-line ``doc``. :func:`build_recipe` walks the
+dataclasses by their type hints and collects *every* problem (unknown key, wrong type);
+:func:`value_problems` adds the impossible values. :mod:`fedllm.recipe.checks` runs both, then
+the checks that ask data files, models, tasks and strategies, and raises one :class:`RecipeError`
+naming the file, the dotted key, what was given and what is expected. This module imports nothing
+of fedllm but its errors.
 """
 
 from __future__ import annotations
