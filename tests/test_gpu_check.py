@@ -1,0 +1,52 @@
+"""bench/gpu_check.py's CPU path (``--dry``): the same code the GPU check runs, on tiny shapes, in seconds."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_flops_of_the_smollm2_shape(gpu_check):
+    config = json.loads((ROOT / "fedllm/assets/configs/smollm2-135m-instruct/config.json").read_text())
+    shapes = gpu_check.Shapes(config, 8, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert shapes.linear == 2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536  # q, o; k, v; gate, up, down
+    assert shapes.q_dim == 576 and shapes.vocab == 49152
+    plain = gpu_check.step_flops(shapes, 8, 128, 0)
+    assert plain > 4 * 30 * shapes.linear * 8 * 128 * 0.99
+    assert gpu_check.step_flops(shapes, 8, 128, 10) - plain == 4 * 49152 * 576 * 10  # the head at 10 positions
+    assert gpu_check.step_flops(shapes, 8, 128, 0, residual=True) > plain  # FRLoRA's hooked residual on a bf16 base
+
+
+def test_dry_run_trains_measures_and_compares_with_its_reference(gpu_check, tmp_path):
+    out, ref = tmp_path / "check.json", tmp_path / "ref.json"
+    assert gpu_check.main(["--dry", "--models", "smollm2-135m", "--configs", "fp32,bf16", "--json", str(out),
+                           "--save-ref", str(ref), "--work-dir", str(tmp_path / "work")]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["config"], r["strategy"]) for r in rows] == [("fp32", "fedavg"), ("fp32", "frlora"),
+                                                            ("bf16", "fedavg"), ("bf16", "frlora")]
+    for r in rows:
+        assert "error" not in r and not r["dropped"]
+        assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
+        assert r["memory_estimate"] > 0
+        for rnd in r["rounds_detail"]:  # 2 clients x 1 step x batch 2 x 48 tokens, no padding
+            assert rnd["tokens"] == 2 * 2 * 48 and rnd["padded_positions"] == 0 and rnd["tokens_per_s"] > 0
+        check = r["flop_check"]  # the formula against torch's FLOP counter on a real micro-batch
+        assert check["formula"] == pytest.approx(check["flop_counter"], rel=1e-3)
+    assert [r["dense_residual"] for r in rows] == [False, False, False, True]  # FRLoRA on bf16: hooked residual
+    saved = json.loads(ref.read_text())
+    assert set(saved["runs"]) == {"smollm2-135m/fedavg/b2x48", "smollm2-135m/frlora/b2x48"}
+    again = gpu_check.summarise(dict(rows[0]), {}, saved)  # a run beside its own reference: no difference
+    assert again["cpu_losses"] == rows[0]["losses"] and again["max_abs_loss_diff"] == 0
