@@ -58,6 +58,25 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_recipe(bad)
 
 
+@pytest.mark.parametrize("lines, line", [
+    pytest.param({18: "  strategy fedavg"}, 18, id="a key without its colon"),
+    pytest.param({14: "lora: {r: 4, alpha: 8"}, 14, id="a flow mapping left open"),
+    pytest.param({14: "  path: 'data.jsonl"}, 14, id="a quote left open"),
+    pytest.param({14: "  template: alpaca: x"}, 14, id="a colon inside a plain value"),
+])
+def test_a_yaml_error_names_the_line_to_fix(tmp_path, lines, line):
+    """The parser notices an unfinished key, bracket or quote on a later line; the message names the line to fix."""
+    text = [f"# line {n}" for n in range(1, 21)]
+    text[12:17] = ["data:", "  format: instruction", "federation:", "  num_clients: 2", "  rounds: 1"]
+    for n, replaced in lines.items():
+        text[n - 1] = replaced
+    path = tmp_path / "recipe.yaml"
+    path.write_text("\n".join(text) + "\n")
+    with pytest.raises(RecipeError, match=rf"<yaml> line {line}, column \d+: got .*; expected valid YAML") as e:
+        load_recipe(path)
+    assert f"line {line + 1}," not in str(e.value)
+
+
 def test_local_steps_xor_epochs():
     with pytest.raises(RecipeError, match="exactly one of train.local_steps"):
         parse_recipe({"data": {"path": "x"}, "train": {}})

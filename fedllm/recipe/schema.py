@@ -554,9 +554,17 @@ def _expand_home(recipe: Recipe) -> None:
                             for t, v in recipe.eval.data.items()}
 
 
+UNFINISHED = ("scanning a simple key", "scanning a quoted scalar", "parsing a flow mapping", "parsing a flow sequence")
+"""YAML errors the parser notices only after the line at fault (a key without its colon, an open quote or bracket):
+their context mark, where the unfinished thing began, is the line to fix."""
+
+
 def yaml_where(e: yaml.YAMLError) -> str:
-    """``<yaml> line L, column C`` of a YAML error (1-based, as editors count)."""
-    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    """``<yaml> line L, column C`` of a YAML error (1-based, as editors count): the line to fix, which for the
+    :data:`UNFINISHED` errors is where the parser began the thing it could not finish, not the line after."""
+    problem, context = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+    began_there = context is not None and any(what in (getattr(e, "context", None) or "") for what in UNFINISHED)
+    mark = context if began_there else problem or context
     return f"<yaml> line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "<yaml>"
 
 
