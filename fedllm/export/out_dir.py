@@ -28,12 +28,14 @@ def check_out_dir(out: Path, overwrite: bool, source: Optional[Path] = None) -> 
         raise ExportInputError(f"--out {out}: exists and is not a directory")
     if not (out.is_dir() and any(out.iterdir())):
         return
-    if not overwrite:
-        raise ExportInputError(f"--out {out}: already exists and is not empty; pass --overwrite to replace it")
     from fedllm.runs.rundir import protected_reason
 
     reason = protected_reason(out, [])
     if reason is None and not ((out / REPORT).is_file() or any(out.glob(f"client-*/{REPORT}"))):
         reason = f"it is not a fedllm export (no {REPORT}) and fedllm deletes only what it created"
-    if reason is not None:
-        raise ExportInputError(f"--overwrite refuses --out {out}: {reason}; pick another --out")
+    if reason is not None:  # --overwrite would be refused too: no hint that leads nowhere
+        already = f"--out {out}: already exists and is not empty, and" if not overwrite else \
+            f"--overwrite refuses --out {out}:"
+        raise ExportInputError(f"{already} {reason}; pick another --out")
+    if not overwrite:
+        raise ExportInputError(f"--out {out}: already exists and is not empty; pass --overwrite to replace it")

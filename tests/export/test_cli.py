@@ -69,12 +69,16 @@ def test_overwrite_replaces_and_refuses_without_the_flag(cases, tmp_path, capsys
     out.mkdir()
     (out / "old.txt").write_text("keep me")
     args = ["export", str(cases["fedavg"].run_dir), "--format", "adapter", "--out", str(out)]
-    assert main(args) == 2
-    assert "--overwrite" in capsys.readouterr().err and (out / "old.txt").read_text() == "keep me"
-    assert main(args + ["--overwrite"]) == 2  # not an export: fedllm deletes only what it created
+    assert main(args) == 2  # not an export: --overwrite would be refused too, so it is not what the error offers
+    said = capsys.readouterr().err
+    assert "already exists and is not empty, and it is not a fedllm export" in said and "pick another --out" in said
+    assert "pass --overwrite" not in said and (out / "old.txt").read_text() == "keep me"
+    assert main(args + ["--overwrite"]) == 2  # fedllm deletes only what it created
     assert "not a fedllm export" in capsys.readouterr().err and (out / "old.txt").read_text() == "keep me"
     (out / "old.txt").unlink()
     assert main(args) == 0
+    assert main(args) == 2  # an earlier export: --overwrite is the way
+    assert "already exists and is not empty; pass --overwrite to replace it" in capsys.readouterr().err
     (out / "stale.txt").write_text("from an earlier export")
     assert main(args + ["--overwrite"]) == 0  # an earlier export is replaced
     assert not (out / "stale.txt").exists() and (out / "adapter_model.safetensors").is_file()
