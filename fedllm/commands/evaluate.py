@@ -157,12 +157,15 @@ def run_eval_command(args: argparse.Namespace) -> int:
     """
     check_local_path(args.checkpoint, "checkpoint")  # before torch: a mistyped run directory is not a hub id
     parse_task_list(args.tasks)
-    from fedllm.evaluation.runner import eval_config_for_data, evaluate, prompt_style_for_data
-    from fedllm.export.inference import load_for_inference
     from fedllm.recipe.checks import load_recipe
 
     recipe_path = find_run_recipe(args.checkpoint)
-    recipe = load_recipe(recipe_path) if recipe_path else None
+    # the run's strategy checked its arguments when it trained (and the model's loader checks them again)
+    recipe = load_recipe(recipe_path, ask_strategy=False) if recipe_path else None
+    build_eval_config(args, recipe.eval if recipe else EvalConfig())  # bad flags, no task: refused before torch
+    from fedllm.evaluation.runner import eval_config_for_data, evaluate, prompt_style_for_data
+    from fedllm.export.inference import load_for_inference
+
     cfg = build_eval_config(args, eval_config_for_data(recipe.eval, recipe.data) if recipe else EvalConfig())
     prompt_style = args.prompt_style or (prompt_style_for_data(recipe.data) if recipe else None)
     out_dir = Path(args.out) if args.out else default_out_dir(args.checkpoint)

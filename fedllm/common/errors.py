@@ -46,12 +46,19 @@ def check_local_path(given: str, what: str, hub_ok: bool = True) -> None:
     parent = path.parent
     while not parent.is_dir() and parent != parent.parent:
         parent = parent.parent
-    names = sorted(c.name for c in parent.iterdir()) if parent.is_dir() and parent == path.parent else []
-    close = difflib.get_close_matches(path.name, names, n=2, cutoff=0.6)
-    hint = f" (did you mean {' or '.join(repr(str(Path(given).parent / c)) for c in close)}?)" if close else ""
+    hint = path_hint(given) if parent == path.parent else ""
     where = f"{path.parent.resolve()} has no {path.name!r}" if parent == path.parent else \
         f"{parent.resolve()} has no {path.relative_to(parent).parts[0]!r}" if path.is_relative_to(parent) else ""
     raise InputError(f"{what} {given!r}: no such file or directory ({where}){hint}")
+
+
+def path_hint(given: str) -> str:
+    """``" (did you mean 'runs/quickstart'?)"`` for the names beside the missing path ``given`` closest to its
+    last part, written as the user wrote the rest; ``""`` when none is close."""
+    path = Path(given).expanduser()
+    names = sorted(c.name for c in path.parent.iterdir()) if path.parent.is_dir() else []
+    close = difflib.get_close_matches(path.name, names, n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(str(Path(given).parent / c)) for c in close)}?)" if close else ""
 
 
 def install_hint(extra: str) -> str:

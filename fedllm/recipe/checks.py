@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import yaml
 
-from fedllm.common.errors import did_you_mean
+from fedllm.common.errors import did_you_mean, path_hint
 from fedllm.recipe.schema import (
     FINITE,
     Recipe,
@@ -178,9 +178,9 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None, check_f
                 ask_strategy: bool = True) -> Recipe:
     """Load ``path`` (UTF-8 YAML, a byte-order mark allowed; ``~`` expanded), apply dotted ``overrides`` and
     validate (see :func:`parse_recipe`)."""
-    path = Path(path).expanduser()
+    given, path = str(path), Path(path).expanduser()
     if not path.is_file():
-        raise RecipeError(str(path), [("<file>", str(path), "an existing recipe YAML file")])
+        raise RecipeError(str(path), [("<file>", str(path), f"an existing recipe YAML file{path_hint(given)}")])
     data = path.read_bytes()
     try:
         text = data.decode("utf-8-sig")

@@ -253,6 +253,8 @@ MAX_YAML_NODES = 100_000
 """Most values a recipe may expand to (aliases counted at each use): refuses alias bombs ("billion laughs")."""
 MAX_YAML_DEPTH = 64
 """Deepest nesting of mappings and lists a recipe may have."""
+DOTTED_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+|[A-Za-z_]\w*")
+"""A recipe key as an override names it (``federation.rounds``)."""
 MAX_SEED = 2**63 - 1
 """Largest seed (64-bit, non-negative: torch, numpy and Python generators all accept it)."""
 
@@ -421,9 +423,18 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
 
 def apply_overrides(raw: dict, overrides: list[str], problems: list) -> None:
     """Apply ``key.sub=value`` strings (values parsed as YAML) to a raw recipe dict."""
-    for item in overrides:
+    i = 0
+    while i < len(overrides):
+        item = overrides[i]
+        i += 1
         if "=" not in item:
-            problems.append((item, item, "an override of the form dotted.key=value"))
+            if not DOTTED_KEY.fullmatch(item):
+                problems.append((item, item, "an override of the form dotted.key=value"))
+                continue
+            value = overrides[i] if i < len(overrides) and "=" not in overrides[i] else None
+            i += value is not None  # `federation.rounds 2`: one mistake, not two
+            problems.append((item, item if value is None else f"{item} {value}",
+                             f"an override of the form dotted.key=value (write {item}={value or 'VALUE'})"))
             continue
         key, text = item.split("=", 1)
         try:

@@ -55,6 +55,8 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
         "output_dir: runs/new\nmodel: {name: tiny-llama}\nlora: {r: 4}\n"
         f"data: {{path: {data}, fields: {{instruction: question, output: answer}}}}\n"
         "federation: {num_clients: 3}\ntrain: {local_steps: 1}\n")
+    (work / "runs" / "notasks").mkdir()  # a run whose recipe evaluates nothing
+    (work / "runs" / "notasks" / "recipe.yaml").write_text((work / "recipe.yaml").read_text())
     (work / "split").mkdir()  # a directory's train.json: 5 records
     (work / "split" / "train.json").write_text(json.dumps({"data": [{"question": "q", "answer": "a"}] * 5}))
     (work / "bad.yaml").write_text("seed: 0\nmodel:\n  name: tiny-llama\n lora: {r: 4}\n")
@@ -83,6 +85,9 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
         ("serve-busy-port", ["serve", "runs/quickstart", "--port", str(port)]),
         ("eval-typo", ["eval", "runs/quickstartt", "--tasks", "gsm8k"]),
         ("eval-task-typo", ["eval", "tiny-llama", "--tasks", "gsm8"]),
+        ("eval-no-tasks", ["eval", "runs/notasks"]),
+        ("override-space", ["train", "recipe.yaml", "federation.rounds", "2", "lora.r=4"]),
+        ("recipe-typo", ["train", "recipe.yml"]),
     ]
     try:
         got = run_batch(cases, cwd=work, HOME=str(home))
@@ -127,8 +132,14 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
     assert "checkpoint 'runs/quickstartt': no such file or directory" in said["eval-typo"]
     assert "(did you mean 'runs/quickstart'?)" in said["eval-typo"]
     assert "unknown task(s) gsm8 (did you mean 'gsm8k'?)" in said["eval-task-typo"]
+    assert "no tasks to evaluate: pass --tasks" in said["eval-no-tasks"]
+    assert "1 problem(s)" in said["override-space"]  # one mistake, one problem, and how to write it
+    assert "federation.rounds: got 'federation.rounds 2'; expected an override of the form dotted.key=value " \
+           "(write federation.rounds=2)" in said["override-space"]
+    assert "expected an existing recipe YAML file (did you mean 'recipe.yaml'?)" in said["recipe-typo"]
     # nothing was written or deleted
     assert (work / "mine" / "canary.txt").read_text() == "precious"
     assert (home / "notes" / "keep.txt").read_text() == "mine"
-    assert sorted(p.name for p in (work / "runs").iterdir()) == ["quickstart"]
+    assert sorted(p.name for p in (work / "runs").iterdir()) == ["notasks", "quickstart"]
+    assert [p.name for p in (work / "runs" / "notasks").iterdir()] == ["recipe.yaml"]
     assert not os.path.exists(work / "runs" / "new")
