@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,12 +41,22 @@ def run_train_command(args: argparse.Namespace) -> int:
         args.output_dir = recipe.output_dir  # for the interrupt message's resume hint
         # --overwrite / --resume refusals, before torch loads; rank 0 alone, under the run lock (server.run locks
         # again): the other ranks of a launch may look only after rank 0 started writing the run
-        if not args.dry_run and int(os.environ.get("RANK", "0")) == 0:
+        taken = None  # a dry run only tells what the real command would refuse
+        if int(os.environ.get("RANK", "0")) == 0:
+            from fedllm.common.errors import InputError
             from fedllm.runs import runlock
             from fedllm.runs.rundir import check_run_dir
 
-            with runlock.hold(recipe.output_dir):
-                check_run_dir(recipe, args.resume, args.overwrite)
+            try:
+                if args.dry_run:
+                    check_run_dir(recipe, args.resume, args.overwrite)
+                else:
+                    with runlock.hold(recipe.output_dir):
+                        check_run_dir(recipe, args.resume, args.overwrite)
+            except InputError as e:
+                if not args.dry_run:
+                    raise
+                taken = str(e)
         check_strategy(recipe)  # the strategy's own checks import torch
         if not args.dry_run:  # lora.r of a family whose layers need torch to tell: the meta model, before the load
             from fedllm.models.meta import meta_rank_problems
@@ -62,6 +73,9 @@ def run_train_command(args: argparse.Namespace) -> int:
             from fedllm.commands.dry_run import dry_run
 
             print(dry_run(recipe).report())
+            if taken is not None:
+                print(f"warning: fedllm train without --dry-run would stop before training: {taken}",
+                      file=sys.stderr)
             return 0
         from fedllm.engine.server import run
 

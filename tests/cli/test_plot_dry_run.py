@@ -86,6 +86,11 @@ def test_dry_run_writes_nothing_and_matches_a_real_round(tiny_recipe, tmp_path, 
 
     report = dry_run(parse_recipe(raw))
     first = run(parse_recipe(raw)).history[0]
+    assert main(["train", str(recipe_file), "--dry-run"]) == 0  # the real command would refuse: it says so
+    said = capsys.readouterr()
+    assert "warning: fedllm train without --dry-run would stop before training: " \
+           f"output_dir={str(out_dir)!r} already holds a run; pass --resume" in said.err
+    assert "per round: 4 client steps" in said.out
     assert report.bytes_up == first["bytes_up_total"] and report.bytes_down == first["bytes_down_total"]
     assert report.steps_per_round == sum(first["client_steps"].values())
     assert report.seconds_total == pytest.approx(report.seconds_per_step * 4 * 2)
