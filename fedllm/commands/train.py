@@ -39,6 +39,13 @@ def run_train_command(args: argparse.Namespace) -> int:
         # a dry run needs neither the weights nor the data files: it builds the model from its shipped config
         recipe = load_recipe(args.recipe, overrides, check_files=not args.dry_run, ask_strategy=False)
         args.output_dir = recipe.output_dir  # for the interrupt message's resume hint
+        if args.dry_run:  # it needs no data file, but one that is here must fit the recipe (all problems at once)
+            from fedllm.recipe.checks import data_problems
+            from fedllm.recipe.schema import RecipeError
+
+            problems = data_problems(recipe)
+            if problems:
+                raise RecipeError(recipe.source, problems)
         # --overwrite / --resume refusals, before torch loads; rank 0 alone, under the run lock (server.run locks
         # again): the other ranks of a launch may look only after rank 0 started writing the run
         taken = None  # a dry run only tells what the real command would refuse

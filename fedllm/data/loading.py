@@ -134,6 +134,31 @@ def count_local_records(path: str, split: str = "train") -> Optional[int]:
         return None
 
 
+def local_sample(path: str, split: str = "train", n: int = 1000) -> Optional[list[dict]]:
+    """The first ``n`` records of a local ``.json``/``.jsonl`` file (or a directory's ``<split>.json``/``.jsonl``), read
+    without ``datasets``, to check their columns before anything loads; None for anything else or an unreadable
+    file (the loader names its problem later)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        local = next((f for f in (local / f"{split}{suffix}" for suffix in READERS) if f.is_file()), local)
+    if not local.is_file() or local.suffix.lower() not in (".json", ".jsonl"):
+        return None
+    try:
+        if local.suffix.lower() == ".json":
+            rows = _read_json(local, split)[:n]
+        else:
+            rows = []
+            with open(local, "rb") as f:
+                for line in f:
+                    if line.strip():
+                        rows.append(json.loads(decode_utf8(line, str(local))))
+                        if len(rows) == n:
+                            break
+    except (OSError, ValueError, DataError, RecursionError):
+        return None
+    return rows if all(isinstance(row, dict) for row in rows) else None
+
+
 def looks_local(path: str) -> bool:
     """Whether ``path`` names a local file rather than a hub id.
 

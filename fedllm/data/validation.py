@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from fedllm.data.errors import DataError
 from fedllm.data.templates import field_name
-from fedllm.recipe.schema import DataConfig
+from fedllm.recipe.schema import DataConfig, PartitionConfig
 
 BAD_KINDS = ("empty", "too_long", "too_large")
 """Kinds of bad records counted in ``partition.json``."""
@@ -103,6 +103,38 @@ def record_problem(record: dict, data_cfg: DataConfig) -> Optional[str]:
     if data_cfg.format == "classification":
         return _label_problem(record, data_cfg)
     return None
+
+
+def column_problems(data_cfg: DataConfig, partition_cfg: PartitionConfig, records: list[dict],
+                    source: str) -> list[tuple[str, Any, str]]:
+    """``(key, given, expected)`` for every recipe key that names a column no record of ``records`` (a sample of
+    ``source``) has: a required field of ``data.format`` (after ``data.fields``), the partition column of
+    ``dirichlet``/``natural``; and class names in ``data.labels`` that miss a label value of the records."""
+    if not records:
+        return []
+    columns = sorted(set().union(*records))
+    have = f"a column of {source} (its records have {', '.join(columns)})"
+    problems = []
+    fields = [key for key, required in TEXT_FIELDS.get(data_cfg.format, ()) if required]
+    fields += ["label"] if data_cfg.format == "classification" else []
+    for key in fields:
+        column = field_name(data_cfg, key)
+        if not any(column in r for r in records):
+            problems.append((f"data.fields.{key}", column, have))
+    if partition_cfg.method in ("dirichlet", "natural") and not partition_cfg.path:
+        column = partition_cfg.column or (field_name(data_cfg, "label") if data_cfg.format == "classification"
+                                          else None)
+        if column is not None and not any(column in r for r in records):
+            problems.append(("federation.partition.column", column, have))
+    label = field_name(data_cfg, "label")
+    if data_cfg.format == "classification" and data_cfg.labels and any(label in r for r in records):
+        values = {r[label] for r in records if isinstance(r.get(label), (str, int))}
+        unnamed = sorted(v for v in values if isinstance(v, str) and v not in data_cfg.labels)
+        unnamed += sorted(v for v in values if isinstance(v, int) and not 0 <= v < len(data_cfg.labels))
+        if unnamed:
+            problems.append(("data.labels", data_cfg.labels, f"class names covering every label of {source} (not "
+                                                              f"named: {', '.join(map(repr, unnamed[:10]))})"))
+    return problems
 
 
 def check_records(records: list[dict], data_cfg: DataConfig, source: str) -> None:

@@ -67,6 +67,18 @@ def _holds_nothing(path: Path, split: Optional[str]) -> bool:
     return head.strip() in (b"", b"[]")
 
 
+def data_problems(r: Recipe) -> list[tuple[str, Any, str]]:
+    """The recipe's keys against a sample of a local ``data.path`` (columns, class names); [] when it is no local
+    .json/.jsonl file (a hub id, a manifest, or a file the loader will name the problem of)."""
+    from fedllm.data.loading import local_sample, looks_local
+    from fedllm.data.validation import column_problems
+
+    if not r.data.path or not looks_local(r.data.path) or r.federation.partition.path:
+        return []
+    sample = local_sample(r.data.path, r.data.split)
+    return column_problems(r.data, r.federation.partition, sample or [], f"data.path={r.data.path!r}")
+
+
 def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool = True) -> list[tuple[str, Any, str]]:
     p: list[tuple[str, Any, str]] = missing_files(r) if check_files else []
     if check_files:  # the model's name and the LoRA rank against its layers, from its config (no weights, no torch)
@@ -77,6 +89,7 @@ def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool 
         p.extend(model_problems(r))
         if not any(key == "data.path" for key, _, _ in p):  # more clients than a local file's records
             p.extend(split_problems(r.data, r.federation.partition, r.federation.num_clients))
+            p.extend(data_problems(r))
         p.extend(missing_fastchat_files(r.eval))
     p.extend(value_problems(r))
     fed, tr = r.federation, r.train

@@ -86,6 +86,10 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
         ("eval-typo", ["eval", "runs/quickstartt", "--tasks", "gsm8k"]),
         ("eval-task-typo", ["eval", "tiny-llama", "--tasks", "gsm8"]),
         ("eval-no-tasks", ["eval", "runs/notasks"]),
+        ("dry-run-data", ["train", "recipe.yaml", "--dry-run", "data.fields.output=answr",
+                          "federation.partition.method=dirichlet", "federation.partition.column=topic"]),
+        ("train-data", ["train", "recipe.yaml", "data.fields.output=answr", "federation.partition.method=natural",
+                        "federation.partition.column=topic"]),
         ("override-space", ["train", "recipe.yaml", "federation.rounds", "2", "lora.r=4"]),
         ("recipe-typo", ["train", "recipe.yml"]),
     ]
@@ -133,6 +137,11 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
     assert "(did you mean 'runs/quickstart'?)" in said["eval-typo"]
     assert "unknown task(s) gsm8 (did you mean 'gsm8k'?)" in said["eval-task-typo"]
     assert "no tasks to evaluate: pass --tasks" in said["eval-no-tasks"]
+    for case in ("dry-run-data", "train-data"):  # the data's columns against the recipe: every problem at once
+        assert "2 problem(s)" in said[case]
+        assert f"data.fields.output: got 'answr'; expected a column of data.path={data!r} (its records have " \
+               "answer, category, question)" in said[case]
+        assert "federation.partition.column: got 'topic'; expected a column of" in said[case]
     assert "1 problem(s)" in said["override-space"]  # one mistake, one problem, and how to write it
     assert "federation.rounds: got 'federation.rounds 2'; expected an override of the form dotted.key=value " \
            "(write federation.rounds=2)" in said["override-space"]
