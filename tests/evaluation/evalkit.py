@@ -104,7 +104,9 @@ class LoopbackServer:
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=20)
+        self.thread.join(timeout=600)  # the thread's end is the event; 600 s only bounds a hung server
+        if self.thread.is_alive():
+            raise RuntimeError("the loopback server did not stop within 600 s")
 
 
 def files_under(root: Path) -> list[Path]:

@@ -1,6 +1,8 @@
 """`fedllm serve`: one log line per request (status, tokens, seconds); the served id is the run's name."""
 
+import io
 import re
+import sys
 
 import openai
 import pytest
@@ -9,15 +11,20 @@ from evalkit import LoopbackServer
 from fedllm.commands.serve import build_app, default_model_name, request_log_line
 
 
-def test_one_line_per_request_with_status_and_tokens(tiny_lm, tokenizer, capfd):
+def test_one_line_per_request_with_status_and_tokens(tiny_lm, tokenizer, monkeypatch):
+    # the server thread prints to sys.stderr: a buffer of the test's own, not pytest's fd capture (capfd), which
+    # a full-suite run on a loaded machine once found closed under the server's feet (every later test on that
+    # worker then failed in pytest's capture)
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
     app = build_app(tiny_lm, tokenizer, "tiny", max_new_tokens_limit=8)
-    with LoopbackServer(app) as server:
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=30)
+    with LoopbackServer(app) as server, openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                                                      timeout=30) as client:
         reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "3 + 4?"}],
                                                temperature=0, max_tokens=4)
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
-    lines = [x for x in capfd.readouterr().err.splitlines() if "/v1/chat/completions" in x]
+    lines = [x for x in err.getvalue().splitlines() if "/v1/chat/completions" in x]
     assert len(lines) == 2
     ok = re.fullmatch(r"POST /v1/chat/completions 200 prompt=(\d+) completion=(\d+) tokens (\d+\.\d\d) s", lines[0])
     assert ok and (int(ok[1]), int(ok[2])) == (reply.usage.prompt_tokens, reply.usage.completion_tokens)
