@@ -85,10 +85,31 @@ def superlink_command(args: argparse.Namespace, secret: Path) -> list[str]:
     return cmd
 
 
+def _existing_file(given: str | None, option: str, written_as: str) -> None:
+    """Refuse a certificate or key path that is no file, saying where ``fedllm flower certs`` writes it."""
+    if given is not None and not Path(given).expanduser().is_file():
+        raise InputError(f"{option}={given}: no such file; fedllm flower certs DIR writes it as {written_as}")
+
+
+def local_port(port: int | None) -> int:
+    """``--port`` of a SuperNode's local runtime API: a free one when not given; a taken one is refused."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port or 0))
+        except OSError:
+            raise InputError(f"--port={port}: already in use on 127.0.0.1 (another SuperNode?); give each SuperNode "
+                             "on this machine its own --port, or leave it out for a free one") from None
+        return probe.getsockname()[1]
+
+
 def supernode_command(args: argparse.Namespace, secret: Path | None) -> list[str]:
-    """The ``flower-supernode`` command line for ``fedllm flower supernode`` (``secret``: the worker's)."""
+    """The ``flower-supernode`` command line for ``fedllm flower supernode`` (``secret``: the worker's); sets
+    ``args.port`` to a free port when none was given."""
     if args.client < 0:
         raise InputError(f"--client={args.client}: expected an integer >= 0 (the client id)")
+    _existing_file(args.root_certificates, "--root-certificates", "DIR/ca.crt")
+    _existing_file(args.auth_key, "--auth-key", f"DIR/nodes/client-{args.client}.key (with --clients N)")
+    args.port = local_port(args.port)
     if args.data is not None and not Path(args.data).exists():
         raise InputError(f"--data={args.data}: no such file or directory")
     node_config = f"partition-id={args.client} state-dir='{Path(args.state_dir).resolve()}'"
@@ -198,8 +219,9 @@ def _supernode(args: argparse.Namespace) -> int:
         cmd = supernode_command(args, None)
         return processes.supervise(lambda: processes.start(cmd))
     state = Path(args.state_dir).expanduser()
-    secret = write_secret(state / f".worker-{args.client}.secret")  # renewed at every start
-    cmd = supernode_command(args, secret)
+    secret = state / f".worker-{args.client}.secret"
+    cmd = supernode_command(args, secret)  # the arguments are checked before anything is written
+    write_secret(secret)  # renewed at every start
     worker = [sys.executable, "-m", "fedllm.flower.runtime", "clientapps",
               "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret),
               "--journal", str(state / f".worker-{args.client}.inflight"), "--warm-runs", str(args.warm_runs)]
@@ -208,6 +230,8 @@ def _supernode(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from fedllm.flower import APP_DIR
+
+    _existing_file(args.root_certificates, "--root-certificates", "DIR/ca.crt")
     from fedllm.recipe.checks import load_recipe
 
     # bad recipes fail here, with exit code 2; the strategy's own checks (they import torch and peft: ~9 CPU-s
@@ -280,7 +304,9 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(flower_func=_certs)
 
     p = sub.add_parser("superlink", help="start a Flower SuperLink that runs only fedllm's app")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1: this machine only)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; default 127.0.0.1 (this machine only); 0.0.0.0 to take SuperNodes "
+                        "from the network (docs/flower.md: what protects the port)")
     p.add_argument("--port", type=int, default=9092, help="port of the SuperLink (nodes and flwr run use it)")
     p.add_argument("--certificates", help="directory from fedllm flower certs: ca.crt, server.pem, server.key (TLS) "
                    "and nodes/client-K.pub (the only SuperNodes accepted, client K only from key K)")
@@ -298,7 +324,8 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="this client's own data file (instead of a partition of the recipe's data)")
     p.add_argument("--state-dir", default=str(Path.home() / ".fedllm" / "flower-state"),
                    help="where this client's state is kept between rounds (and node restarts)")
-    p.add_argument("--port", type=int, default=9094, help="port of the node's local runtime API (127.0.0.1 only)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port of the node's local runtime API (127.0.0.1 only); default: a free one")
     p.add_argument("--root-certificates", help="CA certificate of the SuperLink (TLS)")
     p.add_argument("--insecure", action="store_true", help="no TLS (and no node authentication)")
     p.add_argument("--auth-key", help="this node's private key (nodes/client-K.key from fedllm flower certs)")

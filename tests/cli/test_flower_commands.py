@@ -1,0 +1,47 @@
+"""``fedllm flower`` arguments a newcomer gets wrong, refused before any process starts (no Flower process here)."""
+
+import argparse
+import socket
+
+import pytest
+
+from fedllm.commands.flower import add_flower_arguments, superlink_command, supernode_command
+from fedllm.common.errors import InputError
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_flower_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_superlink_listens_on_this_machine_unless_told_otherwise(tmp_path):
+    local = superlink_command(parse("superlink", "--insecure"), tmp_path / "secret")
+    assert local[local.index("--host") + 1] == "127.0.0.1"
+    exposed = superlink_command(parse("superlink", "--insecure", "--host", "0.0.0.0"), tmp_path / "secret")
+    assert exposed[exposed.index("--host") + 1] == "0.0.0.0"
+
+
+def test_certificate_and_key_paths_are_checked_and_say_where_certs_wrote_them(tmp_path):
+    args = parse("supernode", "--superlink", "127.0.0.1:9092", "--client", "0", "--root-certificates", "ca.crt",
+                 "--auth-key", "client-0.key")
+    with pytest.raises(InputError, match=r"--root-certificates=ca.crt: no such file; fedllm flower certs DIR "
+                                         r"writes it as DIR/ca.crt"):
+        supernode_command(args, None)
+    (tmp_path / "ca.crt").write_text("x")
+    args.root_certificates = str(tmp_path / "ca.crt")
+    with pytest.raises(InputError, match=r"--auth-key=client-0.key: no such file; .* DIR/nodes/client-0.key"):
+        supernode_command(args, None)
+
+
+def test_a_supernode_takes_a_free_local_port_and_refuses_a_taken_one():
+    args = parse("supernode", "--superlink", "127.0.0.1:9092", "--client", "1", "--insecure")
+    cmd = supernode_command(args, None)
+    assert cmd[cmd.index("--port") + 1] == str(args.port) and args.port > 0
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        args = parse("supernode", "--superlink", "127.0.0.1:9092", "--client", "1", "--insecure",
+                     "--port", str(taken.getsockname()[1]))
+        with pytest.raises(InputError, match=r"--port=\d+: already in use on 127.0.0.1 .* its own --port"):
+            supernode_command(args, None)
