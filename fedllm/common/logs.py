@@ -39,6 +39,13 @@ def configure(verbose: bool = False) -> bool:
     logging.getLogger("fedllm").setLevel(level)
     if verbose:
         return True
+    quiet_third_party()
+    return False
+
+
+def quiet_third_party() -> None:
+    """Filter what says nothing to a fedllm user (the lists above): the quiet mode of every fedllm process, the
+    CLI's and the Flower runtime's (whose fedllm logger stays at INFO)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -49,7 +56,6 @@ def configure(verbose: bool = False) -> bool:
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    return False
 
 
 def block_bitsandbytes() -> bool:

@@ -22,6 +22,7 @@ local users from claiming tasks.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import sys
 import time
@@ -359,6 +360,17 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
             client.close()
 
 
+def configure_logging() -> None:
+    """INFO lines of fedllm's runners; third-party noise filtered as in the CLI's quiet mode (``fedllm flower run``
+    streams the ServerApp's output to the user), unless ``FEDLLM_LOG=debug``."""
+    from fedllm.common import logs
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if os.environ.get("FEDLLM_LOG", "").lower() != "debug":
+        logs.quiet_third_party()
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m fedllm.flower.runtime serverapps|clientapps --runtime-api-address A --secret-file F``."""
     import argparse
@@ -373,8 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--journal", help="file keeping the message being answered (clientapps)")
     parser.add_argument("--warm-runs", type=int, default=2, help="runs whose federation stays in memory (clientapps)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging()
     secret = Path(args.secret_file).read_bytes()
     if args.side == "serverapps":
         serve_serverapps(args.runtime_api_address, secret, args.root_certificates, args.node_keys)

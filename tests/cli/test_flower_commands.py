@@ -1,7 +1,10 @@
 """``fedllm flower`` arguments a newcomer gets wrong, refused before any process starts (no Flower process here)."""
 
 import argparse
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -45,3 +48,16 @@ def test_a_supernode_takes_a_free_local_port_and_refuses_a_taken_one():
                      "--port", str(taken.getsockname()[1]))
         with pytest.raises(InputError, match=r"--port=\d+: already in use on 127.0.0.1 .* its own --port"):
             supernode_command(args, None)
+
+
+def test_the_flower_runtime_filters_third_party_noise_as_the_cli_does():
+    """``fedllm flower run`` streams the ServerApp runner's output: transformers' own deprecations stay out of it
+    (the CLI's quiet mode), fedllm's warnings stay in."""
+    code = ("import warnings, fedllm.flower.runtime as runtime; runtime.configure_logging(); "
+            "warnings.warn_explicit('inside transformers', FutureWarning, 'modeling_utils.py', 1, "
+            "module='transformers.modeling_utils'); "
+            "warnings.warn_explicit('from fedllm', UserWarning, 'server.py', 1, module='fedllm.engine.server')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "FEDLLM_LOG"})
+    assert done.returncode == 0, done.stderr
+    assert "from fedllm" in done.stderr and "inside transformers" not in done.stderr
