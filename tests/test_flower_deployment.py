@@ -135,7 +135,8 @@ def test_flower_run_exits_2_when_the_server_app_refuses_its_input(runs):
     rc = taken.wait(300)
     out = taken.log.read_text()
     assert rc == 2, out[-3000:]
-    assert "finished:failed" in out and "is not a fedllm run" in out
+    assert "finished:failed" in out and "fedllm: error: output_dir=" in out and "is not a fedllm run" in out
+    assert "ServerApp raised" not in out  # bad input is told as the CLI tells it, without fedllm's traceback
     assert (taken.out / "metrics.jsonl").read_text() == '{"round": 1}\n'
 
 

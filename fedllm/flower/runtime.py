@@ -194,6 +194,8 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
 
         if FEDERATION_INCOMPLETE in str(e):  # an expected condition: its message says it all
             print(f"fedllm: {e}", file=sys.stderr, flush=True)
+        elif _input_error(e):  # bad input (a taken output_dir, a recipe the strategy refuses): the message, as the
+            print(f"fedllm: error: {e}", file=sys.stderr, flush=True)  # CLI gives it, not a traceback
         else:
             logging.getLogger("fedllm").exception("ServerApp raised")
         details = f"ServerApp failed with exception{f' ({BAD_INPUT})' if _input_error(e) else ''}: {e}"
