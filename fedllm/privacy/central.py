@@ -8,7 +8,9 @@ denominator: a dropped client does not raise the sensitivity). Adaptive clipping
 "Differentially Private Learning with Adaptive Clipping") moves ``C`` toward the ``γ`` quantile of the update
 norms, ``C ← C·exp(−η·(b̃ − γ))`` with ``b̃`` the noised fraction of unclipped updates; the count noise
 ``σ_b`` and the update noise ``z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2)`` together cost what one Gaussian of multiplier
-``z`` costs.
+``z`` costs — because the count released is of centred bits, ``Σ_k (b_k − ½) + N(0, σ_b²)`` (Andrew et al.,
+Alg. 1; TF Privacy's ``QuantileEstimatorQuery``), which one client moves by at most ½, and
+``b̃ = (that)/m + ½`` (:func:`noised_unclipped_fraction`).
 
 The wrapped strategy aggregates the private mean: every update handed to it is ``θ_sent + (n/m)·clip(δ_k) +
 noise`` (the same noise in each, uniform weights), so a mean-of-uploads strategy computes exactly the noised
@@ -60,6 +62,17 @@ def l2_norm(tensors: StateDict) -> float:
 def adaptive_noise(noise_multiplier: float, count_stddev: float) -> float:
     """Andrew et al.'s update noise multiplier ``(z⁻² − (2σ_b)⁻²)^(−1/2)`` (Flower's compute_adaptive_noise_params)."""
     return (noise_multiplier ** -2 - (2 * count_stddev) ** -2) ** -0.5
+
+
+def centred_count(unclipped: list[bool]) -> float:
+    """``Σ_k (b_k − ½)``: the count the adaptive norm releases; adding or removing one client moves it by ½, the
+    sensitivity the budget split of :func:`adaptive_noise` assumes (a plain count moves by 1: twice the ε)."""
+    return sum(float(b) - 0.5 for b in unclipped)
+
+
+def noised_unclipped_fraction(noised_centred: float, expected: int) -> float:
+    """``b̃``: the fraction of unclipped updates estimated from the noised centred count over ``expected`` clients."""
+    return noised_centred / expected + 0.5
 
 
 class ClientLevelDP:
@@ -152,7 +165,7 @@ class ClientLevelDP:
             self.noise_seed = secret_seed()
         gen = torch.Generator().manual_seed(derived_seed(self.noise_seed, rnd))
         norm, m = self.clipping_norm, self.expected
-        kept, unclipped = [], 0.0
+        kept, within_norm = [], []
         for u in updates:
             state = dict(u.state)
             bit = state.pop(UNCLIPPED_KEY, None)
@@ -163,10 +176,10 @@ class ClientLevelDP:
                 factor, within = (min(1.0, norm / size) if size > 0 else 1.0), size <= norm
             else:
                 factor, within = 1.0, bool(bit is None or float(bit.flatten()[0]) > 0.5)
-            unclipped += float(within)
+            within_norm.append(within)
             kept.append((u, ref, delta, factor))
-        noisy_unclipped = unclipped + float(self.gaussian(gen, (), self.count_stddev)) if self.count_stddev else \
-            unclipped
+        noised_centred = centred_count(within_norm) + (float(self.gaussian(gen, (), self.count_stddev))
+                                                        if self.count_stddev else 0.0)
         std = self.update_noise * norm / m
         first = kept[0][2]
         noise = {k: self.gaussian(gen, tuple(v.shape), std).to(v.device) for k, v in first.items()}
@@ -176,11 +189,12 @@ class ClientLevelDP:
             for k, d in delta.items()}) for u, ref, delta, factor in kept]
         out = super().aggregate(rnd, global_state, private)
         self.releases += 1
-        self.last = {"clipping_norm": norm, "noise_std": std, "unclipped": unclipped,
+        self.last = {"clipping_norm": norm, "noise_std": std, "unclipped": float(sum(within_norm)),
                      "epsilon": self.epsilon_after(self.releases)}
         if self.pv.adaptive_clipping.enabled:
             ac = self.pv.adaptive_clipping
-            self.clipping_norm = norm * math.exp(-ac.learning_rate * (noisy_unclipped / m - ac.target_quantile))
+            fraction = noised_unclipped_fraction(noised_centred, m)
+            self.clipping_norm = norm * math.exp(-ac.learning_rate * (fraction - ac.target_quantile))
         return out
 
     def state_dict(self) -> StateDict:

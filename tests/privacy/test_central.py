@@ -214,3 +214,40 @@ def test_privacy_state_survives_a_checkpoint():
     restored.load_state_dict(saved)
     assert (restored.clipping_norm, restored.releases, restored.noise_seed) == (s.clipping_norm, 2, 0)
     assert restored.moments.keys() == s.moments.keys()
+
+
+def test_adaptive_clipping_releases_centred_bits_so_its_epsilon_is_the_mechanisms():
+    """Audit case (issue 34): 4 of 4 clients, z = 1.5, σ_b = 1. The count the adaptive norm releases is of centred
+    bits (Andrew et al., Alg. 1): one client added or removed moves it by ½, so the update noise z_Δ and the count
+    noise together are a Gaussian of multiplier z, and the ε fedllm reports is dp-accounting's for the mechanism as
+    it runs. A plain count (moved by 1) made that multiplier 0.915: ε 10.04 where 5.59 was reported."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from fedllm.privacy.central import adaptive_noise, centred_count, noised_unclipped_fraction
+
+    bits = [True, False, True]
+    moved = {abs(centred_count(bits + [b]) - centred_count(bits)) for b in (True, False)}
+    assert moved == {0.5}  # the sensitivity of what is released, whatever the client's bit
+    s = dp_strategy(clients=4, per_round=4, noise_multiplier=1.5,
+                    adaptive_clipping={"enabled": True, "count_stddev": 1.0})
+    assert s.update_noise == pytest.approx(adaptive_noise(1.5, 1.0), rel=1e-12)
+    combined = (s.update_noise ** -2 + (s.count_stddev / max(moved)) ** -2) ** -0.5
+    assert combined == pytest.approx(1.5, rel=1e-12)
+    assert (s.update_noise ** -2 + s.count_stddev ** -2) ** -0.5 == pytest.approx(0.915, abs=5e-4)  # a plain count
+    rounds = 4
+    accountant = rdp_privacy_accountant.RdpAccountant(orders=accounting.ORDERS)
+    accountant.compose(dp_event.GaussianDpEvent(combined), rounds)
+    assert s.epsilon_after(rounds) == pytest.approx(accountant.get_epsilon(s.pv.delta), rel=1e-9)
+    # the fraction estimate: with every sampled client reporting it is the plain noised fraction, as before
+    assert noised_unclipped_fraction(centred_count([True, False, True, True]), 4) == pytest.approx(0.75)
+    assert noised_unclipped_fraction(centred_count([True, False, True]), 4) == pytest.approx(0.625)  # one dropped
+
+
+def test_the_adaptive_norm_moves_by_the_centred_estimate_when_a_sampled_client_drops():
+    """4 sampled, 3 report (all clipped), no count noise: b̃ = Σ(b − ½)/4 + ½ = 0.125 (a plain count gave 0)."""
+    s = dp_strategy(clients=4, per_round=4, adaptive_clipping={"enabled": True, "count_stddev": 1.0})
+    s.update_noise, s.count_stddev = 0.0, 0.0
+    run_fedllm(s, rounds=1)
+    assert s.last["unclipped"] == 0
+    assert s.clipping_norm == pytest.approx(C * math.exp(-0.2 * (0.125 - 0.5)), rel=1e-12)
