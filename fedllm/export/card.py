@@ -130,12 +130,30 @@ def _metric_lines(metrics: dict[str, Any]) -> list[str]:
     return [f"  - {k}: {v:.6g}" if isinstance(v, (int, float)) else f"  - {k}: {v}" for k, v in metrics.items()]
 
 
+UNPROTECTED_UNDER_DP = ("final_train_loss", "dropped")
+"""summary.json entries a card leaves out under differential privacy: computed from the clients' data and released
+by nothing that adds noise (with ``privacy.unclipped``, the exact count of unclipped updates)."""
+
+
+def _released(summary: dict[str, Any], private: bool) -> dict[str, Any]:
+    """``summary`` as a card may release it: under DP without :data:`UNPROTECTED_UNDER_DP` and the exact count."""
+    if not private:
+        return summary
+    out = {k: v for k, v in summary.items() if k not in UNPROTECTED_UNDER_DP}
+    if isinstance(out.get("privacy"), dict):
+        out["privacy"] = {k: v for k, v in out["privacy"].items() if k != "unclipped"}
+    return out
+
+
 def _results(source: Source, client: Optional[int]) -> str:
     m = source.metrics
     if not m:
         return "No metrics were found beside the checkpoint."
     lines = []
-    if m.get("train_loss") is not None:
+    private = source.recipe.privacy.mechanism != "none"
+    if private and m.get("train_loss") is not None:
+        lines.append("- train loss: not released (under differential privacy the clients' losses are not noised)")
+    elif m.get("train_loss") is not None:
         lines.append(f"- train loss (round {m['round']}): {m['train_loss']:.6g}")
     if "bytes_up_total" in m:
         lines.append(f"- communication: {m['bytes_up_total']} bytes up, {m['bytes_down_total']} bytes down")
@@ -148,7 +166,8 @@ def _results(source: Source, client: Optional[int]) -> str:
         lines += _metric_lines(personal)
     summary = m.get("summary")
     if summary:
-        lines.append(f"- summary.json: `{json.dumps(summary, sort_keys=True)}`")
+        note = " (under DP without the training loss, the dropped clients and the unclipped count)" if private else ""
+        lines.append(f"- summary.json{note}: `{json.dumps(_released(summary, private), sort_keys=True)}`")
     return "\n".join(lines) or "No metrics were found beside the checkpoint."
 
 

@@ -100,3 +100,19 @@ def test_the_secure_aggregation_refusal_cites_the_installed_flower():
     assert re.search(r"secaggplus_workflow\.py:185.*:286.*:665.*secaggplus_mod\.py:138-174.*:148.*:169", reason)
     for module in (flwr.serverapp, flwr.serverapp.strategy):
         assert not [n for n in dir(module) if "secagg" in n.lower()], module.__name__
+
+
+def test_an_export_under_dp_releases_no_unprotected_statistic(tiny_recipe, tmp_path):
+    """Issue 34: the model card carried the final training loss and the exact unclipped count, which no noise
+    protects; under DP it leaves them out (and the dropped clients) and keeps epsilon."""
+    from fedllm.export import export
+
+    raw = tiny_recipe(federation={"rounds": 2, "num_clients": 3, "clients_per_round": 3},
+                      privacy={**DP, "adaptive_clipping": {"enabled": True, "count_stddev": 1.0}})
+    run_dir = run(parse_recipe(raw)).run_dir
+    assert "unclipped" in json.loads((run_dir / "summary.json").read_text())["privacy"]  # the server's own record
+    card = (export(run_dir, "adapter", tmp_path / "adapter").out / "README.md").read_text()
+    assert "train loss: not released" in card and "train loss (round" not in card
+    for unprotected in ('"final_train_loss"', '"unclipped"', '"dropped"'):  # their JSON keys
+        assert unprotected not in card
+    assert '"epsilon": ' in card and '"noise_multiplier": 1.0' in card
