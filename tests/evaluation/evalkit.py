@@ -86,7 +86,11 @@ class LoopbackServer:
 
         self.app = app
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        # log_config=None: uvicorn's own logging config runs logging.config.dictConfig, which closes every handler
+        # of the process -- absl's (dp-accounting imports it) then closes the stream it was made with, in a test
+        # pytest's capture file, and every later test of that pytest-xdist worker failed in pytest's capture
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    log_config=None))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

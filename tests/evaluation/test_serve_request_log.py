@@ -12,10 +12,7 @@ from fedllm.commands.serve import build_app, default_model_name, request_log_lin
 
 
 def test_one_line_per_request_with_status_and_tokens(tiny_lm, tokenizer, monkeypatch):
-    # the server thread prints to sys.stderr: a buffer of the test's own, not pytest's fd capture (capfd), which
-    # a full-suite run on a loaded machine once found closed under the server's feet (every later test on that
-    # worker then failed in pytest's capture)
-    err = io.StringIO()
+    err = io.StringIO()  # the server thread prints to sys.stderr
     monkeypatch.setattr(sys, "stderr", err)
     app = build_app(tiny_lm, tokenizer, "tiny", max_new_tokens_limit=8)
     with LoopbackServer(app) as server, openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
@@ -44,3 +41,20 @@ def test_served_id_is_the_run_name(tmp_path):
     assert default_model_name(str(run / "final")) == "quickstart"
     assert default_model_name(str(run / "checkpoints" / "round-0002")) == "quickstart-round-0002"
     assert default_model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_loopback_server_leaves_the_process_log_handlers_alone():
+    """uvicorn's default log config (logging.config.dictConfig) closes every logging handler of the process, and
+    absl's handler then closes its stream: in the full suite that stream was pytest's capture file, and a test that
+    swapped sys.stderr (this file's first) broke every later test of its worker. The test servers configure none."""
+    from absl.logging import PythonHandler
+    from starlette.applications import Starlette
+
+    stream = io.StringIO()
+    handler = PythonHandler(stream)  # as absl makes it at import: on the sys.stderr of that moment
+    try:
+        with LoopbackServer(Starlette()):
+            pass
+        assert not stream.closed
+    finally:
+        handler.close()
