@@ -124,7 +124,8 @@ def column_problems(data_cfg: DataConfig, partition_cfg: PartitionConfig, record
     if partition_cfg.method in ("dirichlet", "natural") and not partition_cfg.path:
         column = partition_cfg.column or (field_name(data_cfg, "label") if data_cfg.format == "classification"
                                           else None)
-        if column is not None and not any(column in r for r in records):
+        named = {given for _, given, _ in problems}  # a label column already reported is not reported twice
+        if column is not None and column not in named and not any(column in r for r in records):
             problems.append(("federation.partition.column", column, have))
     label = field_name(data_cfg, "label")
     if data_cfg.format == "classification" and data_cfg.labels and any(label in r for r in records):

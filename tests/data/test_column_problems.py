@@ -21,6 +21,12 @@ def test_every_column_and_class_name_that_misses_the_data_is_named():
         ("data.labels", ["pos", "neg"], "class names covering every label of d.jsonl (not named: 'meh')")]
 
 
+def test_a_wrong_label_column_is_reported_once_though_the_partition_defaults_to_it():
+    data = DataConfig(format="classification", fields={"text": "sentence", "label": "sentimnt"})
+    got = column_problems(data, PartitionConfig(method="dirichlet"), RECORDS, "d.jsonl")
+    assert [key for key, _, _ in got] == ["data.fields.label"]
+
+
 def test_a_recipe_that_fits_its_data_has_no_problem():
     data = DataConfig(format="classification", fields={"text": "sentence", "label": "sentiment"})
     assert column_problems(data, PartitionConfig(method="dirichlet"), RECORDS, "d.jsonl") == []  # label column
