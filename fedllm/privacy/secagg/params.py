@@ -1,0 +1,80 @@
+"""The public parameters of a SecAgg+ round and the protocol's error."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class SecAggError(RuntimeError):
+    """A round of secure aggregation cannot complete (too many dropouts, too few shares, a bad message)."""
+
+
+@dataclass(frozen=True)
+class SecAggParams:
+    """What every party of a round agrees on (sent by the server with the round's configuration).
+
+    Attributes:
+        threshold: shares needed to rebuild a client's secrets (Shamir's ``t``); ``t > neighbours / 2`` so that
+            a server cannot obtain both the self-mask seed and the masking key of one client.
+        neighbours: ``k``, the clients each client shares secrets and pairwise masks with (rounded up to even,
+            capped at the round's clients − 1; ``k ≥ n − 1`` is the original SecAgg of Bonawitz et al.).
+        quantization_range: ``r``: each uploaded value is clipped to ``[−r, r]`` before it is quantised.
+        quantization_bits: ``b``: ``[−r, r]`` is cut into ``2^b − 1`` steps of ``Δ = 2r / (2^b − 1)``.
+        mod_bits: the masks and the sum live modulo ``2^mod_bits`` (32 or 64: one uint32/uint64 word per value);
+            it must exceed the largest possible sum (:meth:`fits`).
+        max_dropouts: clients that may be lost after the share exchange with the round still completing.
+    """
+
+    threshold: int
+    neighbours: int
+    quantization_range: float = 1.0
+    quantization_bits: int = 20
+    mod_bits: int = 32
+    max_dropouts: int = 1
+
+    def problems(self, num_clients: int) -> list[str]:
+        """Why these parameters cannot run a round of ``num_clients`` clients (empty when they can)."""
+        out = []
+        k = self.effective_neighbours(num_clients)
+        if num_clients < 2:
+            out.append(f"secure aggregation needs at least 2 clients per round, got {num_clients}")
+        if self.mod_bits not in (32, 64):
+            out.append(f"mod_bits must be 32 or 64, got {self.mod_bits}")
+        if not 1 <= self.quantization_bits < self.mod_bits:
+            out.append(f"quantization_bits must be in [1, {self.mod_bits - 1}], got {self.quantization_bits}")
+        if not self.quantization_range > 0:
+            out.append(f"quantization_range must be positive, got {self.quantization_range}")
+        if self.max_dropouts < 0:
+            out.append(f"max_dropouts must be >= 0, got {self.max_dropouts}")
+        if not (k / 2 < self.threshold <= k - self.max_dropouts):
+            out.append(
+                f"the share threshold must be more than half the {k} neighbours of each client and at most "
+                f"neighbours - max_dropouts = {k - self.max_dropouts} (so every share can still be rebuilt "
+                f"when max_dropouts clients are lost), got {self.threshold}"
+            )
+        return out
+
+    def effective_neighbours(self, num_clients: int) -> int:
+        """Neighbours per client in a round of ``num_clients``: ``k`` rounded up to even, capped at ``n − 1``
+        (:func:`fedllm.privacy.secagg.graph.neighbour_graph`)."""
+        return max(0, min(self.neighbours + self.neighbours % 2, num_clients - 1))
+
+    @property
+    def levels(self) -> int:
+        """``L = 2^b − 1``: the largest quantised value."""
+        return (1 << self.quantization_bits) - 1
+
+    @property
+    def step(self) -> float:
+        """``Δ = 2r / L``: the quantisation step, also the bound on the error of a (weighted) mean."""
+        return 2 * self.quantization_range / self.levels
+
+    def fits(self, total_weight: int) -> bool:
+        """True when a sum of values up to ``L`` with integer weights summing to ``total_weight`` stays below the
+        modulus (no wrap-around: the unmasked sum is exact)."""
+        return self.levels * total_weight < (1 << self.mod_bits)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the configuration a server sends)."""
+        return asdict(self)

@@ -1,0 +1,118 @@
+"""The server's side of a SecAgg+ round: it routes keys and encrypted shares, collects the masked inputs and,
+from the shares the survivors reveal, removes the masks — learning ``Σ_{u ∈ U3} x_u mod 2^mod_bits`` and
+nothing else about any one input (Bell et al., CCS 2020; semi-honest server, up to ``t − 1`` colluding clients
+per neighbourhood).
+
+Sets of clients as in the paper: ``U1`` advertised keys, ``U2 ⊆ U1`` sent their shares, ``U3 ⊆ U2`` sent a
+masked input. The round completes when at most ``max_dropouts`` clients of ``U2`` are missing from ``U3`` and
+every needed secret gets ``threshold`` shares; otherwise :class:`SecAggError` says which and why.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from fedllm.privacy.secagg import crypto, masks
+from fedllm.privacy.secagg.client import mask_sign, pair_info
+from fedllm.privacy.secagg.graph import neighbour_graph
+from fedllm.privacy.secagg.messages import EncryptedShare, KeyAdvert, MaskedInput, ShareReveal, UnmaskRequest
+from fedllm.privacy.secagg.params import SecAggError, SecAggParams
+from fedllm.privacy.secagg.quantize import word_dtype
+
+
+class SecAggServer:
+    """The server's state in one round (see the module docstring); arguments as :class:`SecAggClient`'s."""
+
+    def __init__(self, params: SecAggParams, client_ids: list[int], graph_seed: bytes, context: bytes):
+        problems = params.problems(len(set(client_ids)))
+        if problems:
+            raise SecAggError("; ".join(problems))
+        self.params, self.context = params, context
+        self.graph = neighbour_graph(client_ids, params.neighbours, graph_seed)
+        self.adverts: dict[int, KeyAdvert] = {}
+        self.u2: set[int] = set()
+        self.inputs: dict[int, np.ndarray] = {}
+        self.request: UnmaskRequest | None = None
+
+    # stage 1
+    def route_keys(self, adverts: list[KeyAdvert]) -> dict[int, list[KeyAdvert]]:
+        """Each advertising client's neighbours' keys (``U1``: the clients that advertised)."""
+        self.adverts = {a.client_id: a for a in adverts if a.client_id in self.graph}
+        out = {u: [self.adverts[v] for v in self.graph[u] if v in self.adverts] for u in self.adverts}
+        self._enough({u: len(v) for u, v in out.items()}, "neighbours advertised keys")
+        return out
+
+    # stage 2
+    def route_shares(self, shares: list[EncryptedShare]) -> dict[int, list[EncryptedShare]]:
+        """The shares each client of ``U2`` (those that sent shares) receives from the others of ``U2``."""
+        self.u2 = {s.sender for s in shares if s.sender in self.adverts}
+        out: dict[int, list[EncryptedShare]] = {u: [] for u in self.u2}
+        for s in shares:
+            if s.sender in self.u2 and s.receiver in self.u2:
+                out[s.receiver].append(s)
+        self._enough({u: len(v) for u, v in out.items()}, "neighbours sent shares")
+        return out
+
+    # stage 3
+    def collect_masked(self, inputs: list[MaskedInput]) -> UnmaskRequest:
+        """Keep the masked inputs of ``U2``'s clients; the survivors and the clients dropped after sharing."""
+        dtype = word_dtype(self.params)
+        self.inputs = {m.client_id: np.asarray(m.vector) for m in inputs if m.client_id in self.u2}
+        sizes = {v.size for v in self.inputs.values()}
+        if len(sizes) > 1 or any(v.dtype != dtype for v in self.inputs.values()):
+            raise SecAggError(f"masked inputs of different lengths or types: {sorted(sizes)}")
+        dropped = tuple(sorted(self.u2 - set(self.inputs)))
+        if len(dropped) > self.params.max_dropouts:
+            raise SecAggError(
+                f"{len(dropped)} clients ({list(dropped)}) were lost after sharing their keys, more than "
+                f"max_dropouts={self.params.max_dropouts}: the round cannot complete"
+            )
+        if not self.inputs:
+            raise SecAggError("no masked input arrived")
+        self.request = UnmaskRequest(tuple(sorted(self.inputs)), dropped)
+        return self.request
+
+    # stage 4
+    def unmask(self, reveals: list[ShareReveal]) -> np.ndarray:
+        """``Σ_{u ∈ U3} x_u mod 2^mod_bits`` from the masked inputs and the survivors' revealed shares."""
+        if self.request is None:
+            raise SecAggError("unmask before the masked inputs were collected")
+        survivors, dropped = set(self.request.survivors), set(self.request.dropped)
+        dtype = word_dtype(self.params)
+        got: dict[tuple[int, str], dict[int, bytes]] = defaultdict(dict)
+        for r in reveals:
+            wanted = (r.kind == "seed" and r.owner in survivors) or (r.kind == "key" and r.owner in dropped)
+            if wanted and r.holder in survivors and r.holder in self.graph.get(r.owner, ()):
+                got[(r.owner, r.kind)][r.index] = r.share
+        total = np.zeros(next(iter(self.inputs.values())).size, dtype=dtype)
+        for y in self.inputs.values():
+            total = total + y
+        for u in sorted(survivors):
+            total = total - masks.expand(self._rebuild(got[(u, "seed")], u, "self-mask seed"), total.size, dtype)
+        for u in sorted(dropped):
+            sk = crypto.private_key(self._rebuild(got[(u, "key")], u, "masking key"))
+            _, public = crypto.public_of(sk)
+            if public != self.adverts[u].masking_key:
+                raise SecAggError(f"the masking key rebuilt for dropped client {u} does not match its advertised key")
+            for v in self.graph[u]:
+                if v in survivors:  # v masked with u (both in U2): remove v's half of the pair
+                    seed = crypto.agree(sk, self.adverts[v].masking_key, pair_info(b"mask", self.context, u, v))
+                    pair = masks.expand(seed, total.size, dtype)
+                    total = total - pair if mask_sign(v, u) > 0 else total + pair
+        return total
+
+    def _rebuild(self, shares: dict[int, bytes], owner: int, what: str) -> bytes:
+        t = self.params.threshold
+        if len(shares) < t:
+            raise SecAggError(
+                f"{len(shares)} shares of client {owner}'s {what} arrived, fewer than the share "
+                f"threshold {t}: the round cannot complete"
+            )
+        return crypto.combine(dict(sorted(shares.items())[:t]))
+
+    def _enough(self, counts: dict[int, int], what: str) -> None:
+        short = {u: n for u, n in counts.items() if n < self.params.threshold}
+        if short:
+            raise SecAggError(f"clients {sorted(short)}: fewer than threshold={self.params.threshold} {what} ({short})")
