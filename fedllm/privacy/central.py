@@ -148,6 +148,14 @@ class ClientLevelDP:
             out[UNCLIPPED_KEY] = torch.tensor([float(norm <= norm_to)])
         return out
 
+    # ----- secure aggregation: the server step above needs only the sum of the uploads (with client clipping)
+    def sum_weight(self, update: ClientUpdate) -> int:
+        """Uniform: the DP mean divides the sum of clipped changes by m, whatever a client's size."""
+        return 1
+
+    def summed_unweighted(self, key: str) -> bool:
+        return key == UNCLIPPED_KEY or super().summed_unweighted(key)
+
     # ----- server side
     @staticmethod
     def gaussian(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:
@@ -175,7 +183,9 @@ class ClientLevelDP:
             if self.clip_on_server:
                 factor, within = (min(1.0, norm / size) if size > 0 else 1.0), size <= norm
             else:
-                factor, within = 1.0, bool(bit is None or float(bit.flatten()[0]) > 0.5)
+                # the client's bit; under secure aggregation each update carries the round's mean bit (a fraction),
+                # whose sum over the updates is the count of unclipped updates all the same
+                factor, within = 1.0, 1.0 if bit is None else float(bit.flatten()[0])
             within_norm.append(within)
             kept.append((u, ref, delta, factor))
         noised_centred = centred_count(within_norm) + (float(self.gaussian(gen, (), self.count_stddev))

@@ -35,15 +35,40 @@ DP_SGD_REFUSED = {
                "clipping would drop",
 }
 
-SECURE_AGGREGATION_REFUSED = (
-    "false: Flower 1.41 has SecAgg+ only for its legacy API, and fedllm's Flower apps use the Message API "
-    "(flwr.serverapp has no SecAgg+). The server side, SecAggPlusWorkflow.__call__ "
-    "(flwr/server/workflow/secure_aggregation/secaggplus_workflow.py:185), requires a LegacyContext and drives a "
-    "legacy flwr.server.strategy.Strategy: configure_fit (:286) and aggregate_fit (:665), given only the sum; the "
-    "client side, secaggplus_mod (flwr/client/mod/secure_aggregation/secaggplus_mod.py:138-174), takes every "
-    "'train' message (fedllm's too) as a SecAgg+ stage (:148, record 'secaggplus_configs') and needs a FitRes "
-    "reply ('fitres.parameters', 'fitres.num_examples': :169); fedllm's round loop needs each client's update "
-    "(upload checks, strategies that are not a weighted mean, server-side DP clipping). See docs/privacy.md")
+SECAGG_MECHANISMS = ("none", "central_client_clipping", "dp_sgd")
+"""Mechanisms that work on a sum: the server adds noise to the unmasked sum (clients clip) or adds nothing."""
+
+
+def secure_aggregation_problems(r: Any) -> list[tuple[str, Any, str]]:
+    """Problems of ``privacy.secure_aggregation: secagg_plus`` and its ``privacy.secagg`` parameters (the
+    strategy's own check, :meth:`fedllm.strategies.Strategy.sum_aggregation_problem`, is in recipe.checks)."""
+    pv, p = r.privacy, []
+    if pv.secure_aggregation != "secagg_plus":
+        return p
+    from fedllm.privacy.secagg.settings import round_params
+
+    if pv.mechanism not in SECAGG_MECHANISMS:
+        p.append(("privacy.mechanism", pv.mechanism, ("central_client_clipping (clients clip, the server noises the "
+                                                      "unmasked sum), dp_sgd or none with secure aggregation: "
+                                                      "server-side clipping needs each client's update, which the "
+                                                      "server never sees")))
+    if r.federation.max_update_norm is not None:
+        p.append(("federation.max_update_norm", r.federation.max_update_norm,
+                  "null with secure aggregation (the server sees no client's update, only their sum)"))
+    cfg = pv.secagg
+    for key in ("neighbours", "max_dropouts", "quantization_bits"):
+        if getattr(cfg, key) < 0:
+            p.append((f"privacy.secagg.{key}", getattr(cfg, key), "a number >= 0"))
+    if p:
+        return p
+    m = r.sampled_per_round()
+    for key, what in round_params(cfg, m).problems(m):
+        key = "federation.clients_per_round" if key == "clients" else f"privacy.secagg.{key}"
+        given = m if key.startswith("federation") else getattr(cfg, key.rsplit(".", 1)[1])
+        what = what.rsplit(", got", 1)[0] if given is not None else what  # the default's value stays named
+        p.append((key, given, f"{what} (with {m} clients per round; sample more clients or allow fewer "
+                              "privacy.secagg.max_dropouts)" if key.endswith("threshold") else what))
+    return p
 
 
 def strategy_problem(mechanism: str, strategy: str) -> str | None:
@@ -61,8 +86,7 @@ def strategy_problem(mechanism: str, strategy: str) -> str | None:
 def privacy_problems(r: Any) -> list[tuple[str, Any, str]]:
     """Problems of ``r.privacy`` as ``(key, given, expected)``."""
     pv, p = r.privacy, []
-    if pv.secure_aggregation:
-        p.append(("privacy.secure_aggregation", True, SECURE_AGGREGATION_REFUSED))
+    p.extend(secure_aggregation_problems(r))
     if pv.grad_sample_mode != "hooks" and pv.mechanism != "dp_sgd":
         p.append(("privacy.grad_sample_mode", pv.grad_sample_mode, "hooks unless privacy.mechanism is dp_sgd (it picks "
                                                                    "how DP-SGD clips each example's gradient)"))

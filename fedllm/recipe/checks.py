@@ -126,11 +126,20 @@ def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool 
 
 
 def _strategy_arg_problems(r: Recipe) -> list[tuple[str, Any, str]]:
-    """What the strategy class says about ``federation.strategy_args`` (importing it loads torch)."""
+    """What the strategy class says about ``federation.strategy_args`` and, under secure aggregation, whether it can
+    aggregate from the sum of the uploads (importing it loads torch)."""
     from fedllm.common.registry import strategies
 
-    return [(f"federation.strategy_args.{key}", given, expected)
-            for key, given, expected in strategies.get(r.federation.strategy).check_args(r.federation.strategy_args)]
+    cls = strategies.get(r.federation.strategy)
+    p = [(f"federation.strategy_args.{key}", given, expected)
+         for key, given, expected in cls.check_args(r.federation.strategy_args)]
+    if r.privacy.secure_aggregation == "secagg_plus":
+        why = cls.sum_aggregation_problem()
+        if why:
+            p.append(("privacy.secure_aggregation", "secagg_plus", (f"none with federation.strategy "
+                      f"{r.federation.strategy!r}: it {why}, and secure aggregation gives the server only the sum "
+                      "of the uploads")))
+    return p
 
 
 def check_strategy(recipe: Recipe) -> None:

@@ -196,6 +196,15 @@ class AdaptiveClippingConfig:
 
 
 @dataclass
+class SecAggConfig:
+    neighbours: int = doc(8, "k: clients each client shares its secrets and pairwise masks with (rounded up to even, at most clients per round - 1: then every pair, the original SecAgg)")
+    threshold: Optional[int] = doc(None, "Shamir shares that rebuild a client's secrets: more than half its neighbours, at most neighbours - max_dropouts; null: neighbours - max_dropouts")
+    max_dropouts: int = doc(1, "clients that may be lost after the share exchange with the round still completing (more: the round fails and is retried as any failed round)")
+    quantization_range: float = doc(1.0, "each value of a client's change (upload - the state it was sent) is clipped to [-range, range] before quantisation")
+    quantization_bits: int = doc(20, "bits per quantised value: steps of 2*range/(2^bits - 1), the bound on the error of the mean")
+
+
+@dataclass
 class PrivacyConfig:
     mechanism: Literal["none", "central", "central_client_clipping", "dp_sgd"] = doc("none", "none; client-level DP with server-side clipping (central) or client-side clipping (central_client_clipping); sample-level DP-SGD on each client with opacus (dp_sgd)")
     clipping_norm: float = doc(1.0, "L2 bound of a client's update (central*) or of one example's gradient (dp_sgd)")
@@ -206,7 +215,8 @@ class PrivacyConfig:
     adaptive_clipping: AdaptiveClippingConfig = doc(AdaptiveClippingConfig(), "central*: adaptive clipping norm")
     grad_sample_mode: Literal["hooks", "ghost"] = doc("hooks", "dp_sgd: how opacus clips each example's gradient: hooks (per-example gradients of every trainable tensor) or ghost (per-example gradient norms by ghost clipping, then a second backward pass weighted by the clipping factors; opacus's grad_sample_mode)")
     noise_seed: Optional[int] = doc(None, "null: noise from a secret random seed (the default; needed for the guarantee); an integer reproduces the noise (experiments only: whoever knows it can remove the noise)")
-    secure_aggregation: bool = doc(False, "Flower SecAgg+ of the client updates (refused: see docs/privacy.md)")
+    secure_aggregation: Literal["none", "secagg_plus", False] = doc("none", "secagg_plus: the server learns only the sum of the clients' quantised uploads (SecAgg+, Bell et al. 2020; simulation, one or N processes; docs/privacy.md); none (false: its old spelling)")
+    secagg: SecAggConfig = doc(SecAggConfig(), "secure_aggregation: secagg_plus's parameters")
 
 
 @dataclass

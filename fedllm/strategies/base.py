@@ -8,6 +8,7 @@ calls these hooks, the client calls ``client_loss`` / ``after_step`` while train
 from __future__ import annotations
 
 import abc
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -77,6 +78,11 @@ class Strategy(abc.ABC):
             :mod:`fedllm.engine.batched_clients`): one default phase per plan, no ``after_step``, a
             ``client_loss`` that reads only ``model.named_parameters()``. It counts only when declared
             by the class that last overrode a client-side hook (:meth:`client_batching_problem`).
+        aggregates_by_sum: True when :meth:`aggregate` needs only the (weighted) sum of the uploads: it returns
+            the same when every upload is replaced by the round's mean upload (weighted by :meth:`sum_weight`,
+            unweighted for :meth:`summed_unweighted` keys), so secure aggregation can run it on the unmasked sum
+            (:meth:`aggregate_mean`). It counts only when declared by the class that last overrode
+            ``aggregate`` (:meth:`sum_aggregation_problem`); :attr:`needs_individual_updates` says why not.
     """
 
     name = "base"
@@ -84,6 +90,8 @@ class Strategy(abc.ABC):
     kept_in_base = False
     client_batching = False
     personalized = False
+    aggregates_by_sum = False
+    needs_individual_updates = "is not declared to aggregate from the sum of the uploads (Strategy.aggregates_by_sum)"
 
     def __init__(self, **kwargs: Any):
         if kwargs:
@@ -117,6 +125,20 @@ class Strategy(abc.ABC):
                     "client_batching = True")
         if cls.after_step is not Strategy.after_step:
             return f"{cls.name} corrects every local step (after_step), which batched training does not call"
+        return None
+
+    @classmethod
+    def sum_aggregation_problem(cls) -> Optional[str]:
+        """Why this strategy cannot aggregate from the sum of the uploads alone (None when it can; see
+        :attr:`aggregates_by_sum`)."""
+        mro = cls.__mro__
+        flag_at = next(i for i, c in enumerate(mro) if "aggregates_by_sum" in c.__dict__)
+        aggregate_at = next(i for i, c in enumerate(mro) if "aggregate" in c.__dict__)
+        if not mro[flag_at].__dict__["aggregates_by_sum"]:
+            return cls.needs_individual_updates
+        if aggregate_at < flag_at:
+            return (f"changes aggregate ({mro[aggregate_at].__name__}) without declaring "
+                    "aggregates_by_sum = True")
         return None
 
     # ----- argument checking (used by recipe validation)
@@ -210,6 +232,22 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         """The new global state from the round's updates."""
+
+    def sum_weight(self, update: ClientUpdate) -> int:
+        """The integer weight a client multiplies its upload by under secure aggregation (default 1)."""
+        return 1
+
+    def summed_unweighted(self, key: str) -> bool:
+        """True for an upload key summed without the client's weight (e.g. SCAFFOLD's control-variate change)."""
+        return False
+
+    def aggregate_mean(self, rnd: int, global_state: StateDict, mean: StateDict,
+                       clients: list[ClientUpdate]) -> StateDict:
+        """The new global state from the round's mean upload alone (secure aggregation): :meth:`aggregate` with
+        every one of ``clients`` (the summed clients: ids, example counts; their states unknown) carrying
+        ``mean`` — the weighted mean upload on weighted keys, the plain mean on the others. Equal to
+        :meth:`aggregate` of the real uploads when :attr:`aggregates_by_sum` holds."""
+        return self.aggregate(rnd, global_state, [dataclasses.replace(u, state=dict(mean)) for u in clients])
 
     def after_aggregate(self, rnd: int, model: torch.nn.Module, global_state: StateDict) -> StateDict:
         """After aggregation, with the model at hand (merge into the base, re-init ...)."""

@@ -17,6 +17,7 @@ class FedAvg(Strategy):
 
     name = "fedavg"
     client_batching = True  # client side is the base's: one phase, no client hooks
+    aggregates_by_sum = True  # a weighted mean
 
     def __init__(self, weighting: str = "examples", **kwargs):
         super().__init__(**kwargs)
@@ -30,6 +31,9 @@ class FedAvg(Strategy):
     def weights(self, updates: list[ClientUpdate]) -> list[float]:
         """Aggregation weight of each update."""
         return [1.0 if self.weighting == "uniform" else float(u.num_examples) for u in updates]
+
+    def sum_weight(self, update: ClientUpdate) -> int:
+        return round(self.weights([update])[0])
 
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         return weighted_mean([u.state for u in updates], self.weights(updates))

@@ -41,6 +41,8 @@ class FedExLoRA(MergesIntoBase, FedAvg):
     """
 
     name = "fedex_lora"
+    aggregates_by_sum = False
+    needs_individual_updates = "adds Σ_k p_k·s·B_k·A_k to the base: the products of each client's own factors, not a sum of uploads"
 
     def __init__(self, weighting: str = "examples", residual: str = "auto", **kwargs):
         super().__init__(weighting=weighting, **kwargs)

@@ -77,6 +77,7 @@ class FedLoRU(FedAvg):
     """
 
     name = "fedloru"
+    aggregates_by_sum = True  # FedAvg's weighted mean (and which clients trained: their ids are public)
     kept_in_base = False  # set per run in setup: True with accumulate="merge"
 
     def __init__(self, weighting: str = "examples", tau: int = 10, reinit: str = "random", accumulate: str = "merge",

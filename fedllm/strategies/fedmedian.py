@@ -38,6 +38,8 @@ class FedMedian(Strategy):
     """
 
     name = "fedmedian"
+    aggregates_by_sum = False
+    needs_individual_updates = "takes the coordinate-wise median of the individual uploads"
     client_batching = True  # client side is the base's
 
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:

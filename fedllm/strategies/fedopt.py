@@ -34,6 +34,8 @@ class ServerOptimizer(FedAvg, abc.ABC):
         weighting: as FedAvg (``examples`` or ``uniform``).
     """
 
+    aggregates_by_sum = True  # FedAvg's weighted mean, then a step of server state from it
+
     def __init__(self, eta: float = 0.1, beta_1: float = 0.0, beta_2: float = 0.0, tau: float = 1e-3,
                  weighting: str = "examples", **kwargs):
         super().__init__(weighting=weighting, **kwargs)

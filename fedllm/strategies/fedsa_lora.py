@@ -28,6 +28,7 @@ class FedSALoRA(FedAvg):
     """
 
     name = "fedsa_lora"
+    aggregates_by_sum = True  # FedAvg's weighted mean of the shared keys
     personalized = True
 
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:

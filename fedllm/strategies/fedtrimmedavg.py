@@ -20,6 +20,8 @@ class FedTrimmedAvg(Strategy):
     """
 
     name = "fedtrimmedavg"
+    aggregates_by_sum = False
+    needs_individual_updates = "sorts each coordinate of the individual uploads to trim the extremes"
     client_batching = True
 
     def __init__(self, beta: float = 0.2, **kwargs):

@@ -26,6 +26,7 @@ class FFALoRA(FedAvg):
     """
 
     name = "ffa_lora"
+    aggregates_by_sum = True  # FedAvg's weighted mean of B
 
     def configure_client(self, rnd: int, client_id: int, global_state: StateDict) -> ClientPlan:
         sent = {k: v for k, v in global_state.items() if not is_lora_a(k)}

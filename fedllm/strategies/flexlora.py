@@ -57,6 +57,8 @@ class FlexLoRA(RankedClients, FedAvg):
     """
 
     name = "flexlora"
+    aggregates_by_sum = False
+    needs_individual_updates = "takes each client's full product s·B_k·A_k (a nonlinear function of one client's upload) and its SVD"
 
     def __init__(self, client_ranks: Any = None, rank_levels: list | None = None, weighting: str = "examples",
                  **kwargs):

@@ -49,6 +49,8 @@ class FLoRA(MergesIntoBase, RankedClients, FedAvg):
     """
 
     name = "flora"
+    aggregates_by_sum = False
+    needs_individual_updates = "stacks the clients' adapters side by side instead of summing them"
 
     def __init__(self, client_ranks: Any = None, rank_levels: list | None = None, weighting: str = "examples",
                  residual: str = "auto", **kwargs):

@@ -21,6 +21,8 @@ class Local(Strategy):
     """
 
     name = "local"
+    aggregates_by_sum = False
+    needs_individual_updates = "aggregates nothing"
     personalized = True
 
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:

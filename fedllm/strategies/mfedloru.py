@@ -73,6 +73,8 @@ class MFedLoRU(FedLoRU):
     """
 
     name = "mfedloru"
+    aggregates_by_sum = False
+    needs_individual_updates = "rebuilds each client's factors from its nested products before averaging"
 
     def __init__(self, client_ranks: Optional[list] = None, nested_scale: float = 0.5, weighting: str = "examples",
                  tau: int = 10, reinit: str = "random", accumulate: str = "merge", residual: str = "auto", **kwargs):

@@ -41,6 +41,8 @@ class MultiKrum(FedAvg):
     """
 
     name = "multikrum"
+    aggregates_by_sum = False
+    needs_individual_updates = "selects individual uploads by their Krum scores (distances between clients' updates)"
 
     def __init__(self, num_malicious_clients: int = 0, num_clients_to_select: int = 1,
                  weighting: str = "examples", **kwargs):

@@ -82,6 +82,8 @@ class PFLMF(Strategy):
     """
 
     name = "pflmf"
+    aggregates_by_sum = False
+    needs_individual_updates = "uploads gradients G_i taken at each client's private vector, not a change of the state it was sent"
     personalized = True
 
     def __init__(self, rank: int = 5, eta_u: float = 1e-2, eta_v: Union[None, float, str] = None,

@@ -39,6 +39,7 @@ class Scaffold(FedAvg):
     """
 
     name = "scaffold"
+    aggregates_by_sum = True  # a weighted mean of models and the unweighted sum of the Δc_i (summed_unweighted)
 
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
         self.num_clients = len(clients)
@@ -79,6 +80,10 @@ class Scaffold(FedAvg):
     def client_upload(self, plan: ClientPlan, trained: StateDict, steps: int) -> StateDict:
         delta = self.delta_c(plan, trained, steps)
         return {**{k: trained[k] for k in plan.state}, **{DELTA_C + k: v for k, v in delta.items()}}
+
+    def summed_unweighted(self, key: str) -> bool:
+        """``Δc_i`` is summed over the clients without their weight (``c ← c + Σ Δc_i / N``)."""
+        return key.startswith(DELTA_C)
 
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         models = [{k: v for k, v in u.state.items() if not k.startswith(DELTA_C)} for u in updates]

@@ -33,25 +33,31 @@ class SecAggParams:
     mod_bits: int = 32
     max_dropouts: int = 1
 
-    def problems(self, num_clients: int) -> list[str]:
-        """Why these parameters cannot run a round of ``num_clients`` clients (empty when they can)."""
+    def problems(self, num_clients: int) -> list[tuple[str, str]]:
+        """Why these parameters cannot run a round of ``num_clients`` clients, as ``(parameter, what it must be)``
+        (empty when they can)."""
         out = []
         k = self.effective_neighbours(num_clients)
         if num_clients < 2:
-            out.append(f"secure aggregation needs at least 2 clients per round, got {num_clients}")
+            out.append(("clients", f"at least 2 per round for secure aggregation, got {num_clients}"))
         if self.mod_bits not in (32, 64):
-            out.append(f"mod_bits must be 32 or 64, got {self.mod_bits}")
+            out.append(("mod_bits", f"32 or 64, got {self.mod_bits}"))
         if not 1 <= self.quantization_bits < self.mod_bits:
-            out.append(f"quantization_bits must be in [1, {self.mod_bits - 1}], got {self.quantization_bits}")
+            out.append(("quantization_bits", f"in [1, {self.mod_bits - 1}], got {self.quantization_bits}"))
         if not self.quantization_range > 0:
-            out.append(f"quantization_range must be positive, got {self.quantization_range}")
+            out.append(("quantization_range", f"a positive number, got {self.quantization_range}"))
         if self.max_dropouts < 0:
-            out.append(f"max_dropouts must be >= 0, got {self.max_dropouts}")
-        if not (k / 2 < self.threshold <= k - self.max_dropouts):
+            out.append(("max_dropouts", f">= 0, got {self.max_dropouts}"))
+        elif not (k / 2 < self.threshold <= k - self.max_dropouts):
             out.append(
-                f"the share threshold must be more than half the {k} neighbours of each client and at most "
-                f"neighbours - max_dropouts = {k - self.max_dropouts} (so every share can still be rebuilt "
-                f"when max_dropouts clients are lost), got {self.threshold}"
+                (
+                    "threshold",
+                    (
+                        f"more than half the {k} neighbours of each client and at most neighbours - "
+                        f"max_dropouts = {k - self.max_dropouts} (so every secret can still be rebuilt "
+                        f"when max_dropouts clients are lost), got {self.threshold}"
+                    ),
+                )
             )
         return out
 

@@ -28,7 +28,7 @@ class SecAggServer:
     def __init__(self, params: SecAggParams, client_ids: list[int], graph_seed: bytes, context: bytes):
         problems = params.problems(len(set(client_ids)))
         if problems:
-            raise SecAggError("; ".join(problems))
+            raise SecAggError("; ".join(f"{key} must be {what}" for key, what in problems))
         self.params, self.context = params, context
         self.graph = neighbour_graph(client_ids, params.neighbours, graph_seed)
         self.adverts: dict[int, KeyAdvert] = {}
