@@ -46,6 +46,12 @@ STATEFUL = {
     # DP-SGD: Poisson batches and noise seeded per (noise_seed, round, client), whichever rank trains the client
     "fedavg-dp-sgd": ("fedavg", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8,
                                                  "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5}}),
+    # secure aggregation (SecAgg+): every process runs the protocol's server steps on the exchanged messages, the
+    # masked words are gathered like updates, and the seeded quantisation makes the unmasked sum the same
+    "fedadam-secagg-dp": ("fedadam", {"eta": 1e-2}, {"privacy": {
+        "secure_aggregation": "secagg_plus", "secagg": {"max_dropouts": 0}, "mechanism": "central_client_clipping",
+        "noise_multiplier": 0.5, "clipping_norm": 0.05, "noise_seed": 3,
+        "adaptive_clipping": {"enabled": True, "count_stddev": 1}}}),
     "pflmf": ("pflmf", {"rank": 3, "eta_u": 0.5}, {"train": {"optimizer_state": "per_client"}}),
     "fedsa_lora": ("fedsa_lora", {}, {"train": {"optimizer_state": "per_client"}}),
     "flora": ("flora", {"client_ranks": [4, 1, 2, 4]}, {}),

@@ -40,6 +40,15 @@ class Dispatch:
         """The sampled clients this process trains."""
         return sampled[self.rank::self.world]
 
+    def exchange(self, items: list[Any]) -> list[Any]:
+        """Every process's ``items`` (small picklable messages), concatenated in rank order; the identity on one
+        process (secure aggregation's key, share and unmasking messages)."""
+        if self.world == 1:
+            return list(items)
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, list(items))
+        return [x for part in parts for x in part]
+
     def gather(self, updates: list[Any], down: dict[int, int],
                client_states: dict[int, dict]) -> tuple[list[Any], dict[int, int], dict[int, dict]]:
         """All processes' updates (ordered by client id), download byte counts and changed per-client states.

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fedllm.common import threads
+from fedllm.common.errors import InputError
 from fedllm.common.redact import redact
 from fedllm.common.tracking import Tracking
 from fedllm.data import FederatedData, build_federated_data, collate
@@ -30,6 +31,7 @@ from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
 from fedllm.engine.client import run_client
 from fedllm.engine.distributed import Dispatch
+from fedllm.engine.secure_rounds import SecureRound, SummedUpdate
 from fedllm.evaluation.personal import personal_stats
 from fedllm.evaluation.runner import eval_due
 from fedllm.models.loading import (
@@ -43,6 +45,7 @@ from fedllm.models.loading import (
 )
 from fedllm.models.state import StateDict, cast, num_bytes
 from fedllm.privacy import with_privacy
+from fedllm.privacy.secagg.settings import enabled as secure_aggregation
 from fedllm.recipe.schedule import derived_seed, steps_per_round
 from fedllm.recipe.schema import Recipe, dump_recipe
 from fedllm.runs import checkpoint as ckpt_io
@@ -166,22 +169,38 @@ class LocalExecutor:
         """Train the sampled clients: ``(valid updates, download bytes, {client: why it was dropped})``."""
         recipe, strategy, data = loop.recipe, loop.fed.strategy, loop.fed.data
         comm = recipe.federation.comm_dtype
-        updates, down = [], {}
+        updates, down, sent = [], {}, {}
         local = self.dispatch.local_share(sampled)
+        secure = SecureRound(loop, rnd, sampled, local, self.dispatch.exchange) \
+            if secure_aggregation(recipe.privacy) else None  # keys and shares go out before training
         for group in client_passes(local, recipe.train, [len(ix) for ix in data.clients]):
             planned = []
             for cid in group:
                 plan = strategy.configure_client(rnd, cid, loop.global_state)
                 plan.lr = lr
                 plan.state = cast(plan.state, comm)
+                sent[cid] = plan.state
                 down[cid] = strategy.download_bytes(plan, comm)
                 planned.append((plan, client_faults.expected_upload(strategy, plan, loop.model), loop.store.get(cid)))
             batched = self.train_batched(loop, rnd, planned, bar) if len(planned) > 1 else None
             updates += batched if batched is not None else [self.train_one(loop, rnd, *e, bar) for e in planned]
+        if secure is not None:  # a client uploads only its masked change; a dropped one sends nothing
+            updates = [u if isinstance(u, client_faults.DroppedUpdate) else secure.mask(u, sent[u.client_id])
+                       for u in updates]
         updates, down, changed = self.dispatch.gather(
             updates, down, {u.client_id: loop.store.get(u.client_id) for u in updates})
         loop.store.update(changed)
         updates, dropped = client_faults.split_dropped(updates)
+        if secure is not None:
+            updates, lost, loop.secure_record = secure.finish(updates)
+            for cid, why in lost.items():
+                dropped.setdefault(cid, why)  # a client that failed in training keeps that reason
+            protocol_up, protocol_down = secure.protocol_bytes()
+            loop.secure_record["protocol_bytes_up"] = {str(c): b for c, b in sorted(protocol_up.items())}
+            for u in updates:
+                u.wire_bytes += protocol_up.get(u.client_id, 0)
+            for cid, extra in protocol_down.items():
+                down[cid] = down.get(cid, 0) + extra
         for cid, why in dropped.items():
             log.warning("round %d: client %d dropped: %s", rnd, cid, why)
         return updates, down, dropped
@@ -262,6 +281,10 @@ class RoundLoop:
         self.startup: dict[str, Any] = {}  # start-up seconds and what the tokenized-data cache did (summary.json)
         self.accepted_norms: list[float] = []  # update norms of the last round (outlier reference)
         self.final_written = False  # resumed from final/ (stopped before summary.json): only the summary is left
+        self.secure_record: dict[str, Any] = {}  # the last round's secure-aggregation figures (metrics.jsonl)
+        if secure_aggregation(self.recipe.privacy) and not isinstance(self.executor, LocalExecutor):
+            raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus runs in simulation (one "
+                             f"or N processes) only; {type(self.executor).__name__} does not run it yet")
 
     # ----- persistence
     def checkpoint(self, rnd: int, directory: Path, snapshot: bool = False) -> None:
@@ -334,7 +357,10 @@ class RoundLoop:
     def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> StateDict:
         """The round's aggregation: ``aggregate`` then ``after_aggregate``; returns what ``aggregate`` gave."""
         strategy = self.fed.strategy
-        aggregated = strategy.aggregate(rnd, self.global_state, updates)
+        if updates and isinstance(updates[0], SummedUpdate):  # secure aggregation: only the round's mean is known
+            aggregated = strategy.aggregate_mean(rnd, self.global_state, updates[0].state, updates)
+        else:
+            aggregated = strategy.aggregate(rnd, self.global_state, updates)
         self.refuse_non_finite(rnd, aggregated)
         self.global_state = strategy.after_aggregate(rnd, self.model, aggregated)
         self.refuse_non_finite(rnd, self.global_state)
@@ -388,7 +414,8 @@ class RoundLoop:
                                      frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
             updates, down, dropped = self.executor.train(self, rnd, sampled, lr, bar)
-            updates = self.screen_updates(rnd, updates, dropped, before)
+            if not secure_aggregation(recipe.privacy):  # the server sees no single update to measure
+                updates = self.screen_updates(rnd, updates, dropped, before)
             if len(updates) >= fed.min_clients_per_round and not (dropped and fed.on_client_error == "fail"):
                 break
             self.store.update(before)  # nothing of this sample is kept
@@ -407,7 +434,7 @@ class RoundLoop:
         aggregated = self.aggregate(rnd, updates)
         for cid, extra in self.executor.sync(self, rnd, sampled, aggregated).items():
             down[cid] = down.get(cid, 0) + extra
-        up = {u.client_id: num_bytes(u.state, comm) for u in updates}
+        up = {u.client_id: u.wire_bytes if isinstance(u, SummedUpdate) else num_bytes(u.state, comm) for u in updates}
         record = {
             "round": rnd, "clients": sampled, "lr": lr,
             "client_loss": {str(u.client_id): u.loss for u in updates},
@@ -418,6 +445,8 @@ class RoundLoop:
             "padded_fraction": padded_fraction(updates),
         }
         record.update(strategy.round_record(rnd))
+        if secure_aggregation(recipe.privacy):
+            record["secure_aggregation"] = self.secure_record
         if dropped:
             record["dropped"] = {str(c): why for c, why in dropped.items()}
         if retries:
