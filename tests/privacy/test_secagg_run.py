@@ -139,3 +139,11 @@ def test_secagg_more_losses_than_max_dropouts_fail_the_round_loudly(tiny_recipe,
         "round 1: secure aggregation failed: 2 clients ([1, 2]) were lost after sharing their keys, more than "
         "max_dropouts=1: the round cannot complete" in caplog.text
     )
+
+
+def test_secagg_is_refused_by_an_executor_that_does_not_run_it(tiny_recipe, tmp_path):
+    """Flower's executor does not run the protocol yet: the run refuses to start rather than aggregate in the clear."""
+    from fedllm.common.errors import InputError
+
+    with pytest.raises(InputError, match="secagg_plus runs in simulation .* object does not run it yet"):
+        run(recipe(tiny_recipe, tmp_path, "flower", SECAGG), executor=object())
