@@ -45,6 +45,7 @@ from fedllm.models.loading import (
 )
 from fedllm.models.state import StateDict, cast, num_bytes
 from fedllm.privacy import with_privacy
+from fedllm.privacy.secagg import SecAggError
 from fedllm.privacy.secagg.settings import enabled as secure_aggregation
 from fedllm.recipe.schedule import derived_seed, steps_per_round
 from fedllm.recipe.schema import Recipe, dump_recipe
@@ -171,8 +172,13 @@ class LocalExecutor:
         comm = recipe.federation.comm_dtype
         updates, down, sent = [], {}, {}
         local = self.dispatch.local_share(sampled)
-        secure = SecureRound(loop, rnd, sampled, local, self.dispatch.exchange) \
-            if secure_aggregation(recipe.privacy) else None  # keys and shares go out before training
+        secure = None
+        if secure_aggregation(recipe.privacy):  # keys and shares go out before training
+            try:
+                secure = SecureRound(loop, rnd, sampled, local, self.dispatch.exchange)
+            except SecAggError as e:  # e.g. a retried sample too small for the threshold: this sample fails
+                log.warning("round %d: secure aggregation cannot start: %s", rnd, e)
+                return [], {}, {cid: f"secure aggregation cannot start: {e}" for cid in sampled}
         for group in client_passes(local, recipe.train, [len(ix) for ix in data.clients]):
             planned = []
             for cid in group:
@@ -285,6 +291,13 @@ class RoundLoop:
         if secure_aggregation(self.recipe.privacy) and not isinstance(self.executor, LocalExecutor):
             raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus runs in simulation (one "
                              f"or N processes) only; {type(self.executor).__name__} does not run it yet")
+        if secure_aggregation(self.recipe.privacy):
+            from fedllm.common.registry import strategies
+
+            why = strategies.get(self.recipe.federation.strategy).sum_aggregation_problem()
+            if why:  # recipe load refuses it too; a strategy object built otherwise is checked here
+                raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus needs a strategy "
+                                 f"that aggregates from the sum of the uploads; {self.recipe.federation.strategy} {why}")
 
     # ----- persistence
     def checkpoint(self, rnd: int, directory: Path, snapshot: bool = False) -> None:

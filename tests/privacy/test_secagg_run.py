@@ -147,3 +147,31 @@ def test_secagg_is_refused_by_an_executor_that_does_not_run_it(tiny_recipe, tmp_
 
     with pytest.raises(InputError, match="secagg_plus runs in simulation .* object does not run it yet"):
         run(recipe(tiny_recipe, tmp_path, "flower", SECAGG), executor=object())
+
+
+def test_secagg_a_retried_sample_too_small_for_the_threshold_fails_that_sample(
+    tiny_recipe, tmp_path, monkeypatch, caplog
+):
+    """Two of 4 clients lost (more than max_dropouts=1) fail the first sample; the retry draws from the one client
+    left (of 5), too few for the protocol: that sample fails too (no crash) and the run stops with a checkpoint."""
+    from fedllm.engine import server
+
+    original = server.run_client
+
+    def crash(model, plan, *args, **kwargs):
+        if plan.client_id in (0, 1):
+            raise RuntimeError("node killed")
+        return original(model, plan, *args, **kwargs)
+
+    monkeypatch.setattr(server, "run_client", crash)
+    monkeypatch.setattr(
+        server,
+        "sample_clients",
+        lambda seed, rnd, n, k, attempt=0, exclude=frozenset(): (
+            [0, 1, 2, 3] if not attempt else [c for c in range(n) if c not in exclude][:k]
+        ),
+    )
+    with pytest.raises(RoundStopped, match="in each of 2 samples"):
+        run(recipe(tiny_recipe, tmp_path, "retry", SECAGG, num_clients=5, round_retries=1))
+    assert "secure aggregation failed: 2 clients ([0, 1])" in caplog.text
+    assert "round 1: secure aggregation cannot start: clients must be at least 2 per round" in caplog.text
