@@ -10,6 +10,7 @@ of fedllm but its errors.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -28,7 +29,8 @@ def doc(default: Any, text: str) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": text})
     if dataclasses.is_dataclass(default):
-        return field(default_factory=lambda d=default: dataclasses.replace(d), metadata={"doc": text})
+        # a deep copy: a recipe's nested sections (privacy.adaptive_clipping ...) must not share the template's
+        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata={"doc": text})
     return field(default=default, metadata={"doc": text})
 
 

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from strategy_helpers import make_strategy, tiny, unit_recipe
+from strategy_helpers import make_strategy, tiny
 
 from fedllm.common.errors import InputError
 from fedllm.common.registry import strategies
@@ -120,14 +120,21 @@ def test_secagg_a_sum_strategy_aggregates_the_same_from_the_mean_upload(name):
 def test_secagg_client_clipping_dp_aggregates_the_same_from_the_mean_upload():
     """central_client_clipping with adaptive clipping around FedAdam: the unclipped bits are summed unweighted, the
     noise is added to the sum (a fixed noise seed makes both paths draw the same noise)."""
-    recipe = unit_recipe(num_clients=4, clients_per_round=4, strategy="fedadam")
-    recipe.privacy.mechanism, recipe.privacy.noise_multiplier, recipe.privacy.noise_seed = (
-        "central_client_clipping",
-        0.8,
-        7,
+    privacy = {
+        "mechanism": "central_client_clipping",
+        "noise_multiplier": 0.8,
+        "noise_seed": 7,
+        "clipping_norm": 0.5,
+        "adaptive_clipping": {"enabled": True, "count_stddev": 1.0},
+    }
+    recipe = parse_recipe(
+        {
+            "data": {"path": "unused.jsonl"},
+            "train": {"local_steps": 1},
+            "privacy": privacy,
+            "federation": {"num_clients": 4, "clients_per_round": 4, "strategy": "fedadam"},
+        }
     )
-    recipe.privacy.clipping_norm = 0.5
-    recipe.privacy.adaptive_clipping.enabled, recipe.privacy.adaptive_clipping.count_stddev = True, 1.0
     model = tiny().model
     strategy = with_privacy(make_strategy("fedadam", model, num_clients=4, recipe=recipe), recipe)
     assert strategy.sum_weight(ClientUpdate(0, {}, 9, 0.0, 1)) == 1  # DP's mean is uniform
