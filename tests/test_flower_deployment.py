@@ -15,6 +15,7 @@ submitted at once by its first test; each test then waits on its own.
 node's restart.) Bounded: every process has a deadline and is stopped with its process group at the end.
 """
 
+import json
 import os
 import signal
 
@@ -89,7 +90,12 @@ def test_flower_deployment_with_workers_matches_the_simulation(runs, deployment,
     wait_until(lambda: not zombies(link), 30, "finished ServerApp children collected")
     for name, sim_dir in sims.items():
         flower_dir = runs[name].out
-        assert_matches(sim_dir, flower_dir, ["adapter", "base"] if name == "frlora" else ["adapter"], name)
+        # every fedllm process of the deployment applies the thread policy (here: the tests' OMP_NUM_THREADS=1, as
+        # in this process): FedAvg and FRLoRA equal the simulation bit for bit
+        assert_matches(sim_dir, flower_dir, ["adapter", "base"] if name == "frlora" else ["adapter"], name,
+                       exact=name in ("fedavg", "frlora"))
+        policy = json.loads((flower_dir / "summary.json").read_text())["threads"]
+        assert (policy["source"], policy["threads"], policy["torch_threads"]) == ("OMP_NUM_THREADS", 1, 1), policy
         assert not (flower_dir / "final" / "clients.safetensors").exists()  # per-client state stays on the nodes
     want_base = load_file(str(sims["frlora"] / "final" / "base.safetensors"))
     for state in deployment.states.values():  # both nodes, participating or not, end with the server's base W^T
@@ -101,6 +107,7 @@ def test_flower_deployment_with_workers_matches_the_simulation(runs, deployment,
         assert node_base.keys() == want_base.keys()
         assert max(float((want_base[k] - node_base[k]).abs().max()) for k in want_base) <= 1e-6
     for cid, log in deployment.logs.items():  # each worker built each run's federation once, whatever the messages
+        assert "fedllm worker: CPU threads 1 (OMP_NUM_THREADS)" in log.read_text(errors="replace")
         text = log.read_text(errors="replace")[runs["offsets"].get(cid, 0):]
         built = [line.split(" of run ")[1].split()[0] for line in text.splitlines()
                  if "fedllm worker: built the federation of run" in line]

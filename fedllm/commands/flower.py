@@ -67,8 +67,10 @@ def node_keys_dir(args: argparse.Namespace) -> Path | None:
 
 
 def superlink_command(args: argparse.Namespace, secret: Path) -> list[str]:
-    """The ``flower-superlink`` command line for ``fedllm flower superlink``."""
-    cmd = [processes.tool("flower-superlink"), "--host", args.host, "--port", str(args.port),
+    """The ``flower-superlink`` command line for ``fedllm flower superlink``: Flower's SuperLink behind fedllm's
+    guard (:mod:`fedllm.flower.superlink`: Control and Runtime APIs for this machine only, files mode 0600)."""
+    processes.tool("flower-superlink")  # Flower is installed (else: how to install it)
+    cmd = [sys.executable, "-m", "fedllm.flower.superlink", "--host", args.host, "--port", str(args.port),
            "--disable-runtime-dependency-installation", "--isolation", "process",
            "--superexec-auth-secret-file", str(secret)]
     certs = _certificates(args.certificates)

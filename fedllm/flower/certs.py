@@ -87,7 +87,8 @@ def write_certificates(directory: Path, hosts: list[str], days: int = 365, clien
     files["ca"].write_bytes(ca.public_bytes(pem))
     files["cert"].write_bytes(cert.public_bytes(pem))
     for path, k in ((files["ca_key"], ca_key), (files["key"], key)):
-        path.write_bytes(k.private_bytes(**private))
+        path.touch(mode=0o600)  # private from its creation, not after the write
         path.chmod(0o600)
+        path.write_bytes(k.private_bytes(**private))
     files.update(write_node_keys(directory / "nodes", clients))
     return files

@@ -373,6 +373,20 @@ def configure_logging() -> None:
         logs.quiet_third_party()
 
 
+def apply_thread_policy(side: str) -> None:
+    """fedllm's CPU thread policy (:mod:`fedllm.common.threads`), applied before torch loads, as ``fedllm train``
+    applies it: the thread count (``FEDLLM_THREADS`` > a user's ``OMP_NUM_THREADS`` > the usable cores) and
+    ``OMP_WAIT_POLICY=PASSIVE`` when the machine is busy. Every ServerApp forked from this runner and every message
+    the worker answers inherit it; a recipe's ``train.threads`` then sets the count when its federation is built
+    (the ServerApp: ``fedllm.engine.server.run``; the worker: :class:`fedllm.flower.node.Node`)."""
+    from fedllm.common import threads
+
+    policy = threads.apply()
+    log.info("fedllm %s: CPU threads %d (%s); OpenMP wait: %s (%s)", "ServerApp runner" if side == "serverapps"
+             else "worker", policy.threads, policy.source,
+             " ".join(f"{k}={v}" for k, v in policy.wait.items()) or "default", policy.wait_source)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m fedllm.flower.runtime serverapps|clientapps --runtime-api-address A --secret-file F``."""
     import argparse
@@ -388,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm-runs", type=int, default=2, help="runs whose federation stays in memory (clientapps)")
     args = parser.parse_args(argv)
     configure_logging()
+    apply_thread_policy(args.side)
     secret = Path(args.secret_file).read_bytes()
     if args.side == "serverapps":
         serve_serverapps(args.runtime_api_address, secret, args.root_certificates, args.node_keys)

@@ -61,3 +61,8 @@ def test_the_flower_runtime_filters_third_party_noise_as_the_cli_does():
                           env={k: v for k, v in os.environ.items() if k != "FEDLLM_LOG"})
     assert done.returncode == 0, done.stderr
     assert "from fedllm" in done.stderr and "inside transformers" not in done.stderr
+
+
+def test_flower_security_the_superlink_runs_behind_fedllms_guard(tmp_path):
+    cmd = superlink_command(parse("superlink", "--insecure"), tmp_path / "secret")
+    assert cmd[:3] == [sys.executable, "-m", "fedllm.flower.superlink"]
