@@ -74,9 +74,8 @@ class OperatorOnly:
 
 def install_guard() -> None:
     """Put :class:`OperatorOnly` first in the middleware Flower's SuperLink app is built with."""
-    from starlette.middleware import Middleware
-
     from flwr.superlink import extensions
+    from starlette.middleware import Middleware
 
     flower_own = extensions.get_middleware
     extensions.get_middleware = lambda: (Middleware(OperatorOnly), *flower_own())
