@@ -188,8 +188,9 @@ class Deployment:
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         write_flwr_home(root / "flwr-home", self.address, self.certs / "ca.crt")
+        self.runs_dir = root.parent  # the session's temporary directory: every test's runs write inside it
         self.procs = [start(["flower", "superlink", "--certificates", str(self.certs), "--host", "127.0.0.1",
-                             "--port", str(port)], root / "superlink.log", self.env)]
+                             "--port", str(port), "--runs-dir", str(self.runs_dir)], root / "superlink.log", self.env)]
         self.nodes: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, Path] = {}  # client -> log of the SuperNode serving it now
         self.states = {cid: root / f"node{cid}" for cid in range(2)}
@@ -222,9 +223,10 @@ class Deployment:
         self.nodes[cid] = self.node(cid, name, self.states[cid], "--warm-runs", "4")
         self.logs[cid] = self.root / f"{name}.log"
 
-    def submit(self, name: str, raw: dict, where: Path, *options: str) -> Run:
-        """``fedllm flower run`` of ``raw`` (output in ``where/flower-NAME``, log ``where/run-NAME.log``)."""
-        out = where / f"flower-{name}"
+    def submit(self, name: str, raw: dict, where: Path, *options: str, out: Path | None = None) -> Run:
+        """``fedllm flower run`` of ``raw`` (output in ``out``, default ``where/flower-NAME``; log
+        ``where/run-NAME.log``)."""
+        out = out or where / f"flower-{name}"
         path = where / f"{name}.yaml"
         path.write_text(yaml.safe_dump({**raw, "output_dir": str(out)}))
         log = where / f"run-{name}.log"

@@ -66,3 +66,47 @@ def test_the_flower_runtime_filters_third_party_noise_as_the_cli_does():
 def test_flower_security_the_superlink_runs_behind_fedllms_guard(tmp_path):
     cmd = superlink_command(parse("superlink", "--insecure"), tmp_path / "secret")
     assert cmd[:3] == [sys.executable, "-m", "fedllm.flower.superlink"]
+
+
+def test_flower_run_whose_superlink_died_says_how_to_restart_and_resume(tmp_path, capsys):
+    """``flwr ls`` fails and nothing answers at the SuperLink's address any more: ``fedllm flower run`` says so at
+    once (not after its two-minute wait) and prints the commands that continue the run."""
+    from fedllm.commands.flower import _outcome
+
+    fake_flwr = tmp_path / "flwr"
+    fake_flwr.write_text("#!/bin/sh\necho '{\"success\": false, \"error-message\": \"connection refused\"}'\n")
+    fake_flwr.chmod(0o755)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    args = parse("run", "recipes/quickstart/smollm2-arith.yaml", "train.lr=0.01", "--superlink", dead,
+                 "--root-certificates", "certs/ca.crt")
+    assert _outcome(str(fake_flwr), "42", dict(os.environ), args, wait_s=600) == 1
+    err = capsys.readouterr().err
+    assert f"the SuperLink at {dead} stopped answering before run 42 finished" in err
+    assert "--database FILE" in err
+    assert (f"fedllm flower run recipes/quickstart/smollm2-arith.yaml train.lr=0.01 --superlink {dead} "
+            "--root-certificates certs/ca.crt --resume") in err
+    assert "traceback" not in err
+
+
+def test_flower_security_certs_write_the_operator_key_and_superlink_requires_it(tmp_path, capsys):
+    from fedllm.commands.flower import _certs, operator_public_key
+
+    certs = tmp_path / "certs"
+    assert _certs(parse("certs", str(certs), "--host", "127.0.0.1")) == 0
+    assert oct((certs / "operator.key").stat().st_mode & 0o777) == "0o600"
+    assert oct((certs / "ca.key").stat().st_mode & 0o777) == "0o600"
+    assert operator_public_key(parse("superlink", "--certificates", str(certs))) == certs / "operator.pub"
+    (certs / "operator.pub").unlink()
+    (certs / "operator.key").unlink()  # a directory made before the operator key existed
+    with pytest.raises(InputError, match=rf"no {certs}/operator.pub: runs must be signed by the operator; create the "
+                                         rf"key pair with fedllm flower certs {certs} --operator-only"):
+        operator_public_key(parse("superlink", "--certificates", str(certs)))
+    assert _certs(parse("certs", str(certs), "--operator-only")) == 0
+    assert (certs / "operator.pub").is_file()
+    with pytest.raises(InputError, match="already exist"):
+        _certs(parse("certs", str(certs), "--operator-only"))
+    with pytest.raises(InputError, match="give --host NAME"):
+        _certs(parse("certs", str(tmp_path / "other")))
+    assert operator_public_key(parse("superlink", "--insecure")) is None
