@@ -163,24 +163,41 @@ def test_kill_9_of_flower_supernode_leaves_no_process_behind(deployment, tmp_pat
         stop(node)
 
 
-def test_kill_of_flower_superlink_frees_its_ports_for_a_restart(tmp_path):
+def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin(tmp_path):
     """``kill PID`` (SIGTERM to the command alone) of ``fedllm flower superlink`` stops Flower's SuperLink and
     fedllm's ServerApp runner with it: no process survives, and a new SuperLink starts on the same port (before,
-    the orphans kept the port and the restart failed with "address already in use")."""
+    the orphans kept the port and the restart failed with "address already in use"). A SuperNode connected to the
+    first one survives the restart: Flower's SuperNode exits (the new SuperLink does not know its session) and
+    ``fedllm flower supernode`` starts it again until it joins the new SuperLink."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr")}
-    for attempt in ("first", "restart"):
-        link = start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port)],
-                     tmp_path / f"{attempt}.log", env)
-        try:
-            wait_until(lambda: port_open(port) and any("fedllm.flower.runtime serverapps" in cmdline(p)
-                                                      for p in children(link.pid)), 120,
-                       f"{attempt} SuperLink and its ServerApp runner", tmp_path / f"{attempt}.log")
-            family = children(link.pid)
-            os.kill(link.pid, signal.SIGTERM)  # the command alone, not its process group
-            link.wait(timeout=60)
-            wait_until(lambda: not [p for p in family if os.path.exists(f"/proc/{p}")], 30,
-                       f"every child of fedllm flower superlink gone ({family})")
-            assert not port_open(port)
-        finally:
-            stop(link)
+    node = None
+    try:
+        for attempt in ("first", "restart"):
+            link = start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port)],
+                         tmp_path / f"{attempt}.log", env)
+            try:
+                wait_until(lambda: port_open(port) and any("fedllm.flower.runtime serverapps" in cmdline(p)
+                                                          for p in children(link.pid)), 120,  # noqa: B023
+                           f"{attempt} SuperLink and its ServerApp runner", tmp_path / f"{attempt}.log")
+                if node is None:
+                    node = start(["flower", "supernode", "--superlink", f"127.0.0.1:{port}", "--client", "0",
+                                  "--insecure", "--state-dir", str(tmp_path / "state")], tmp_path / "node.log", env)
+                joined = attempt == "first" and 1 or 2
+                wait_until(lambda: (tmp_path / "node.log").read_text().count("SuperNode ID: ") >= joined,  # noqa: B023
+                           240, f"the SuperNode joined the {attempt} SuperLink", tmp_path / "node.log")
+                if attempt == "restart":
+                    assert "node left the federation: Flower's SuperNode ended with code" in \
+                        (tmp_path / "node.log").read_text()
+                    break
+                family = children(link.pid)
+                os.kill(link.pid, signal.SIGTERM)  # the command alone, not its process group
+                link.wait(timeout=60)
+                wait_until(lambda: not [p for p in family if os.path.exists(f"/proc/{p}")], 30,  # noqa: B023
+                           f"every child of fedllm flower superlink gone ({family})")
+                assert not port_open(port)
+            finally:
+                stop(link)
+    finally:
+        if node is not None:
+            stop(node)

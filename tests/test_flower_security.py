@@ -247,7 +247,7 @@ def test_flower_security_second_claim_refused_and_restarted_node_rejoins(started
     history = history_of(run_)
     assert [h["clients"] for h in history] == [[0, 1, 2]] * 3 and all("dropped" not in h for h in history)
     assert logged(deployment.logs[1], "SuperNode ID")  # the restarted node
-    assert logged(deployment.logs[1], "still counts as online until its heartbeats time out")
+    assert logged(deployment.logs[1], "its previous session (killed without signing off?) still counts as online")
     assert_matches(sim, run_.out, ["adapter"], "scaffold with a restarted node")
 
 

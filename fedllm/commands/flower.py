@@ -252,10 +252,42 @@ def operator_public_key(args: argparse.Namespace) -> Path | None:
     return pub
 
 
+PRIVATE_PREFIX = "fedllm-superlink-"
+PRIVATE_FILES = {"superexec.secret", "owner.pid", "nonces"}
+"""What ``fedllm flower superlink`` keeps in its private temporary directory (and nothing else)."""
+
+
+def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
+    """Delete the private directories of earlier ``fedllm flower superlink`` commands that were killed (``kill -9``
+    leaves them, with a stale secret): only ours (prefix, owner, nothing but :data:`PRIVATE_FILES`) whose command
+    is gone. Returns what was deleted."""
+    import os
+    import shutil
+
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(PRIVATE_PREFIX + "*"):
+        try:
+            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+                continue
+            names = {p.name for p in path.iterdir()}
+            pid = int((path / "owner.pid").read_text().strip())
+        except (OSError, ValueError):
+            continue  # not one of ours, or still being written
+        if names <= PRIVATE_FILES and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _superlink(args: argparse.Namespace) -> int:
+    import os
+
     from fedllm.flower.runtime import write_secret
 
-    with tempfile.TemporaryDirectory(prefix="fedllm-superlink-") as private:
+    for stale in remove_stale_private_dirs():
+        print(f"fedllm flower superlink: removed {stale}, left by a SuperLink that was killed", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix=PRIVATE_PREFIX) as private:
+        (Path(private) / "owner.pid").write_text(f"{os.getpid()}\n")
         secret = write_secret(Path(private) / "superexec.secret")
         cmd = superlink_command(args, secret)
         nodes = node_keys_dir(args)
@@ -298,12 +330,12 @@ class ActivationWatch:
 
     def __init__(self, marker: Path):
         self.marker = marker  # exists once this node's key was activated at least once (state directory)
-        self.refused = False
+        self.refused = self.activated = False
 
     def start(self, cmd: list[str]) -> subprocess.Popen:
         import threading
 
-        self.refused = False
+        self.refused = self.activated = False
         proc = processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                                bufsize=1)
 
@@ -311,7 +343,8 @@ class ActivationWatch:
             for line in proc.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
-                if ACTIVATED in line and not self.marker.exists():
+                if ACTIVATED in line:
+                    self.activated = True
                     self.marker.touch()
                 self.refused = self.refused or ACTIVATION_REFUSED in line
 
@@ -346,16 +379,22 @@ def _supernode(args: argparse.Namespace) -> int:
     delays = rejoin_delays()
     while True:
         rc = processes.supervise(lambda: watch.start(cmd), helpers)
-        if rc == 0 or rc >= 128 or not (watch.refused and watch.marker.exists()):
-            return rc  # a key that never joined (unknown to the SuperLink) is not retried
+        if rc >= 128 or not watch.marker.exists():  # stopped by a signal to this command; or a key that never
+            return rc  # joined (unknown to the SuperLink): not retried
+        # Flower's SuperNode ended by itself: refused activation (exit 1), or told by the SuperLink that its session
+        # is unknown (a restarted SuperLink answers its heartbeat with 401, and it exits "gracefully", code 0)
+        if watch.activated:  # it was serving: a new outage (a SuperLink restart), with a new allowance
+            delays = rejoin_delays()
         delay = next(delays, None)
         if delay is None:
-            print(f"fedllm flower supernode: the SuperLink still refuses client {args.client}'s node after "
+            print(f"fedllm flower supernode: client {args.client}'s node could not rejoin the SuperLink within "
                   f"{REJOIN_S:.0f} s; giving up", file=sys.stderr, flush=True)
             return rc
-        print(f"fedllm flower supernode: the SuperLink refused to activate client {args.client}'s node: its previous "
-              "session (killed without signing off?) still counts as online until its heartbeats time out (Flower: "
-              f"2 x 30 s); retrying in {delay:.0f} s (for up to {REJOIN_S:.0f} s in all)", file=sys.stderr, flush=True)
+        why = ("the SuperLink refused to activate it: its previous session (killed without signing off?) still counts "
+               "as online until its heartbeats time out (Flower: 2 x 30 s)" if watch.refused else
+               f"Flower's SuperNode ended with code {rc} (the SuperLink restarted, or is unreachable)")
+        print(f"fedllm flower supernode: client {args.client}'s node left the federation: {why}; rejoining in "
+              f"{delay:.0f} s (retrying for up to {REJOIN_S:.0f} s)", file=sys.stderr, flush=True)
         time.sleep(delay)
 
 

@@ -386,6 +386,9 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
             if reply is not None and context is not None:
                 push_message(client, reply, context)
             push_task_output(client=client, context=context, sub_status=status, details=details)
+        except Exception as e:  # noqa: BLE001 — the run was stopped (or the SuperNode restarted) meanwhile: the
+            log.warning("could not hand back the reply to message %s (its run stopped, or the SuperNode restarted): "
+                        "%s", message.metadata.message_id if message is not None else "?", e)  # worker goes on
         finally:
             if journal is not None:
                 journal.unlink(missing_ok=True)

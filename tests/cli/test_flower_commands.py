@@ -110,3 +110,24 @@ def test_flower_security_certs_write_the_operator_key_and_superlink_requires_it(
     with pytest.raises(InputError, match="give --host NAME"):
         _certs(parse("certs", str(tmp_path / "other")))
     assert operator_public_key(parse("superlink", "--insecure")) is None
+
+
+def test_a_killed_superlinks_private_directory_is_removed_at_the_next_start(tmp_path):
+    """``kill -9`` of ``fedllm flower superlink`` leaves its private directory (a stale secret); the next start
+    deletes such directories, and only them: not one whose command runs, not one holding anything else."""
+    from fedllm.commands.flower import remove_stale_private_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    dirs = {}
+    for name, pid, extra in (("stale", gone.pid, None), ("live", os.getpid(), None), ("foreign", gone.pid, "notes.txt")):
+        d = dirs[name] = tmp_path / f"fedllm-superlink-{name}"
+        d.mkdir()
+        (d / "owner.pid").write_text(f"{pid}\n")
+        (d / "superexec.secret").write_bytes(b"x" * 32)
+        if extra:
+            (d / extra).write_text("not fedllm's")
+    (tmp_path / "fedllm-superlink-nopid").mkdir()
+    assert remove_stale_private_dirs(tmp_path) == [dirs["stale"]]
+    assert not dirs["stale"].exists() and dirs["live"].is_dir() and dirs["foreign"].is_dir()
+    assert (tmp_path / "fedllm-superlink-nopid").is_dir()
