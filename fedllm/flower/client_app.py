@@ -22,10 +22,16 @@ app = ClientApp()
 
 @app.query("fedllm")
 def info(msg: Message, context: Context) -> Message:
-    """Tell the server which client this node serves; echo the size and sum of a transport probe."""
+    """Tell the server which client this node serves; echo the size and sum of a transport probe. A node worker
+    starts building the run's federation now (the query announces the run), so the node's first train message
+    finds it built."""
     from fedllm.flower.node import NodeConfig
+    from fedllm.flower.worker_cache import prepare_node
 
     node = NodeConfig.parse(dict(context.node_config))
+    cfg = msg.content.config_records.get("fedllm")
+    if cfg is not None and cfg.get("recipe"):
+        prepare_node(node, str(cfg["recipe"]), str(cfg["token"]))
     reply = {"client_id": node.client_id, "probe_bytes": 0, "probe_sum": 0.0}
     if "probe" in msg.content.array_records:
         arrays = msg.content.array_records["probe"]

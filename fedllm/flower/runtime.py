@@ -394,6 +394,7 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
                 journal.unlink(missing_ok=True)
             heartbeat.stop()
             client.close()
+            cache.build_prepared()  # a run the server's query just announced: built now, before its first message
 
 
 def configure_logging() -> None:
