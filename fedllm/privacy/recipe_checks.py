@@ -28,6 +28,7 @@ REFUSED = {
     "pflmf": "uploads gradients taken at each client's private vector, not a change of the sent state",
     "local": "aggregates nothing",
     "fedmedian": _ROBUST, "fedtrimmedavg": _ROBUST, "krum": _ROBUST, "multikrum": _ROBUST, "bulyan": _ROBUST,
+    "bulyan_multikrum": _ROBUST,
 }
 
 DP_SGD_REFUSED = {
