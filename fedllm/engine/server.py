@@ -281,7 +281,8 @@ class RoundLoop:
         """Continue from a checkpoint: global state, strategy, base weights, per-client state, metrics."""
         ck = ckpt_io.load_checkpoint(directory)
         ckpt_io.restore_into(self.model, self.fed.strategy, ck)
-        self.global_state = ck.adapter
+        order = [k for k in self.fed.global_keys if k in ck.adapter]  # the model's order, as a fresh run reads it:
+        self.global_state = {**{k: ck.adapter[k] for k in order}, **ck.adapter}  # DP noise is drawn key by key
         self.store = ckpt_io.client_store(ck)
         self.start_round = ck.round
         self.executor.load_state(ck.meta.get("executor", {}))
@@ -384,8 +385,8 @@ class RoundLoop:
         if why:
             self.stop(rnd, why)
         for attempt in range(fed.round_retries + 1):
-            sampled = sample_clients(recipe.seed, rnd, fed.num_clients, recipe.sampled_per_round(), attempt,
-                                     frozenset(failed))
+            sampled = sample_clients(strategy.sampling_seed(recipe.seed), rnd, fed.num_clients,
+                                     recipe.sampled_per_round(), attempt, frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
             updates, down, dropped = self.executor.train(self, rnd, sampled, lr, bar)
             updates = self.screen_updates(rnd, updates, dropped, before)

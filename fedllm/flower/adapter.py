@@ -119,7 +119,7 @@ class FedllmStrategy(FlowerStrategy):
 
         recipe = self.loop.recipe
         sampled = config["sampled"] if "sampled" in config else sample_clients(
-            recipe.seed, server_round, recipe.federation.num_clients, recipe.sampled_per_round())
+            self.strategy.sampling_seed(recipe.seed), server_round, recipe.federation.num_clients, recipe.sampled_per_round())
         lr = float(config["lr"]) if "lr" in config else round_lr(recipe, server_round)
         messages = []
         self.bytes_down, self.expected, self.sent = {}, {}, {}

@@ -234,6 +234,12 @@ class Strategy(abc.ABC):
         """
         return {}
 
+    def sampling_seed(self, seed: int) -> int:
+        """The seed each round's client sample is drawn from (``fedllm.engine.server.sample_clients``), given the
+        recipe's ``seed``: that seed itself; client-level DP replaces it with a secret one (its ε assumes nobody
+        outside the server can tell which clients were sampled)."""
+        return seed
+
     def round_problem(self, rnd: int) -> Optional[str]:
         """Why round ``rnd`` must not run (the run then stops with a checkpoint of the round before), or None
         (e.g. a privacy budget that the round would exceed)."""
