@@ -357,7 +357,7 @@ class RoundLoop:
         fed = self.recipe.federation
         norms = {u.client_id: client_faults.update_norm(u.state, self.global_state) for u in updates}
         outliers = client_faults.norm_outliers(norms, fed.max_update_norm, fed.update_outlier_factor,
-                                               self.accepted_norms)
+                                               self.accepted_norms, self.fed.strategy.outlier_scale())
         for cid, why in outliers.items():
             log.warning("round %d: client %d dropped: %s", rnd, cid, why)
             self.store.put(cid, before[cid])
@@ -384,7 +384,8 @@ class RoundLoop:
         why = strategy.round_problem(rnd)
         if why:
             self.stop(rnd, why)
-        for attempt in range(fed.round_retries + 1):
+        retries_allowed = fed.round_retries if strategy.resample_on_drops else 0  # not under client-level DP
+        for attempt in range(retries_allowed + 1):
             sampled = sample_clients(strategy.sampling_seed(recipe.seed), rnd, fed.num_clients,
                                      recipe.sampled_per_round(), attempt, frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
@@ -401,10 +402,11 @@ class RoundLoop:
                             "bytes_down_total": sum(down.values())})
             log.warning("round %d: %d valid update(s) of %d, fewer than federation.min_clients_per_round=%d%s",
                         rnd, len(updates), len(sampled), fed.min_clients_per_round,
-                        "; trying a fresh sample" if attempt < fed.round_retries else "")
+                        "; trying a fresh sample" if attempt < retries_allowed else "")
         else:
             self.stop(rnd, f"fewer than federation.min_clients_per_round={fed.min_clients_per_round} valid updates "
-                           f"in each of {fed.round_retries + 1} samples")
+                           + (f"in each of {retries_allowed + 1} samples" if strategy.resample_on_drops else
+                              "(not retried under client-level DP: which clients failed would pick a second sample)"))
         aggregated = self.aggregate(rnd, updates)
         for cid, extra in self.executor.sync(self, rnd, sampled, aggregated).items():
             down[cid] = down.get(cid, 0) + extra

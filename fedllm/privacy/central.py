@@ -108,6 +108,13 @@ class ClientLevelDP:
         self.sample_seed: Optional[int] = None  # drawn on the first sample (sampling_seed)
         self.last: dict[str, Any] = {}
 
+    resample_on_drops = False  # a retry's sample would depend on which clients failed: not a noised release
+
+    def outlier_scale(self) -> Optional[float]:
+        """The outlier screen bounds each update by ``update_outlier_factor`` × the current clipping norm (set by the
+        recipe or by earlier noised releases): whether a client is summed depends on its own update alone."""
+        return self.clipping_norm
+
     def sampling_seed(self, seed: int) -> int:
         """The secret seed of the client samples, drawn from the OS once per run (the same on every process of a
         multi-process run); derived from ``privacy.noise_seed`` when that is set (experiments: reproducible, and

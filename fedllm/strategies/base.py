@@ -234,6 +234,17 @@ class Strategy(abc.ABC):
         """
         return {}
 
+    resample_on_drops = True
+    """Whether a round with too few valid updates may be tried again with a fresh sample
+    (``federation.round_retries``); not under client-level DP, where which clients failed would pick the second
+    sample."""
+
+    def outlier_scale(self) -> Optional[float]:
+        """A data-independent norm that ``federation.update_outlier_factor`` multiplies to bound each update's norm
+        (client-level DP: the clipping norm), or None: the median of the round's other updates (and the previous
+        round's accepted ones), which lets one client's data decide whether another's update is summed."""
+        return None
+
     def sampling_seed(self, seed: int) -> int:
         """The seed each round's client sample is drawn from (``fedllm.engine.server.sample_clients``), given the
         recipe's ``seed``: that seed itself; client-level DP replaces it with a secret one (its ε assumes nobody
