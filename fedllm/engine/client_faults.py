@@ -63,7 +63,7 @@ def expected_upload(strategy: Strategy, plan: ClientPlan, model: torch.nn.Module
 
 def update_problem(update: ClientUpdate, expected: Optional[Layout]) -> Optional[str]:
     """Why ``update`` must not be aggregated, or None when it is valid."""
-    if not isinstance(update.loss, (int, float)) or not math.isfinite(update.loss):
+    if update.loss is not None and (not isinstance(update.loss, (int, float)) or not math.isfinite(update.loss)):
         return f"non-finite training loss ({update.loss})"
     if expected is not None:
         got = layout(update.state)
@@ -128,6 +128,12 @@ def describe(exc: BaseException) -> str:
     """One line naming an exception a client raised."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"raised {type(exc).__name__}" + (f": {text}" if text else "")
+
+
+def steps_seen(updates: list[Any]) -> dict[int, int]:
+    """``{client: local steps}`` of every upload that reached the server, valid or dropped (a dropped one that
+    raised before uploading has none)."""
+    return {u.client_id: int(u.steps) for u in updates if u.steps}
 
 
 def split_dropped(updates: list[Any]) -> tuple[list[ClientUpdate], dict[int, str]]:
