@@ -389,6 +389,9 @@ class RoundLoop:
             self.stop(rnd, why)
         retries_allowed = fed.round_retries if strategy.resample_on_drops else 0  # not under client-level DP
         for attempt in range(retries_allowed + 1):
+            why = strategy.round_problem(rnd) if attempt else None  # the discarded sample's uploads spent budget
+            if why:
+                self.stop(rnd, why)
             sampled = sample_clients(strategy.sampling_seed(recipe.seed), rnd, fed.num_clients,
                                      recipe.sampled_per_round(), attempt, frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}

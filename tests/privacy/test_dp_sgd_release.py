@@ -119,3 +119,31 @@ def test_resume_under_dp_refuses_a_changed_update_norm_screen(tiny_recipe, tmp_p
     assert main(["train", str(plain)]) == 0
     (tmp_path / "plain" / "summary.json").unlink()
     assert main(["train", str(plain), "federation.rounds=2", f"federation.{key}={new}", "--resume"]) == 0
+
+
+def test_a_retry_that_would_exceed_the_budget_stops_the_run(tiny_recipe, uploads):
+    """The discarded sample's uploads were charged, so the budget is checked again before a retry trains anyone."""
+    from fedllm.engine.client_faults import RoundStopped
+    from fedllm.privacy import accounting
+    from fedllm.recipe.schedule import steps_per_round
+
+    recipe = parse_recipe(
+        tiny_recipe(
+            federation={"num_clients": 4, "clients_per_round": 2, "rounds": 1, "min_clients_per_round": 2},
+            privacy=DP_SGD,
+            train={"batch_size": 4},
+        )
+    )
+    steps = steps_per_round(recipe.train, 12)  # 48 examples, 4 clients of 12
+    budget = accounting.dp_sgd_epsilon(1.1, 4 / 12, steps, DELTA) * 1.01  # room for one round, not two
+    recipe = parse_recipe(
+        tiny_recipe(
+            federation={"num_clients": 4, "clients_per_round": 2, "rounds": 1, "min_clients_per_round": 2},
+            privacy={**DP_SGD, "target_epsilon": budget},
+            train={"batch_size": 4},
+        )
+    )
+    assert 1 in server.sample_clients(recipe.seed, 1, 4, 2)  # round 1's sample holds the failing client: a retry
+    with pytest.raises(RoundStopped, match="privacy budget is spent"):
+        server.run(recipe)
+    assert len({cid for _, cid, _, _ in uploads}) == 2  # the first sample only: nobody trained for the retry
