@@ -71,9 +71,9 @@ def train(msg: Message, context: Context) -> Message:
     update = node.train(int(cfg["round"]), float(cfg["lr"]), state, json.loads(str(cfg["phases"])), extra, local)
     node.save(int(cfg["round"]), state)
     comm = node.recipe.federation.comm_dtype
-    metrics = MetricRecord({"client_id": node.config.client_id, "num_examples": update.num_examples,
-                            "loss": float(update.loss), "steps": update.steps, "synced": node.synced,
-                            "step": int(cfg["round"])})
+    loss = {} if update.loss is None else {"loss": float(update.loss)}  # DP-SGD uploads no loss
+    metrics = MetricRecord({"client_id": node.config.client_id, "num_examples": update.num_examples, **loss,
+                            "steps": update.steps, "synced": node.synced, "step": int(cfg["round"])})
     return Message(RecordDict({"update": records.encode(update.state, comm), "metrics": metrics}), reply_to=msg)
 
 
