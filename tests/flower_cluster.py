@@ -220,7 +220,7 @@ class Deployment:
     def serve(self, cid: int, name: str | None = None) -> None:
         """(Re)start the SuperNode of client ``cid`` (0 or 1) on its state directory."""
         name = name or f"node{cid}"
-        self.nodes[cid] = self.node(cid, name, self.states[cid], "--warm-runs", "4")
+        self.nodes[cid] = self.node(cid, name, self.states[cid], "--warm-runs", "8")  # every run of the modules
         self.logs[cid] = self.root / f"{name}.log"
 
     def submit(self, name: str, raw: dict, where: Path, *options: str, out: Path | None = None) -> Run:

@@ -111,9 +111,10 @@ def test_flower_deployment_with_workers_matches_the_simulation(runs, deployment,
         text = log.read_text(errors="replace")[runs["offsets"].get(cid, 0):]
         lines = [line for line in text.splitlines() if "fedllm worker: built the federation of run" in line]
         built = [line.split(" of run ")[1].split()[0] for line in lines]
-        assert len(built) == len(CASES) and len(set(built)) == len(built), built
-        # built when the server's query announced the run, not at the node's first train message (FRLoRA samples
-        # one client a round: the other node's first message comes a round later)
+        # once per run: this module's four runs and those of its runs that reached the nodes' discovery query
+        # (the query announces a run: built then, not at the node's first train message; FRLoRA samples one
+        # client a round, so the other node's first message comes a round later)
+        assert len(CASES) <= len(built) <= len(CASES) + 2 and len(set(built)) == len(built), built
         assert all(line.endswith("(ahead of its first message)") for line in lines), lines
 
 
@@ -155,7 +156,7 @@ def test_kill_9_of_flower_supernode_leaves_no_process_behind(deployment, tmp_pat
                   "--state-dir", str(tmp_path / "state"), "--port", str(free_port())], tmp_path / "node.log",
                  deployment.env)
     try:
-        wait_until(lambda: worker_pid(node) is not None and any("flower-supernode" in c for c in map(
+        wait_until(lambda: worker_pid(node) is not None and any("fedllm.flower.supernode" in c for c in map(
             cmdline, children(node.pid))), 120, "SuperNode and worker", tmp_path / "node.log")
         family = children(node.pid)
         os.kill(node.pid, signal.SIGKILL)  # the command alone, not its process group

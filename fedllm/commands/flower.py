@@ -117,7 +117,8 @@ def supernode_command(args: argparse.Namespace, secret: Path | None) -> list[str
     node_config = f"partition-id={args.client} state-dir='{Path(args.state_dir).resolve()}'"
     if args.data is not None:
         node_config += f" data-path='{Path(args.data).resolve()}'"
-    cmd = [processes.tool("flower-supernode"), "--superlink", _address(args.superlink, "--superlink"),
+    processes.tool("flower-supernode")  # Flower is installed (else: how to install it)
+    cmd = [sys.executable, "-m", "fedllm.flower.supernode", "--superlink", _address(args.superlink, "--superlink"),
            "--host", "127.0.0.1", "--port", str(args.port), "--node-config", node_config]
     if secret is not None:
         cmd += ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]

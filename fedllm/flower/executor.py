@@ -108,6 +108,7 @@ class FlowerExecutor:
                 content["probe"] = ArrayRecord([probe])
             messages.append(Message(content, dst_node_id=node, message_type="query.fedllm"))
         claims: dict[int, int] = {}
+        started = time.monotonic()
         for m in self.send(messages, timeout):
             if m.has_error():
                 log.warning("node %s failed to say which client it serves: %s", m.metadata.src_node_id, m.error.reason)
@@ -121,6 +122,10 @@ class FlowerExecutor:
                 if got[0] != expected[0] or abs(got[1] - expected[1]) > 1e-6 * abs(expected[1]):
                     raise ClientFailed(f"client {cid}: transport probe came back as {got}, sent {expected}")
             self.probe[cid] = got
+        if probe is not None and claims:
+            seconds = time.monotonic() - started
+            log.info("transport probe: %.1f MB to %d node(s) and their answers in %.2f s (%.1f MB/s)",
+                     probe.nbytes / 1e6, len(claims), seconds, probe.nbytes * len(claims) / 1e6 / seconds)
         return claims
 
     def refusal(self, node: int, cid: int, key: bytes, nodes: dict[int, int], num_clients: int) -> str | None:

@@ -213,6 +213,11 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
             details = refusal
         else:
             context.run_config = get_fused_config_from_fab(fab.content, run)
+            from flwr.superlink.grid import http_grid
+
+            from fedllm.flower.supernode import quick_object_pulls
+
+            quick_object_pulls(http_grid)  # a reply's chunks: asked again after 50 ms, not Flower's 1 s
             server_app.NODE_KEYS, server_app.OPERATOR = node_keys, operator
             run_server_app(grid=grid, context=context, server_app_dir="", loaded_server_app=server_app.app)
             status, details = SubStatus.COMPLETED, ""

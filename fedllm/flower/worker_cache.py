@@ -94,11 +94,12 @@ class NodeCache:
             self.prepared[key] = (config, recipe_yaml, token)
 
     def build_prepared(self) -> None:
-        """Build the nodes of the runs announced since the last call (a failure is logged: the run's first message
-        builds again and reports it)."""
+        """Build the nodes of the runs announced since the last call while there is room: a run announced but not
+        yet training never pushes out the warm node of another run (its first message builds it then). A failure
+        is logged; the run's first message builds again and reports it."""
         while self.prepared:
             key, (config, recipe_yaml, token) = self.prepared.popitem()
-            if key in self.nodes:
+            if key in self.nodes or len(self.nodes) >= self.size:
                 continue
             try:
                 self._build(key, config, recipe_yaml, token, ahead=True)

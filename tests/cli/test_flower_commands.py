@@ -131,3 +131,20 @@ def test_a_killed_superlinks_private_directory_is_removed_at_the_next_start(tmp_
     assert remove_stale_private_dirs(tmp_path) == [dirs["stale"]]
     assert not dirs["stale"].exists() and dirs["live"].is_dir() and dirs["foreign"].is_dir()
     assert (tmp_path / "fedllm-superlink-nopid").is_dir()
+
+
+def test_the_supernode_runs_with_quick_object_pulls():
+    """``fedllm flower supernode`` runs Flower's SuperNode through fedllm.flower.supernode, whose object pulls ask
+    again after 50 ms (Flower's own: 1 s, doubling to 10 s)."""
+    import inspect
+    import types
+
+    from fedllm.flower.supernode import quick_object_pulls
+
+    cmd = supernode_command(parse("supernode", "--superlink", "127.0.0.1:9092", "--client", "0", "--insecure"), None)
+    assert cmd[:3] == [sys.executable, "-m", "fedllm.flower.supernode"]
+    module = types.SimpleNamespace()
+    quick_object_pulls(module)
+    assert module.pull_objects.keywords == {"initial_backoff": 0.05, "backoff_cap": 0.5}
+    flower_default = inspect.signature(module.pull_objects.func).parameters["initial_backoff"].default
+    assert flower_default == 1  # what it replaces: if Flower changes it, revisit fedllm.flower.supernode
