@@ -11,7 +11,7 @@ norm of the honest mean's step.
     python bench/robust_small.py --seeds 0 --rounds 3 --local-steps 2 --train 100 --test 60 --threads 1 \
         --json bench/out/robust_small.json
 
-Bulyan needs ``n ≥ 4f + 3`` updates: with 5 clients it runs with ``f = 0`` (Multi-Krum keeps all 5 and the
+Bulyan needs ``n ≥ 4f + 3`` updates: with 5 clients it runs with ``f = 0`` (recursive Krum keeps all 5 and the
 coordinate-wise trimming keeps all 5: the plain mean) unless ``--clients 7`` is given.
 """
 

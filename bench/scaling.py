@@ -60,6 +60,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tree_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by the processes ``pids`` and every live descendant, with the
+    children each of them has already collected (a finished ServerApp is collected by its runner)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    kids: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        stats[pid] = fields
+        kids.setdefault(int(fields[1]), []).append(pid)
+    total, todo, seen = 0.0, list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in stats:
+            continue
+        seen.add(pid)
+        total += sum(int(x) for x in stats[pid][11:15]) / tick  # utime stime cutime cstime
+        todo.extend(kids.get(pid, []))
+    return total
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished, collected children."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def rounds_of(run_dir: Path) -> list[float]:
     """Seconds of each round of a finished run."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -67,9 +100,10 @@ def rounds_of(run_dir: Path) -> list[float]:
 
 
 def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path, env: dict, timeout: float,
-               repeats: int = 1, between=None) -> list[Path]:
+               repeats: int = 1, between=None, cpu: list[float] | None = None) -> list[Path]:
     """Run ``recipe`` ``repeats`` times over one loopback SuperLink with one SuperNode per client (calling
-    ``between(i)`` before run ``i``); return the run directories."""
+    ``between(i)`` before run ``i``); return the run directories (and append each run's CPU seconds, of every
+    process of the deployment and of ``fedllm flower run``, to ``cpu``)."""
     port = free_port()
     env = {**env, "FLWR_HOME": str(work / "flwr-home")}
     procs = []
@@ -80,7 +114,7 @@ def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path,
                                       stderr=subprocess.STDOUT, start_new_session=True))
 
     try:
-        start(["superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port)], "superlink")
+        start(["superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--runs-dir", str(work)], "superlink")
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -98,8 +132,11 @@ def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path,
             if between is not None:
                 between(i)
             out = work / f"flower-run-{i}"
+            before = tree_cpu([p.pid for p in procs]) + children_cpu()
             fedllm(["flower", "run", str(recipe), *overrides, f"output_dir={out}", "--superlink",
                     f"127.0.0.1:{port}", "--insecure", "--timeout", str(timeout)], env, timeout, work / f"flower-run-{i}.log")
+            if cpu is not None:
+                cpu.append(tree_cpu([p.pid for p in procs]) + children_cpu() - before)
             outs.append(out)
         return outs
     finally:
@@ -207,23 +244,32 @@ def interleave(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="fedllm-interleave-") as tmp:
         work = Path(tmp)
         local: list[list[float]] = []
+        local_cpu: list[float] = []
+        flower_cpu: list[float] = []
 
         def in_process(i: int) -> None:
             out = work / f"local-{i}"
+            before = children_cpu()
             fedllm(["train", str(recipe), *overrides, f"output_dir={out}"], env, args.timeout)
+            local_cpu.append(children_cpu() - before)
             local.append(rounds_of(out))
 
         flower = [rounds_of(d) for d in flower_run(recipe, overrides, num_clients, work, env, args.timeout,
-                                                   repeats=args.interleave, between=in_process)]
+                                                   repeats=args.interleave, between=in_process, cpu=flower_cpu)]
     print(f"recipe {recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe} {' '.join(args.overrides)}, "
           f"{args.rounds} rounds, {num_clients} clients, {args.interleave} runs each, interleaved")
-    for name, runs in (("in process", local), ("Flower+workers", flower)):
-        for i, r in enumerate(runs):
-            print(f"  {name:15s} run {i}: round 1 {r[0]:8.2f} s, later rounds " + " ".join(f"{x:.2f}" for x in r[1:]))
+    for name, runs, cpus in (("in process", local, local_cpu), ("Flower+workers", flower, flower_cpu)):
+        for i, (r, c) in enumerate(zip(runs, cpus)):
+            print(f"  {name:15s} run {i}: round 1 {r[0]:8.2f} s, later rounds " + " ".join(f"{x:.2f}" for x in r[1:])
+                  + f"; CPU {c:.0f} s")
     later = {name: statistics.median(x for r in runs for x in r[1:]) for name, runs in
              (("in process", local), ("Flower+workers", flower))}
     print(f"median of rounds >= 2: in process {later['in process']:.3f} s, Flower {later['Flower+workers']:.3f} s, "
           f"ratio {later['Flower+workers'] / later['in process']:.2f}")
+    cpu = {"in process": statistics.median(local_cpu), "Flower": statistics.median(flower_cpu[1:] or flower_cpu)}
+    print(f"median CPU per run (Flower: runs after the first, whose workers build the model): in process "
+          f"{cpu['in process']:.0f} s, Flower {cpu['Flower']:.0f} s, ratio {cpu['Flower'] / cpu['in process']:.2f}")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -78,3 +78,37 @@ def test_after_the_server_app_imports_a_fork_runs_torch_and_dies_with_the_runner
         if runner.poll() is None:
             os.killpg(runner.pid, signal.SIGKILL)
             runner.wait()
+
+
+def test_worker_survives_a_reply_it_cannot_hand_back(monkeypatch, tmp_path, caplog):
+    """A run stopped (or a SuperNode restarted) while the worker answers a message: pushing the reply fails; the
+    worker logs it and goes on to its next task instead of crashing, and drops the message's journal."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.supernode.runtime import run_clientapp
+
+    from fedllm.flower import client_app, runtime
+
+    for name in ("_task_id", "_run_id", "_node_id"):  # what pulling a task sets in a worker
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    message = Message(RecordDict({"config": ConfigRecord({"x": 1})}), dst_node_id=1, message_type="train")
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+    def refused(*_args, **_kwargs):
+        raise RuntimeError("401: the task's token is no longer valid")
+
+    monkeypatch.setattr(client_app, "app", lambda message, context: Message(RecordDict(), reply_to=message))
+    monkeypatch.setattr(run_clientapp, "push_message", refused)
+    monkeypatch.setattr(run_clientapp, "push_task_output", refused)
+    journal = tmp_path / ".worker-0.inflight"
+    journal.write_bytes(b"stale")
+    with caplog.at_level("WARNING", logger="fedllm"):
+        runtime.run_client_task("127.0.0.1:9", "token", runtime_cache(), journal, pulled=(message, context))
+    assert "could not hand back the reply" in caplog.text and "no longer valid" in caplog.text
+    assert not journal.exists()
+
+
+def runtime_cache():
+    from fedllm.flower.worker_cache import NodeCache
+
+    return NodeCache()

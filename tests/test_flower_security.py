@@ -4,12 +4,15 @@
 
 - an app that is not fedllm's, submitted with ``flwr run``, runs nowhere (no code of it runs, the run fails
   with the refusal);
+- fedllm's own app submitted with a run config the operator did not sign (a file that is no recipe, an output_dir
+  of the submitter's choosing) runs nowhere either, and no word of that file reaches the run's log; a signed run
+  whose output_dir lies outside the SuperLink's ``--runs-dir`` is refused (exit 2) and writes nothing;
 - a SuperNode whose key was not registered never joins; one that does not trust the CA never connects;
 - one run (3 rounds) through every disruption a node may meet: a registered SuperNode claiming client 0 with
   another client's key is refused (the run goes on); node 1's worker is killed with ``kill -9`` in the middle
   of a round-2 message (``fedllm flower supernode`` restarts it and the new worker answers that message from
-  its journal); node 1's SuperNode is stopped after round 2 and restarted with its state directory (sampled
-  again, it continues); client 2 is served by a ``--no-worker`` SuperNode (Flower's own ClientApp process
+  its journal); node 1 is killed with ``kill -9`` (all its processes) after round 2 and restarted at once with
+  its state directory (it retries its activation until the SuperLink lets its old session go, then continues); client 2 is served by a ``--no-worker`` SuperNode (Flower's own ClientApp process
   per message). The run equals the simulation.
 """
 
@@ -21,11 +24,22 @@ import sys
 from pathlib import Path
 
 import pytest
-from flower_cluster import assert_matches, deployment, finished_status, launch, logged, stop, wait_until, worker_pid  # noqa: F401
+from flower_cluster import (  # noqa: F401
+    assert_matches,
+    children,
+    deployment,
+    finished_status,
+    launch,
+    logged,
+    stop,
+    wait_until,
+    worker_pid,
+)
 
 pytest.importorskip("flwr")
 
 from fedllm.engine.server import run  # noqa: E402
+from fedllm.flower import APP_DIR  # noqa: E402
 from fedllm.flower.certs import write_certificates, write_node_keys  # noqa: E402
 from fedllm.recipe.checks import parse_recipe  # noqa: E402
 
@@ -91,6 +105,18 @@ def started(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa
             launch.procs.append(subprocess.Popen(
                 [str(Path(sys.executable).parent / "flwr"), "run", str(app), "fedllm", "--run-config",
                  f"marker='{where}'", "--format", "json"], stdout=out, stderr=subprocess.STDOUT, env=deployment.env))
+    if "test_flower_security_unsigned_run_config_is_refused_before_any_file_is_read" in launch.wanted:
+        # a CA-cert holder who reaches the Control API (here: on the SuperLink's machine) submits fedllm's own app
+        # with a config of its choosing: a file that is no recipe, an output_dir of its choosing
+        (where / "secret.yaml").write_text("password: hunter2\napi_key: sk-0123456789\n")
+        with open(where / "unsigned.json", "w") as out:
+            launch.procs.append(subprocess.Popen(
+                [str(Path(sys.executable).parent / "flwr"), "run", str(APP_DIR), "fedllm", "--run-config",
+                 f"recipe='{where / 'secret.yaml'}' overrides='output_dir={where / 'evil'}'", "--format", "json"],
+                stdout=out, stderr=subprocess.STDOUT, env=deployment.env))
+    if "test_flower_security_signed_run_may_write_only_inside_the_runs_dir" in launch.wanted:
+        outside = deployment.runs_dir.parent / f"fedllm-outside-{os.getpid()}-{where.name}"
+        launch.items["outside"] = (outside, deployment.submit("outside", tiny_recipe(), where, out=outside))
     if "test_flower_security_unregistered_or_untrusting_node_is_refused" in launch.wanted:
         write_node_keys(where / "stranger", 1)
         write_certificates(where / "other", ["127.0.0.1"])
@@ -121,6 +147,32 @@ def test_flower_security_foreign_app_runs_nowhere(started, deployment):  # noqa:
     assert status["status"] == "finished:failed", status
     assert "refused" in status.get("status-details", "") and "mallory/foreign" in status["status-details"]
     assert not (where / "server-ran").exists() and not (where / "client-ran").exists()
+
+
+def test_flower_security_unsigned_run_config_is_refused_before_any_file_is_read(started, deployment):  # noqa: F811
+    where = started["where"]
+    wait_until(lambda: "run-id" in (where / "unsigned.json").read_text(), 120, "unsigned run submitted",
+               where / "unsigned.json")
+    text = (where / "unsigned.json").read_text()
+    run_id = str(json.loads(text[text.index("{"):])["run-id"])
+    status = finished_status(deployment.env, run_id, 120)
+    assert status["status"] == "finished:failed", status
+    assert "not signed with this SuperLink operator's key" in status.get("status-details", ""), status
+    log = subprocess.run([str(Path(sys.executable).parent / "flwr"), "log", run_id, "fedllm", "--show"],
+                         capture_output=True, text=True, env=deployment.env, timeout=120)
+    assert "not signed" in log.stdout + log.stderr
+    for leak in ("hunter2", "sk-0123456789", "password", "api_key"):
+        assert leak not in log.stdout + log.stderr + json.dumps(status), leak
+    assert not (where / "evil").exists()
+
+
+def test_flower_security_signed_run_may_write_only_inside_the_runs_dir(started):
+    outside, run_ = started["outside"]
+    rc = run_.wait(300)
+    out = run_.log.read_text()
+    assert rc == 2, out[-3000:]
+    assert f"output_dir={outside}: outside" in out and "--runs-dir" in out
+    assert not outside.exists()
 
 
 def test_flower_security_unregistered_or_untrusting_node_is_refused(started):
@@ -155,8 +207,11 @@ def disrupted(started, deployment, tmp_path):  # noqa: F811
     successor = worker_pid(deployment.nodes[1])
     killed_log = deployment.logs[1]
     wait_until(lambda: rounds() >= 2, 600, "round 2", run_.log, every_s=0.1)
-    stop(deployment.nodes[1])  # node 1's machine restarts ...
-    deployment.serve(1, "node1-restarted")  # ... same state directory
+    node = deployment.nodes[1]  # node 1's machine crashes: kill -9 of every process of the node at once ...
+    for pid in [node.pid, *children(node.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    node.wait()
+    deployment.serve(1, "node1-restarted")  # ... and it restarts at once, same state directory
     sim = run(parse_recipe({**run_.raw, "output_dir": str(tmp_path / "sim")})).run_dir
     run_.finish()
     started["result"] = (run_, sim, victim, successor, killed_log)
@@ -182,14 +237,17 @@ def test_worker_killed_with_kill_9_mid_message_recovers(started, deployment, tmp
 
 @pytest.mark.slow
 def test_flower_security_second_claim_refused_and_restarted_node_rejoins(started, deployment, tmp_path):  # noqa: F811
-    """A registered node claiming client 0 with client 3's key is refused (the run goes on); node 1, stopped after
-    round 2 and restarted with its state directory, continues; the run equals the simulation."""
+    """A registered node claiming client 0 with client 3's key is refused (the run goes on); node 1, killed with
+    ``kill -9`` (every process of it) after round 2 and restarted at once with its state directory, is refused
+    activation while the SuperLink still counts its old session online, retries by itself, rejoins and serves
+    round 3; the run equals the simulation."""
     run_, sim, *_ = disrupted(started, deployment, tmp_path)
     out = run_.log.read_text()
     assert "refused: it claims client 0 but did not authenticate with client 0's key" in out
     history = history_of(run_)
     assert [h["clients"] for h in history] == [[0, 1, 2]] * 3 and all("dropped" not in h for h in history)
     assert logged(deployment.logs[1], "SuperNode ID")  # the restarted node
+    assert logged(deployment.logs[1], "its previous session (killed without signing off?) still counts as online")
     assert_matches(sim, run_.out, ["adapter"], "scaffold with a restarted node")
 
 

@@ -67,8 +67,10 @@ def node_keys_dir(args: argparse.Namespace) -> Path | None:
 
 
 def superlink_command(args: argparse.Namespace, secret: Path) -> list[str]:
-    """The ``flower-superlink`` command line for ``fedllm flower superlink``."""
-    cmd = [processes.tool("flower-superlink"), "--host", args.host, "--port", str(args.port),
+    """The ``flower-superlink`` command line for ``fedllm flower superlink``: Flower's SuperLink behind fedllm's
+    guard (:mod:`fedllm.flower.superlink`: Control and Runtime APIs for this machine only, files mode 0600)."""
+    processes.tool("flower-superlink")  # Flower is installed (else: how to install it)
+    cmd = [sys.executable, "-m", "fedllm.flower.superlink", "--host", args.host, "--port", str(args.port),
            "--disable-runtime-dependency-installation", "--isolation", "process",
            "--superexec-auth-secret-file", str(secret)]
     certs = _certificates(args.certificates)
@@ -115,7 +117,8 @@ def supernode_command(args: argparse.Namespace, secret: Path | None) -> list[str
     node_config = f"partition-id={args.client} state-dir='{Path(args.state_dir).resolve()}'"
     if args.data is not None:
         node_config += f" data-path='{Path(args.data).resolve()}'"
-    cmd = [processes.tool("flower-supernode"), "--superlink", _address(args.superlink, "--superlink"),
+    processes.tool("flower-supernode")  # Flower is installed (else: how to install it)
+    cmd = [sys.executable, "-m", "fedllm.flower.supernode", "--superlink", _address(args.superlink, "--superlink"),
            "--host", "127.0.0.1", "--port", str(args.port), "--node-config", node_config]
     if secret is not None:
         cmd += ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
@@ -133,13 +136,46 @@ def supernode_command(args: argparse.Namespace, secret: Path | None) -> list[str
     return cmd
 
 
-def run_config(args: argparse.Namespace) -> str:
-    """The ``--run-config`` string of ``fedllm flower run``."""
-    parts = [f"recipe='{Path(args.recipe).resolve()}'", f"overrides='{' '.join(args.overrides)}'",
-             f"resume={'true' if args.resume else 'false'}", f"overwrite={'true' if args.overwrite else 'false'}",
-             f"timeout={float(args.timeout)}", f"probe-mb={float(args.probe_mb)}",
-             f"wait-nodes={float(args.wait_nodes)}"]
+def run_config(args: argparse.Namespace) -> dict:
+    """The ``--run-config`` entries of ``fedllm flower run``, signed with ``args.operator_key`` when one is given."""
+    from fedllm.flower.authorise import sign
+
+    recipe = Path(args.recipe).resolve()
+    config = {"recipe": str(recipe), "overrides": " ".join(args.overrides), "resume": bool(args.resume),
+              "overwrite": bool(args.overwrite), "timeout": float(args.timeout), "probe-mb": float(args.probe_mb),
+              "wait-nodes": float(args.wait_nodes)}
+    return sign(config, recipe.read_bytes(), Path(args.operator_key)) if args.operator_key else config
+
+
+def config_text(config: dict) -> str:
+    """``config`` as Flower's ``--run-config`` string (``key=value`` pairs; strings quoted, no escapes)."""
+    parts = []
+    for key, value in config.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif "'" not in value:
+            text = f"'{value}'"
+        elif '"' not in value and "\\" not in value:
+            text = f'"{value}"'
+        else:
+            raise InputError(f"{key}={value!r}: holds both quote characters (or a backslash); Flower's --run-config "
+                             "cannot carry it: rename the file or quote the override differently")
+        parts.append(f"{key}={text}")
     return " ".join(parts)
+
+
+def operator_key(args: argparse.Namespace) -> Path | None:
+    """The operator's signing key of ``fedllm flower run``: ``--operator-key``, else ``operator.key`` beside
+    ``--root-certificates`` (``fedllm flower certs`` writes both in one directory), else None."""
+    from fedllm.flower.authorise import PRIVATE
+
+    if args.operator_key:
+        _existing_file(args.operator_key, "--operator-key", f"DIR/{PRIVATE}")
+        return Path(args.operator_key)
+    beside = Path(args.root_certificates).parent / PRIVATE if args.root_certificates else None
+    return beside if beside is not None and beside.is_file() else None
 
 
 @contextmanager
@@ -184,15 +220,75 @@ def register_nodes(port: int, ca: str, nodes: Path) -> None:
 def _certs(args: argparse.Namespace) -> int:
     from fedllm.flower.certs import write_certificates
 
-    files = write_certificates(Path(args.directory), args.host, args.days, clients=args.clients)
+    if args.operator_only:
+        from fedllm.flower.authorise import PRIVATE, PUBLIC, write_operator_key
+
+        taken = [str(p) for p in (Path(args.directory) / PRIVATE, Path(args.directory) / PUBLIC) if p.exists()]
+        if taken:
+            raise InputError(f"{args.directory}: {', '.join(taken)} already exist")
+        files = write_operator_key(Path(args.directory))
+    else:
+        if not args.host:
+            raise InputError("fedllm flower certs: give --host NAME (the SuperLink's name or IP; repeat for several)")
+        files = write_certificates(Path(args.directory), args.host, args.days, clients=args.clients)
     print("\n".join(str(p) for p in files.values()))
     return 0
 
 
+def operator_public_key(args: argparse.Namespace) -> Path | None:
+    """The operator's public key the ServerApp verifies runs with: ``--operator-pub``, else ``DIR/operator.pub`` of
+    ``--certificates DIR`` (required there); None without either (``--insecure``: unsigned runs accepted)."""
+    from fedllm.flower.authorise import PUBLIC
+
+    if args.operator_pub:
+        _existing_file(args.operator_pub, "--operator-pub", f"DIR/{PUBLIC}")
+        return Path(args.operator_pub)
+    if not args.certificates:
+        return None
+    pub = Path(args.certificates) / PUBLIC
+    if not pub.is_file():
+        raise InputError(f"--certificates={args.certificates}: no {pub}: runs must be signed by the operator; create "
+                         f"the key pair with fedllm flower certs {args.certificates} --operator-only (operator.key stays "
+                         "with whoever runs fedllm flower run)")
+    return pub
+
+
+PRIVATE_PREFIX = "fedllm-superlink-"
+PRIVATE_FILES = {"superexec.secret", "owner.pid", "nonces"}
+"""What ``fedllm flower superlink`` keeps in its private temporary directory (and nothing else)."""
+
+
+def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
+    """Delete the private directories of earlier ``fedllm flower superlink`` commands that were killed (``kill -9``
+    leaves them, with a stale secret): only ours (prefix, owner, nothing but :data:`PRIVATE_FILES`) whose command
+    is gone. Returns what was deleted."""
+    import os
+    import shutil
+
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(PRIVATE_PREFIX + "*"):
+        try:
+            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+                continue
+            names = {p.name for p in path.iterdir()}
+            pid = int((path / "owner.pid").read_text().strip())
+        except (OSError, ValueError):
+            continue  # not one of ours, or still being written
+        if names <= PRIVATE_FILES and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _superlink(args: argparse.Namespace) -> int:
+    import os
+
     from fedllm.flower.runtime import write_secret
 
-    with tempfile.TemporaryDirectory(prefix="fedllm-superlink-") as private:
+    for stale in remove_stale_private_dirs():
+        print(f"fedllm flower superlink: removed {stale}, left by a SuperLink that was killed", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix=PRIVATE_PREFIX) as private:
+        (Path(private) / "owner.pid").write_text(f"{os.getpid()}\n")
         secret = write_secret(Path(private) / "superexec.secret")
         cmd = superlink_command(args, secret)
         nodes = node_keys_dir(args)
@@ -203,6 +299,14 @@ def _superlink(args: argparse.Namespace) -> int:
             runner += ["--root-certificates", ca]
         if nodes is not None:
             runner += ["--node-keys", str(nodes.resolve())]
+        pub = operator_public_key(args)
+        if pub is not None:
+            runner += ["--operator-pub", str(pub.resolve())]
+        else:
+            print("fedllm flower superlink: no operator key (--operator-pub): any run submitted on this machine is "
+                  "accepted unsigned", file=sys.stderr, flush=True)
+        used = Path(args.database + ".fedllm-nonces") if not args.database.startswith(":") else Path(private) / "nonces"
+        runner += ["--runs-dir", str(Path(args.runs_dir).resolve()), "--used-nonces", str(used)]
 
         def ready(link: subprocess.Popen) -> None:
             if nodes is not None and wait_for_port(args.port, link):
@@ -212,20 +316,87 @@ def _superlink(args: argparse.Namespace) -> int:
                                    after_start=ready)
 
 
+ACTIVATED = "SuperNode ID: "
+"""What ``flower-supernode`` prints once the SuperLink has activated it."""
+ACTIVATION_REFUSED = "Failed to activate SuperNode"
+"""What it prints (then exits 1) when the SuperLink refuses to activate it: an unknown key, or the key's previous
+session still counted online (a node killed without deactivating stays online for 2 heartbeats of 30 s)."""
+REJOIN_S = 150.0
+"""How long a node that was activated before retries a refused activation (the 60 s above, with a margin)."""
+
+
+class ActivationWatch:
+    """Start ``flower-supernode`` with its output copied through this process, noting whether it was activated
+    and whether its activation was refused."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker  # exists once this node's key was activated at least once (state directory)
+        self.refused = self.activated = False
+
+    def start(self, cmd: list[str]) -> subprocess.Popen:
+        import threading
+
+        self.refused = self.activated = False
+        proc = processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                               bufsize=1)
+
+        def copy() -> None:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                if ACTIVATED in line:
+                    self.activated = True
+                    self.marker.touch()
+                self.refused = self.refused or ACTIVATION_REFUSED in line
+
+        threading.Thread(target=copy, daemon=True).start()
+        return proc
+
+
+def rejoin_delays(total_s: float = REJOIN_S, first_s: float = 2.0, cap_s: float = 15.0):
+    """The waits between activation attempts: doubling from ``first_s`` up to ``cap_s``, ``total_s`` in all."""
+    waited, delay = 0.0, first_s
+    while waited + delay <= total_s:
+        yield delay
+        waited += delay
+        delay = min(2 * delay, cap_s)
+
+
 def _supernode(args: argparse.Namespace) -> int:
     from fedllm.flower.runtime import write_secret
 
-    if args.no_worker:
-        cmd = supernode_command(args, None)
-        return processes.supervise(lambda: processes.start(cmd))
     state = Path(args.state_dir).expanduser()
-    secret = state / f".worker-{args.client}.secret"
+    secret = None if args.no_worker else state / f".worker-{args.client}.secret"
     cmd = supernode_command(args, secret)  # the arguments are checked before anything is written
-    write_secret(secret)  # renewed at every start
-    worker = [sys.executable, "-m", "fedllm.flower.runtime", "clientapps",
-              "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret),
-              "--journal", str(state / f".worker-{args.client}.inflight"), "--warm-runs", str(args.warm_runs)]
-    return processes.supervise(lambda: processes.start(cmd), {"node worker": lambda: processes.start(worker)})
+    helpers = {}
+    if secret is not None:
+        write_secret(secret)  # renewed at every start
+        worker = [sys.executable, "-m", "fedllm.flower.runtime", "clientapps",
+                  "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret),
+                  "--journal", str(state / f".worker-{args.client}.inflight"), "--warm-runs", str(args.warm_runs)]
+        helpers["node worker"] = lambda: processes.start(worker)
+    state.mkdir(parents=True, exist_ok=True)
+    watch = ActivationWatch(state / f".node-{args.client}.activated")
+    delays = rejoin_delays()
+    while True:
+        rc = processes.supervise(lambda: watch.start(cmd), helpers)
+        if rc >= 128 or not watch.marker.exists():  # stopped by a signal to this command; or a key that never
+            return rc  # joined (unknown to the SuperLink): not retried
+        # Flower's SuperNode ended by itself: refused activation (exit 1), or told by the SuperLink that its session
+        # is unknown (a restarted SuperLink answers its heartbeat with 401, and it exits "gracefully", code 0)
+        if watch.activated:  # it was serving: a new outage (a SuperLink restart), with a new allowance
+            delays = rejoin_delays()
+        delay = next(delays, None)
+        if delay is None:
+            print(f"fedllm flower supernode: client {args.client}'s node could not rejoin the SuperLink within "
+                  f"{REJOIN_S:.0f} s; giving up", file=sys.stderr, flush=True)
+            return rc
+        why = ("the SuperLink refused to activate it: its previous session (killed without signing off?) still counts "
+               "as online until its heartbeats time out (Flower: 2 x 30 s)" if watch.refused else
+               f"Flower's SuperNode ended with code {rc} (the SuperLink restarted, or is unreachable)")
+        print(f"fedllm flower supernode: client {args.client}'s node left the federation: {why}; rejoining in "
+              f"{delay:.0f} s (retrying for up to {REJOIN_S:.0f} s)", file=sys.stderr, flush=True)
+        time.sleep(delay)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -240,9 +411,11 @@ def _run(args: argparse.Namespace) -> int:
     address = _address(args.superlink, "--superlink")
     if not args.root_certificates and not args.insecure:
         raise InputError("fedllm flower run: give --root-certificates CA (TLS) or --insecure")
+    args.operator_key = operator_key(args)
+    config = run_config(args)
     with flwr_home(address, args.root_certificates) as env:
         flwr = processes.tool("flwr")
-        started = _json(subprocess.run([flwr, "run", str(APP_DIR), "fedllm", "--run-config", run_config(args),
+        started = _json(subprocess.run([flwr, "run", str(APP_DIR), "fedllm", "--run-config", config_text(config),
                                         "--format", "json"], capture_output=True, text=True, env=env))
         if not started.get("success"):
             print(f"fedllm flower run: the SuperLink did not start the run: {started}", file=sys.stderr)
@@ -258,7 +431,7 @@ def _run(args: argparse.Namespace) -> int:
                                  on_stop=stop_run)  # until the run ends, or this command is stopped
         if rc >= 128:
             return rc
-        return _outcome(flwr, run_id, env)
+        return _outcome(flwr, run_id, env, args)
 
 
 def _json(proc: subprocess.CompletedProcess) -> dict:
@@ -270,25 +443,52 @@ def _json(proc: subprocess.CompletedProcess) -> dict:
         return {"success": False, "output": (proc.stdout + proc.stderr)[-2000:]}
 
 
-def _outcome(flwr: str, run_id: str, env: dict, wait_s: float = 120.0) -> int:
-    """0 when the run finished as completed; 2 when the federation could not be formed; else 1."""
+def answers(address: str, timeout_s: float = 2.0) -> bool:
+    """True when something accepts connections at ``address`` (HOST:PORT)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def restart_hint(args: argparse.Namespace) -> str:
+    """What to run when the SuperLink of ``fedllm flower run`` died: restart it on its database, then resume."""
+    tls = f"--root-certificates {args.root_certificates}" if args.root_certificates else "--insecure"
+    resume = " ".join(["fedllm flower run", str(args.recipe), *args.overrides, "--superlink", args.superlink, tls,
+                       "--resume"])
+    return ("restart it on the machine it ran on with the same options and the same --database FILE (fedllm flower "
+            "superlink ... --database FILE: without one, the SuperLink's state died with it and every SuperNode "
+            f"must be restarted too), then continue the run from its newest checkpoint with:\n  {resume}")
+
+
+def _outcome(flwr: str, run_id: str, env: dict, args: argparse.Namespace, wait_s: float = 120.0) -> int:
+    """0 when the run finished as completed; 2 when the federation could not be formed; else 1 (with what to do
+    when the SuperLink died)."""
     from fedllm.flower import BAD_INPUT, FEDERATION_INCOMPLETE
 
-    deadline = time.monotonic() + wait_s
+    deadline, unanswered = time.monotonic() + wait_s, 0
     while True:
         listed = _json(subprocess.run([flwr, "ls", "--run-id", run_id, "fedllm", "--format", "json"],
                                       capture_output=True, text=True, env=env))
         runs = listed.get("runs") or [{}]
         status = str(runs[0].get("status", ""))
+        unanswered = unanswered + 1 if not status and not answers(args.superlink) else 0
+        if unanswered >= 3:
+            print(f"fedllm flower run: the SuperLink at {args.superlink} stopped answering before run {run_id} "
+                  f"finished (stopped or killed?); {restart_hint(args)}", file=sys.stderr)
+            return 1
         if status.startswith("finished") or time.monotonic() > deadline:
             break
         time.sleep(1.0)
     if status == "finished:completed":
         return 0
     details = str(runs[0].get("status-details", ""))
-    print(f"fedllm flower run: run {run_id} ended as {status or 'unknown'}: {details} "
-          "(the ServerApp's traceback is in the log above)", file=sys.stderr)
-    return 2 if FEDERATION_INCOMPLETE in details or f"({BAD_INPUT})" in details else 1
+    bad_input = FEDERATION_INCOMPLETE in details or f"({BAD_INPUT})" in details
+    print(f"fedllm flower run: run {run_id} ended as {status or 'unknown'}: {details}"
+          + ("" if bad_input or not status else " (the ServerApp's own output is in the log above)"), file=sys.stderr)
+    return 2 if bad_input else 1
 
 
 def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
@@ -296,8 +496,10 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="flower_command", required=True)
     p = sub.add_parser("certs", help="create a private CA, a SuperLink certificate and node keys")
     p.add_argument("directory", help="where to write ca.crt, ca.key, server.pem, server.key and nodes/client-K.*")
-    p.add_argument("--host", action="append", required=True,
+    p.add_argument("--host", action="append",
                    help="a name or IP the nodes use to reach the SuperLink (repeat for several)")
+    p.add_argument("--operator-only", action="store_true",
+                   help="write only the operator's signing key pair (operator.key, operator.pub) into DIR")
     p.add_argument("--clients", type=int, default=0,
                    help="create a node key pair for each client 0..N-1 (nodes/client-K.key, client-K.pub)")
     p.add_argument("--days", type=int, default=365, help="validity")
@@ -315,7 +517,11 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-nodes", action="store_true",
                    help="with TLS, accept any SuperNode (no node keys); the first node to claim a client serves it")
     p.add_argument("--database", default=":flwr-in-memory:", help="SuperLink state database (a file path to keep "
-                   "it across SuperLink restarts)")
+                   "it across SuperLink restarts; written mode 0600)")
+    p.add_argument("--operator-pub", help="the operator's public key (default with --certificates DIR: "
+                   "DIR/operator.pub): only runs signed with its private key run")
+    p.add_argument("--runs-dir", default=".", help="the only directory runs may write to (a recipe's output_dir must "
+                   "be inside it); default: the directory this command starts in")
     p.set_defaults(flower_func=_superlink)
 
     p = sub.add_parser("supernode", help="start a SuperNode serving one client (and its fedllm worker)")
@@ -348,6 +554,8 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--wait-nodes", type=float, default=120,
                    help="seconds to wait at start for one SuperNode per client (progress every 5 s), then exit 2")
     p.add_argument("--probe-mb", type=float, default=0, help="check the transport with a tensor of this many MB")
+    p.add_argument("--operator-key", help="the operator's private key that signs the run (default: operator.key "
+                   "beside --root-certificates, as fedllm flower certs writes them)")
     p.set_defaults(flower_func=_run)
 
 

@@ -211,7 +211,8 @@ def close_client_state(plan: ClientPlan, strategy: Strategy, store: ClientStore,
     store.put(plan.client_id, join_optimizer(kept, result.optimizer_state if result.optimizer_state is not None
                                              else moments))
     upload = strategy.client_upload(plan, result.state, result.steps)
-    return ClientUpdate(plan.client_id, upload, num_examples, result.loss, result.steps, padding=result.padding)
+    return ClientUpdate(plan.client_id, upload, num_examples, strategy.released_loss(result.loss), result.steps,
+                        padding=result.padding)
 
 
 def run_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, store: ClientStore,

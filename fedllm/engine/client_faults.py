@@ -11,7 +11,9 @@ times, and the run then stops with a checkpoint of the last completed round).
 Beyond finiteness, an update's norm ``||u_i - g||`` (over the tensors it shares with the global state
 ``g``; the tensor itself for the others) is bounded: above ``federation.max_update_norm``, or more than
 ``federation.update_outlier_factor`` times the median norm of the round's other updates (and of the
-previous round's accepted ones), the client is dropped like a faulty one. A round whose aggregate is
+previous round's accepted ones), the client is dropped like a faulty one. Under client-level DP the relative
+bound is ``update_outlier_factor`` times the clipping norm instead, and a round is not retried (the strategy's
+``outlier_scale`` and ``resample_on_drops``): one client's data must not decide whether another is summed. A round whose aggregate is
 not finite stops the run without a checkpoint of it (the newest checkpoint stays the previous one).
 """
 
@@ -61,7 +63,7 @@ def expected_upload(strategy: Strategy, plan: ClientPlan, model: torch.nn.Module
 
 def update_problem(update: ClientUpdate, expected: Optional[Layout]) -> Optional[str]:
     """Why ``update`` must not be aggregated, or None when it is valid."""
-    if not isinstance(update.loss, (int, float)) or not math.isfinite(update.loss):
+    if update.loss is not None and (not isinstance(update.loss, (int, float)) or not math.isfinite(update.loss)):
         return f"non-finite training loss ({update.loss})"
     if expected is not None:
         got = layout(update.state)
@@ -98,13 +100,21 @@ def update_norm(update: StateDict, global_state: StateDict) -> float:
 
 
 def norm_outliers(norms: dict[int, float], max_norm: Optional[float], factor: Optional[float],
-                  reference: list[float]) -> dict[int, str]:
+                  reference: list[float], scale: Optional[float] = None) -> dict[int, str]:
     """``{client: why}`` of the updates whose norm is above ``max_norm``, or above ``factor`` x the median of
-    the other clients' norms and the ``reference`` norms (a median of 0 or no others: not judged)."""
+    the other clients' norms and the ``reference`` norms (a median of 0 or no others: not judged).
+
+    With a data-independent ``scale`` (client-level DP: the clipping norm) the relative bound is ``factor`` x
+    ``scale`` instead, so each verdict depends on that client's norm alone (``reference`` is not used)."""
     out = {}
     for cid, norm in norms.items():
         if max_norm is not None and norm > max_norm:
             out[cid] = f"update norm {norm:.4g} above federation.max_update_norm={max_norm:g}"
+            continue
+        if scale is not None:
+            if factor is not None and norm > factor * scale:
+                out[cid] = (f"update norm {norm:.4g} is more than federation.update_outlier_factor={factor:g} times "
+                            f"the clipping norm ({scale:.4g}; under client-level DP the bound ignores other clients)")
             continue
         others = [n for c, n in norms.items() if c != cid] + list(reference)
         median = statistics.median(others) if others and factor is not None else 0.0
@@ -118,6 +128,12 @@ def describe(exc: BaseException) -> str:
     """One line naming an exception a client raised."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"raised {type(exc).__name__}" + (f": {text}" if text else "")
+
+
+def steps_seen(updates: list[Any]) -> dict[int, int]:
+    """``{client: local steps}`` of every upload that reached the server, valid or dropped (a dropped one that
+    raised before uploading has none)."""
+    return {u.client_id: int(u.steps) for u in updates if u.steps}
 
 
 def split_dropped(updates: list[Any]) -> tuple[list[ClientUpdate], dict[int, str]]:

@@ -196,6 +196,7 @@ class LocalExecutor:
         updates, down, changed = self.dispatch.gather(
             updates, down, {u.client_id: loop.store.get(u.client_id) for u in updates})
         loop.store.update(changed)
+        strategy.uploads_seen(rnd, client_faults.steps_seen(updates))  # before any is dropped (DP-SGD counts them)
         updates, dropped = client_faults.split_dropped(updates)
         if secure is not None:
             updates, lost, loop.secure_record = secure.finish(updates)
@@ -215,6 +216,7 @@ class LocalExecutor:
                   bar: Any) -> ClientUpdate:
         """Train one client; a fault makes a :class:`client_faults.DroppedUpdate` (its stored entry is kept)."""
         recipe, data, cid = loop.recipe, loop.fed.data, plan.client_id
+        update = None
         try:
             update = run_client(loop.model, plan, loop.fed.strategy, loop.store, data.examples, data.clients[cid],
                                 recipe.train, loop.collate, derived_seed(recipe.seed, rnd, cid), bar)
@@ -225,7 +227,8 @@ class LocalExecutor:
         if problem is None:
             return update
         loop.store.put(cid, kept)  # a dropped client keeps the state it had before the round
-        return client_faults.DroppedUpdate(cid, {}, len(data.clients[cid]), math.nan, 0, reason=problem)
+        steps = update.steps if update is not None else 0  # an upload that arrived was trained and seen
+        return client_faults.DroppedUpdate(cid, {}, len(data.clients[cid]), math.nan, steps, reason=problem)
 
     def train_batched(self, loop: RoundLoop, rnd: int, planned: list[tuple[Any, Any, StateDict]],
                       bar: Any) -> Optional[list]:
@@ -250,7 +253,7 @@ class LocalExecutor:
             if problem is not None:
                 loop.store.put(plan.client_id, kept)
                 update = client_faults.DroppedUpdate(plan.client_id, {}, len(data.clients[plan.client_id]),
-                                                     math.nan, 0, reason=problem)
+                                                     math.nan, update.steps, reason=problem)
             out.append(update)
         return out
 
@@ -317,7 +320,8 @@ class RoundLoop:
         """Continue from a checkpoint: global state, strategy, base weights, per-client state, metrics."""
         ck = ckpt_io.load_checkpoint(directory)
         ckpt_io.restore_into(self.model, self.fed.strategy, ck)
-        self.global_state = ck.adapter
+        order = [k for k in self.fed.global_keys if k in ck.adapter]  # the model's order, as a fresh run reads it:
+        self.global_state = {**{k: ck.adapter[k] for k in order}, **ck.adapter}  # DP noise is drawn key by key
         self.store = ckpt_io.client_store(ck)
         self.start_round = ck.round
         self.executor.load_state(ck.meta.get("executor", {}))
@@ -395,7 +399,7 @@ class RoundLoop:
         fed = self.recipe.federation
         norms = {u.client_id: client_faults.update_norm(u.state, self.global_state) for u in updates}
         outliers = client_faults.norm_outliers(norms, fed.max_update_norm, fed.update_outlier_factor,
-                                               self.accepted_norms)
+                                               self.accepted_norms, self.fed.strategy.outlier_scale())
         for cid, why in outliers.items():
             log.warning("round %d: client %d dropped: %s", rnd, cid, why)
             self.store.put(cid, before[cid])
@@ -422,9 +426,13 @@ class RoundLoop:
         why = strategy.round_problem(rnd)
         if why:
             self.stop(rnd, why)
-        for attempt in range(fed.round_retries + 1):
-            sampled = sample_clients(recipe.seed, rnd, fed.num_clients, recipe.sampled_per_round(), attempt,
-                                     frozenset(failed))
+        retries_allowed = fed.round_retries if strategy.resample_on_drops else 0  # not under client-level DP
+        for attempt in range(retries_allowed + 1):
+            why = strategy.round_problem(rnd) if attempt else None  # the discarded sample's uploads spent budget
+            if why:
+                self.stop(rnd, why)
+            sampled = sample_clients(strategy.sampling_seed(recipe.seed), rnd, fed.num_clients,
+                                     recipe.sampled_per_round(), attempt, frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
             updates, down, dropped = self.executor.train(self, rnd, sampled, lr, bar)
             if not secure_aggregation(recipe.privacy):  # the server sees no single update to measure
@@ -440,10 +448,11 @@ class RoundLoop:
                             "bytes_down_total": sum(down.values())})
             log.warning("round %d: %d valid update(s) of %d, fewer than federation.min_clients_per_round=%d%s",
                         rnd, len(updates), len(sampled), fed.min_clients_per_round,
-                        "; trying a fresh sample" if attempt < fed.round_retries else "")
+                        "; trying a fresh sample" if attempt < retries_allowed else "")
         else:
             self.stop(rnd, f"fewer than federation.min_clients_per_round={fed.min_clients_per_round} valid updates "
-                           f"in each of {fed.round_retries + 1} samples")
+                           + (f"in each of {retries_allowed + 1} samples" if strategy.resample_on_drops else
+                              "(not retried under client-level DP: which clients failed would pick a second sample)"))
         aggregated = self.aggregate(rnd, updates)
         for cid, extra in self.executor.sync(self, rnd, sampled, aggregated).items():
             down[cid] = down.get(cid, 0) + extra
@@ -454,9 +463,11 @@ class RoundLoop:
             "client_steps": {str(u.client_id): u.steps for u in updates},
             "bytes_up": {str(c): b for c, b in up.items()}, "bytes_down": {str(c): b for c, b in down.items()},
             "bytes_up_total": sum(up.values()), "bytes_down_total": sum(down.values()),
-            "train_loss": sum(u.loss * u.num_examples for u in updates) / sum(u.num_examples for u in updates),
+            "train_loss": released_mean_loss(updates),
             "padded_fraction": padded_fraction(updates),
         }
+        if any(u.loss is None for u in updates):  # not uploaded (DP-SGD: no noise protects a client's loss)
+            del record["client_loss"], record["train_loss"]
         record.update(strategy.round_record(rnd))
         if secure_aggregation(recipe.privacy):
             record["secure_aggregation"] = self.secure_record
@@ -499,7 +510,7 @@ class RoundLoop:
             self.log_round(record)
             eta = run_eta(self.history, rounds)
             bar.set_postfix_str(f"run ETA {eta}", refresh=True)
-            self.say(f"round {rnd}/{rounds}  clients={record['clients']}  loss={record['train_loss']:.4f}  "
+            self.say(f"round {rnd}/{rounds}  clients={record['clients']}  loss={_loss(record)}  "
                      f"up={record['bytes_up_total'] / 1e6:.2f}MB  down={record['bytes_down_total'] / 1e6:.2f}MB  "
                      f"{record['seconds']:.1f}s  ETA {eta}  {_format_metrics(record.get('eval', {}))}".rstrip()
                      + "".join(f"\n  client {c} dropped: {why}" for c, why in record.get("dropped", {}).items()))
@@ -533,7 +544,7 @@ class RoundLoop:
             "rounds": len(rounds), "strategy": self.recipe.federation.strategy,
             "bytes_up_total": sum(h["bytes_up_total"] for h in rounds),
             "bytes_down_total": sum(h["bytes_down_total"] for h in rounds),
-            "final_train_loss": rounds[-1]["train_loss"] if rounds else None,
+            "final_train_loss": rounds[-1].get("train_loss") if rounds else None,
             "initial_eval": evals[0]["eval"] if evals and evals[0]["round"] == 0 else None,
             "final_eval": evals[-1]["eval"] if evals else None,
             "final_personal_eval": personal[-1]["personal_eval"] if personal else None,
@@ -546,6 +557,13 @@ class RoundLoop:
         }
         ckpt_io.atomic_write_text(self.run_dir / "summary.json", strict_json.dumps(summary, indent=2))
         return summary
+
+
+def released_mean_loss(updates: list) -> Optional[float]:
+    """The example-weighted mean of the clients' uploaded losses (None when a client uploaded none)."""
+    if any(u.loss is None for u in updates):
+        return None
+    return sum(u.loss * u.num_examples for u in updates) / sum(u.num_examples for u in updates)
 
 
 def padded_fraction(updates: list) -> float:
@@ -570,6 +588,10 @@ def write_run_plot(run_dir: Path) -> None:
         plot_runs([run_dir], run_dir / "plot.png")
     except Exception as e:  # noqa: BLE001 — matplotlib missing or a drawing error must not lose the run
         log.warning("could not write %s: %s: %s", run_dir / "plot.png", type(e).__name__, e)
+
+
+def _loss(record: dict[str, Any]) -> str:
+    return f"{record['train_loss']:.4f}" if "train_loss" in record else "n/a"  # DP-SGD: not uploaded
 
 
 def _format_metrics(metrics: dict[str, float]) -> str:

@@ -130,43 +130,66 @@ def _metric_lines(metrics: dict[str, Any]) -> list[str]:
     return [f"  - {k}: {v:.6g}" if isinstance(v, (int, float)) else f"  - {k}: {v}" for k, v in metrics.items()]
 
 
-UNPROTECTED_UNDER_DP = ("final_train_loss", "dropped")
-"""summary.json entries a card leaves out under differential privacy: computed from the clients' data and released
-by nothing that adds noise (with ``privacy.unclipped``, the exact count of unclipped updates)."""
+RELEASED_UNDER_DP = ("rounds", "strategy", "initial_eval", "final_eval", "epsilon", "privacy")
+"""The only summary.json entries a card releases under differential privacy: the guarantee (ε, and ``privacy``: the
+settings, the noise, the current clipping norm — itself set by noised releases — without ``unclipped``, the exact
+count) and evaluations of the released model. Everything else in summary.json is computed from the clients' data
+with no noise: the training loss, the dropped clients, bytes (they count the accepted uploads), seconds, per-client
+ε (each client's steps), the personal evaluations on each client's own data."""
 
 
 def _released(summary: dict[str, Any], private: bool) -> dict[str, Any]:
-    """``summary`` as a card may release it: under DP without :data:`UNPROTECTED_UNDER_DP` and the exact count."""
+    """``summary`` as a card may release it: under DP only :data:`RELEASED_UNDER_DP`, without the exact count."""
     if not private:
         return summary
-    out = {k: v for k, v in summary.items() if k not in UNPROTECTED_UNDER_DP}
+    out = {k: v for k, v in summary.items() if k in RELEASED_UNDER_DP}
     if isinstance(out.get("privacy"), dict):
         out["privacy"] = {k: v for k, v in out["privacy"].items() if k != "unclipped"}
     return out
 
 
+def _privacy_notes(source: Source, client: Optional[int]) -> list[str]:
+    """What a DP run's card must say about what the guarantee does not cover in this export."""
+    pv, lines = source.recipe.privacy, []
+    if pv.mechanism == "none":
+        return lines
+    if pv.noise_seed is not None:
+        lines.append(f"- **privacy.noise_seed is set ({pv.noise_seed})**: the noise (and, under client-level DP, the "
+                     "client sample) can be recomputed from this card, so the differential-privacy guarantee does not "
+                     "hold (a setting for experiments only)")
+    if client is not None:
+        lines.append(f"- client {client}'s personal model: its private tensors were trained on its data and never "
+                     "noised; the differential-privacy guarantee covers the global part only")
+    return lines
+
+
 def _results(source: Source, client: Optional[int]) -> str:
     m = source.metrics
+    notes = _privacy_notes(source, client)
     if not m:
-        return "No metrics were found beside the checkpoint."
-    lines = []
+        return "\n".join([*notes, "No metrics were found beside the checkpoint."])
+    lines = list(notes)
     private = source.recipe.privacy.mechanism != "none"
     if private and m.get("train_loss") is not None:
         lines.append("- train loss: not released (under differential privacy the clients' losses are not noised)")
     elif m.get("train_loss") is not None:
         lines.append(f"- train loss (round {m['round']}): {m['train_loss']:.6g}")
-    if "bytes_up_total" in m:
+    if private and "bytes_up_total" in m:
+        lines.append("- communication: not released (under differential privacy the bytes count the accepted uploads)")
+    elif "bytes_up_total" in m:
         lines.append(f"- communication: {m['bytes_up_total']} bytes up, {m['bytes_down_total']} bytes down")
     if m.get("eval"):
         lines.append(f"- evaluation of the global model after round {m['eval_round']}:")
         lines += _metric_lines(m["eval"])
     personal = (m.get("personal_eval") or {}).get(str(client)) if client is not None else None
-    if isinstance(personal, dict) and personal:
+    if private and isinstance(personal, dict) and personal:
+        lines.append(f"- evaluation of client {client}'s model on its own data: not released (no noise protects it)")
+    elif isinstance(personal, dict) and personal:
         lines.append(f"- evaluation of client {client}'s model on its own data after round {m['personal_eval_round']}:")
         lines += _metric_lines(personal)
     summary = m.get("summary")
     if summary:
-        note = " (under DP without the training loss, the dropped clients and the unclipped count)" if private else ""
+        note = f" (under DP only {', '.join(RELEASED_UNDER_DP)}; no unclipped count)" if private else ""
         lines.append(f"- summary.json{note}: `{json.dumps(_released(summary, private), sort_keys=True)}`")
     return "\n".join(lines) or "No metrics were found beside the checkpoint."
 

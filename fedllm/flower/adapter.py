@@ -119,7 +119,8 @@ class FedllmStrategy(FlowerStrategy):
 
         recipe = self.loop.recipe
         sampled = config["sampled"] if "sampled" in config else sample_clients(
-            recipe.seed, server_round, recipe.federation.num_clients, recipe.sampled_per_round())
+            self.strategy.sampling_seed(recipe.seed), server_round, recipe.federation.num_clients,
+            recipe.sampled_per_round())
         lr = float(config["lr"]) if "lr" in config else round_lr(recipe, server_round)
         messages = []
         self.bytes_down, self.expected, self.sent = {}, {}, {}
@@ -167,7 +168,7 @@ class FedllmStrategy(FlowerStrategy):
         """
         from fedllm.engine import client_faults
 
-        updates, dropped = [], {}
+        updates, dropped, seen = [], {}, {}
         for m in replies:
             cid = self.sent.get(m.metadata.src_node_id, self.sent.get(self.origin.get(m.metadata.reply_to_message_id)))
             if cid is None:  # not a node this round's messages went to: ignored (its client counts as silent)
@@ -181,7 +182,8 @@ class FedllmStrategy(FlowerStrategy):
             self.synced[cid] = int(metrics["synced"])
             self.steps[cid] = int(metrics.get("step", server_round))
             update = ClientUpdate(cid, records.decode(m.content.array_records["update"]), int(metrics["num_examples"]),
-                                  float(metrics["loss"]), int(metrics["steps"]))
+                                  float(metrics["loss"]) if "loss" in metrics else None, int(metrics["steps"]))
+            seen[cid] = update.steps  # trained and received, whether it is aggregated or dropped below
             problem = client_faults.update_problem(update, self.expected.get(cid))
             if problem is not None:
                 dropped[cid] = problem
@@ -190,6 +192,7 @@ class FedllmStrategy(FlowerStrategy):
         for cid in self.expected:
             if cid not in dropped and all(u.client_id != cid for u in updates):
                 dropped[cid] = "no reply within the timeout"
+        self.strategy.uploads_seen(server_round, {c: s for c, s in sorted(seen.items()) if s})
         return sorted(updates, key=lambda u: u.client_id), dropped
 
     def note_synced(self, replies: Iterable[Message]) -> None:
@@ -208,8 +211,10 @@ class FedllmStrategy(FlowerStrategy):
         """The round loop's aggregation of the replies; the new global adapter and the mean train loss."""
         updates, _ = self.decode_updates(server_round, replies)
         self.keep_aggregate(server_round, self.loop.aggregate(server_round, updates))
-        loss = sum(u.loss * u.num_examples for u in updates) / sum(u.num_examples for u in updates)
-        return records.encode(self.loop.global_state), MetricRecord({"train_loss": loss})
+        from fedllm.engine.server import released_mean_loss
+
+        loss = released_mean_loss(updates)
+        return records.encode(self.loop.global_state), MetricRecord({} if loss is None else {"train_loss": loss})
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

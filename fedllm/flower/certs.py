@@ -7,7 +7,9 @@ or IP addresses) the nodes use to reach the SuperLink, and 127.0.0.1/localhost (
 reaches the SuperLink's local Runtime API there). With ``--clients N``, ``nodes/client-K.key`` and
 ``nodes/client-K.pub`` for K < N: the SuperNode authentication key pair of client K's node (ECDSA P-384,
 OpenSSH format, as Flower's ``--auth-supernode-private-key`` and ``flwr supernode register`` read them);
-copy ``client-K.key`` to that node only. For production, use certificates from your PKI.
+copy ``client-K.key`` to that node only. ``operator.key`` / ``operator.pub``: the operator's Ed25519 pair that signs
+every run (:mod:`fedllm.flower.authorise`); ``operator.key`` stays with whoever runs ``fedllm flower run``. For
+production, use certificates from your PKI.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def write_certificates(directory: Path, hosts: list[str], days: int = 365, clien
     if clients < 0:
         raise InputError(f"--clients={clients}: expected an integer >= 0")
     existing = [str(p) for p in files.values() if p.exists()]
+    existing += [str(p) for p in (directory / "operator.key", directory / "operator.pub") if p.exists()]
     existing += [str(p) for p in sorted((directory / "nodes").glob("client-*"))] if clients else []
     if existing:
         raise InputError(f"{directory}: {', '.join(existing)} already exist; choose an empty directory")
@@ -87,7 +90,11 @@ def write_certificates(directory: Path, hosts: list[str], days: int = 365, clien
     files["ca"].write_bytes(ca.public_bytes(pem))
     files["cert"].write_bytes(cert.public_bytes(pem))
     for path, k in ((files["ca_key"], ca_key), (files["key"], key)):
-        path.write_bytes(k.private_bytes(**private))
+        path.touch(mode=0o600)  # private from its creation, not after the write
         path.chmod(0o600)
+        path.write_bytes(k.private_bytes(**private))
     files.update(write_node_keys(directory / "nodes", clients))
+    from fedllm.flower.authorise import write_operator_key
+
+    files.update(write_operator_key(directory))
     return files

@@ -22,10 +22,16 @@ app = ClientApp()
 
 @app.query("fedllm")
 def info(msg: Message, context: Context) -> Message:
-    """Tell the server which client this node serves; echo the size and sum of a transport probe."""
+    """Tell the server which client this node serves; echo the size and sum of a transport probe. A node worker
+    starts building the run's federation now (the query announces the run), so the node's first train message
+    finds it built."""
     from fedllm.flower.node import NodeConfig
+    from fedllm.flower.worker_cache import prepare_node
 
     node = NodeConfig.parse(dict(context.node_config))
+    cfg = msg.content.config_records.get("fedllm")
+    if cfg is not None and cfg.get("recipe"):
+        prepare_node(node, str(cfg["recipe"]), str(cfg["token"]))
     reply = {"client_id": node.client_id, "probe_bytes": 0, "probe_sum": 0.0}
     if "probe" in msg.content.array_records:
         arrays = msg.content.array_records["probe"]
@@ -65,9 +71,9 @@ def train(msg: Message, context: Context) -> Message:
     update = node.train(int(cfg["round"]), float(cfg["lr"]), state, json.loads(str(cfg["phases"])), extra, local)
     node.save(int(cfg["round"]), state)
     comm = node.recipe.federation.comm_dtype
-    metrics = MetricRecord({"client_id": node.config.client_id, "num_examples": update.num_examples,
-                            "loss": float(update.loss), "steps": update.steps, "synced": node.synced,
-                            "step": int(cfg["round"])})
+    loss = {} if update.loss is None else {"loss": float(update.loss)}  # DP-SGD uploads no loss
+    metrics = MetricRecord({"client_id": node.config.client_id, "num_examples": update.num_examples, **loss,
+                            "steps": update.steps, "synced": node.synced, "step": int(cfg["round"])})
     return Message(RecordDict({"update": records.encode(update.state, comm), "metrics": metrics}), reply_to=msg)
 
 

@@ -63,6 +63,7 @@ class FlowerExecutor:
         self.num_clients = 0
         self.origin: dict[str, int] = {}  # message id -> the node it was sent to
         self.token = uuid.uuid4().hex[:16]
+        self.recipe_yaml = ""
         self.adapter: FedllmStrategy | None = None
         self.synced: dict[int, int] = {}
         self.steps: dict[int, int] = {}
@@ -79,6 +80,9 @@ class FlowerExecutor:
             self.adapter.steps = dict(self.steps)
             self.adapter.origin = self.origin
             self.num_clients = loop.recipe.federation.num_clients
+            from fedllm.recipe.schema import dump_recipe
+
+            self.recipe_yaml = dump_recipe(loop.recipe)  # sent with the query: node workers build the model then
             self.adapter.nodes = self.discover(loop.recipe.federation.num_clients)
         return self.adapter
 
@@ -99,11 +103,12 @@ class FlowerExecutor:
             probe = np.random.default_rng(0).random(int(self.probe_mb * 2**20 / 4), dtype=np.float32)
         messages = []
         for node in sorted(nodes):
-            content = RecordDict({"fedllm": ConfigRecord({"token": self.token})})
+            content = RecordDict({"fedllm": ConfigRecord({"token": self.token, "recipe": self.recipe_yaml})})
             if probe is not None:
                 content["probe"] = ArrayRecord([probe])
             messages.append(Message(content, dst_node_id=node, message_type="query.fedllm"))
         claims: dict[int, int] = {}
+        started = time.monotonic()
         for m in self.send(messages, timeout):
             if m.has_error():
                 log.warning("node %s failed to say which client it serves: %s", m.metadata.src_node_id, m.error.reason)
@@ -117,6 +122,10 @@ class FlowerExecutor:
                 if got[0] != expected[0] or abs(got[1] - expected[1]) > 1e-6 * abs(expected[1]):
                     raise ClientFailed(f"client {cid}: transport probe came back as {got}, sent {expected}")
             self.probe[cid] = got
+        if probe is not None and claims:
+            seconds = time.monotonic() - started
+            log.info("transport probe: %.1f MB to %d node(s) and their answers in %.2f s (%.1f MB/s)",
+                     probe.nbytes / 1e6, len(claims), seconds, probe.nbytes * len(claims) / 1e6 / seconds)
         return claims
 
     def refusal(self, node: int, cid: int, key: bytes, nodes: dict[int, int], num_clients: int) -> str | None:

@@ -82,6 +82,10 @@ class Node:
                          "federation.fraction=null", "federation.min_clients_per_round=1",
                          "federation.partition.method=iid"]
         recipe = parse_recipe(read_yaml(recipe_yaml), "<recipe from the server>", overrides)
+        if recipe.train.threads is not None:  # as fedllm train: the recipe's count beats the process's default
+            from fedllm.common import threads
+
+            threads.apply(recipe.train.threads)
         self.fed = build_federation(recipe)
         self.recipe = recipe
         self.indices = self.fed.data.clients[0 if config.data_path else config.client_id]

@@ -72,6 +72,30 @@ def _input_error(e: BaseException | None) -> bool:
     return False
 
 
+def shown_in_run_log(e: BaseException) -> str:
+    """What the run's log (``flwr log``, readable through the SuperLink's Control API) may say of bad input ``e``.
+
+    Messages fedllm writes from the run config alone (a refused signature, a taken or forbidden ``output_dir``) in
+    full; a recipe's problems by their keys only, and any other input error by its kind only: their values may
+    quote files on the SuperLink's machine (a data file's fields, a folder's listing), and those stay on the
+    SuperLink's terminal (``fedllm flower superlink``), where the full message is printed.
+    """
+    from fedllm.flower.authorise import RunRefused
+    from fedllm.recipe.schema import RecipeError
+    from fedllm.runs.rundir import RunDirError
+
+    while e is not None and not isinstance(e, (RunRefused, RunDirError, RecipeError)) and e.__cause__ is not None:
+        e = e.__cause__
+    if isinstance(e, (RunRefused, RunDirError)):
+        return str(e)
+    where = "its values and what is expected are on the SuperLink's terminal (fedllm flower superlink)"
+    if isinstance(e, RecipeError):
+        keys = ", ".join(dict.fromkeys(str(key) for key, _, _ in e.problems))
+        return f"{e.source}: {len(e.problems)} problem(s) in the recipe, at {keys}; {where}"
+    return f"the SuperLink refused the run's input ({type(e).__name__}); its message is on the SuperLink's terminal " \
+           "(fedllm flower superlink)"
+
+
 def _certificates(root_certificates: str | None) -> bytes | None:
     return Path(root_certificates).read_bytes() if root_certificates else None
 
@@ -111,7 +135,8 @@ SERVER_APP_IMPORTS = ("flwr.server.run_serverapp", "flwr.superlink.grid", "fedll
 its first task, so that each task's forked child starts with them."""
 
 
-def serve_serverapps(address: str, secret: bytes, root_certificates: str | None, node_keys: str | None) -> None:
+def serve_serverapps(address: str, secret: bytes, root_certificates: str | None, node_keys: str | None,
+                     operator=None) -> None:
     """Claim every ServerApp task of the SuperLink at ``address``; run each in a child forked from this runner.
 
     The runner imports the ServerApp's modules once (:data:`SERVER_APP_IMPORTS`) and runs no torch operation and no
@@ -133,7 +158,8 @@ def serve_serverapps(address: str, secret: bytes, root_certificates: str | None,
         for name in SERVER_APP_IMPORTS:
             importlib.import_module(name)
         reap()
-        children.append(processes.Forked(lambda: run_server_task(address, token, root_certificates, node_keys)))
+        children.append(processes.Forked(lambda: run_server_task(address, token, root_certificates, node_keys,
+                                                                 operator)))
 
     try:
         # runs start seldom: a claim every second costs little
@@ -143,7 +169,8 @@ def serve_serverapps(address: str, secret: bytes, root_certificates: str | None,
             processes.stop(child)
 
 
-def run_server_task(address: str, token: str, root_certificates: str | None, node_keys: str | None) -> int:
+def run_server_task(address: str, token: str, root_certificates: str | None, node_keys: str | None,
+                    operator=None) -> int:
     """One ServerApp task: pull its input, refuse a foreign FAB, run fedllm's ServerApp, report the outcome."""
     from queue import Queue
 
@@ -186,19 +213,28 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
             details = refusal
         else:
             context.run_config = get_fused_config_from_fab(fab.content, run)
-            server_app.NODE_KEYS = node_keys
+            from flwr.superlink.grid import http_grid
+
+            from fedllm.flower.supernode import quick_object_pulls
+
+            quick_object_pulls(http_grid)  # a reply's chunks: asked again after 50 ms, not Flower's 1 s
+            server_app.NODE_KEYS, server_app.OPERATOR = node_keys, operator
             run_server_app(grid=grid, context=context, server_app_dir="", loaded_server_app=server_app.app)
             status, details = SubStatus.COMPLETED, ""
     except Exception as e:  # noqa: BLE001 — reported to the SuperLink as the run's failure
         from fedllm.flower import BAD_INPUT, FEDERATION_INCOMPLETE
 
-        if FEDERATION_INCOMPLETE in str(e):  # an expected condition: its message says it all
+        told = str(e)
+        if FEDERATION_INCOMPLETE in told:  # an expected condition: its message says it all
             print(f"fedllm: {e}", file=sys.stderr, flush=True)
         elif _input_error(e):  # bad input (a taken output_dir, a recipe the strategy refuses): the message, as the
-            print(f"fedllm: error: {e}", file=sys.stderr, flush=True)  # CLI gives it, not a traceback
+            told = shown_in_run_log(e)  # CLI gives it, not a traceback; what may quote files: on this terminal only
+            if told != str(e):
+                os.write(2, f"fedllm: error in run {context.run_id if context else '?'}: {e}\n".encode())
+            print(f"fedllm: error: {told}", file=sys.stderr, flush=True)
         else:
             logging.getLogger("fedllm").exception("ServerApp raised")
-        details = f"ServerApp failed with exception{f' ({BAD_INPUT})' if _input_error(e) else ''}: {e}"
+        details = f"ServerApp failed with exception{f' ({BAD_INPUT})' if _input_error(e) else ''}: {told}"
     finally:
         if uploader is not None:
             flush_logs(log_queue)
@@ -355,11 +391,15 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
             if reply is not None and context is not None:
                 push_message(client, reply, context)
             push_task_output(client=client, context=context, sub_status=status, details=details)
+        except Exception as e:  # noqa: BLE001 — the run was stopped (or the SuperNode restarted) meanwhile: the
+            log.warning("could not hand back the reply to message %s (its run stopped, or the SuperNode restarted): "
+                        "%s", message.metadata.message_id if message is not None else "?", e)  # worker goes on
         finally:
             if journal is not None:
                 journal.unlink(missing_ok=True)
             heartbeat.stop()
             client.close()
+            cache.build_prepared()  # a run the server's query just announced: built now, before its first message
 
 
 def configure_logging() -> None:
@@ -373,6 +413,20 @@ def configure_logging() -> None:
         logs.quiet_third_party()
 
 
+def apply_thread_policy(side: str) -> None:
+    """fedllm's CPU thread policy (:mod:`fedllm.common.threads`), applied before torch loads, as ``fedllm train``
+    applies it: the thread count (``FEDLLM_THREADS`` > a user's ``OMP_NUM_THREADS`` > the usable cores) and
+    ``OMP_WAIT_POLICY=PASSIVE`` when the machine is busy. Every ServerApp forked from this runner and every message
+    the worker answers inherit it; a recipe's ``train.threads`` then sets the count when its federation is built
+    (the ServerApp: ``fedllm.engine.server.run``; the worker: :class:`fedllm.flower.node.Node`)."""
+    from fedllm.common import threads
+
+    policy = threads.apply()
+    log.info("fedllm %s: CPU threads %d (%s); OpenMP wait: %s (%s)", "ServerApp runner" if side == "serverapps"
+             else "worker", policy.threads, policy.source,
+             " ".join(f"{k}={v}" for k, v in policy.wait.items()) or "default", policy.wait_source)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m fedllm.flower.runtime serverapps|clientapps --runtime-api-address A --secret-file F``."""
     import argparse
@@ -383,14 +437,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--secret-file", required=True)
     parser.add_argument("--root-certificates")
     parser.add_argument("--node-keys")
+    parser.add_argument("--operator-pub", help="only runs signed with this operator key run (serverapps)")
+    parser.add_argument("--runs-dir", default=".", help="runs may write only inside it (serverapps)")
+    parser.add_argument("--used-nonces", help="file of the signed run configs' nonces seen (serverapps)")
     parser.add_argument("--poll", type=float, default=0.25, help="seconds between task claims (clientapps)")
     parser.add_argument("--journal", help="file keeping the message being answered (clientapps)")
     parser.add_argument("--warm-runs", type=int, default=2, help="runs whose federation stays in memory (clientapps)")
     args = parser.parse_args(argv)
     configure_logging()
+    apply_thread_policy(args.side)
     secret = Path(args.secret_file).read_bytes()
     if args.side == "serverapps":
-        serve_serverapps(args.runtime_api_address, secret, args.root_certificates, args.node_keys)
+        from fedllm.flower.server_app import Operator
+
+        used = args.used_nonces or str(Path(args.secret_file).with_name("nonces"))
+        serve_serverapps(args.runtime_api_address, secret, args.root_certificates, args.node_keys,
+                         Operator(args.operator_pub, str(Path(args.runs_dir).resolve()), used))
     else:
         serve_clientapps(args.runtime_api_address, secret, Path(args.journal) if args.journal else None, args.poll,
                          args.warm_runs)

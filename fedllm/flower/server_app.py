@@ -11,10 +11,15 @@ SuperLink runs the ServerApp):
 
 Under ``fedllm flower superlink`` this app is run by fedllm's own runner (:mod:`fedllm.flower.runtime`), which
 sets :data:`NODE_KEYS` to the directory of the clients' node keys (``fedllm flower certs``): client K is then
-served only by the node that authenticated with ``client-K.pub``.
+served only by the node that authenticated with ``client-K.pub``; and :data:`OPERATOR`: a run's config must then be
+signed with the operator's key (:mod:`fedllm.flower.authorise`; checked before any file is read) and its
+``output_dir`` must lie inside the SuperLink's ``--runs-dir``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -22,6 +27,39 @@ from flwr.serverapp import Grid, ServerApp
 app = ServerApp()
 NODE_KEYS: str | None = None
 """Directory holding ``client-K.pub`` (OpenSSH) for every client K, or None (any node may claim a client)."""
+
+
+@dataclass
+class Operator:
+    """What the SuperLink's operator allows (``fedllm flower superlink``)."""
+
+    public_key: str | None  # the operator's Ed25519 public key; None: unsigned runs are accepted
+    runs_dir: str  # a run's output_dir must lie inside it
+    used_nonces: str  # the nonces of the signed configs run so far (a replay is refused)
+
+
+OPERATOR: Operator | None = None
+"""Set by fedllm's ServerApp runner; None (Flower's own runner): the run config is taken as given."""
+
+
+def authorised_recipe(cfg: dict, operator: Operator):
+    """The run's recipe, once the config is the operator's (signature, age, nonce, the recipe's bytes) and its
+    ``output_dir`` lies inside ``operator.runs_dir``."""
+    from fedllm.flower import authorise
+    from fedllm.recipe.checks import load_recipe, recipe_from_bytes
+
+    overrides = str(cfg.get("overrides", "")).split()
+    if operator.public_key is not None:
+        authorise.verify(cfg, Path(operator.public_key))
+        authorise.claim_nonce(cfg, Path(operator.used_nonces))
+        recipe = recipe_from_bytes(authorise.signed_recipe(cfg), str(cfg["recipe"]), overrides)
+    else:
+        recipe = load_recipe(str(cfg["recipe"]), overrides)
+    out, allowed = Path(recipe.output_dir).expanduser().resolve(), Path(operator.runs_dir).resolve()
+    if not out.is_relative_to(allowed):
+        raise authorise.RunRefused(f"output_dir={recipe.output_dir}: outside {allowed}, the only directory runs of this "
+                         "SuperLink may write to (fedllm flower superlink --runs-dir)")
+    return recipe
 
 
 def read_node_keys(directory: str) -> dict[int, bytes]:
@@ -49,7 +87,8 @@ def main(grid: Grid, context: Context) -> None:
     if not cfg.get("recipe"):
         raise ValueError("run config: key 'recipe' missing; expected the path of a recipe YAML, e.g. "
                          "--run-config \"recipe='/abs/path/recipe.yaml'\"")
-    recipe = load_recipe(str(cfg["recipe"]), str(cfg.get("overrides", "")).split())
+    recipe = (authorised_recipe(cfg, OPERATOR) if OPERATOR is not None
+              else load_recipe(str(cfg["recipe"]), str(cfg.get("overrides", "")).split()))
     executor = FlowerExecutor(grid, timeout=float(cfg.get("timeout", 3600)), probe_mb=float(cfg.get("probe-mb", 0)),
                               wait_nodes=float(cfg.get("wait-nodes", 120)),
                               node_keys=read_node_keys(NODE_KEYS) if NODE_KEYS else None)

@@ -47,12 +47,23 @@ def _reset(node: Any, initial: dict[str, Any]) -> None:
 
 
 class NodeCache:
-    """The worker's built nodes, keyed by run token, node config and recipe (the newest ``size`` kept)."""
+    """The worker's built nodes, keyed by run token, node config and recipe (the newest ``size`` kept).
+
+    A run's node is built ahead of its first message: the server's query announces the run (:meth:`prepare`), and
+    the worker builds the node right after handing back the query's reply (:meth:`build_prepared`), in its one
+    thread, between messages (a build seeds torch's global random generator: it must not run beside a message
+    that trains).
+    """
 
     def __init__(self, size: int = 2):
         self.size = size
         self.nodes: OrderedDict[tuple, tuple[Any, dict[str, Any]]] = OrderedDict()
         self.built = 0  # how many federations this worker has built (a test checks it stays at one per run)
+        self.prepared: dict[tuple, tuple[Any, str, str]] = {}  # announced runs, not built yet
+
+    @staticmethod
+    def key(config: Any, recipe_yaml: str, token: str) -> tuple:
+        return (token, config.client_id, str(config.state_dir), config.data_path, recipe_yaml)
 
     @contextmanager
     def serving(self):
@@ -64,24 +75,54 @@ class NodeCache:
         finally:
             _ACTIVE = None
 
-    def get(self, config: Any, recipe_yaml: str, token: str) -> Any:
-        """The run's node, as a freshly built one would be."""
+    def _build(self, key: tuple, config: Any, recipe_yaml: str, token: str, ahead: bool) -> Any:
         from fedllm.flower.node import Node
 
-        key = (token, config.client_id, str(config.state_dir), config.data_path, recipe_yaml)
-        if key in self.nodes:
-            node, initial = self.nodes.pop(key)
-            _reset(node, initial)
-        else:
-            node = Node(config, recipe_yaml, token)
-            initial = _snapshot(node)
-            self.built += 1
-            logging.getLogger("fedllm").info("fedllm worker: built the federation of run %s for client %d", token,
-                                             config.client_id)
-        self.nodes[key] = (node, initial)
+        node = Node(config, recipe_yaml, token)
+        self.nodes[key] = (node, _snapshot(node))
+        self.built += 1
+        logging.getLogger("fedllm").info("fedllm worker: built the federation of run %s for client %d%s", token,
+                                         config.client_id, " (ahead of its first message)" if ahead else "")
         while len(self.nodes) > self.size:
             self.nodes.popitem(last=False)
         return node
+
+    def prepare(self, config: Any, recipe_yaml: str, token: str) -> None:
+        """Note that the run's node is wanted soon (built by :meth:`build_prepared`, unless built already)."""
+        key = self.key(config, recipe_yaml, token)
+        if key not in self.nodes:
+            self.prepared[key] = (config, recipe_yaml, token)
+
+    def build_prepared(self) -> None:
+        """Build the nodes of the runs announced since the last call while there is room: a run announced but not
+        yet training never pushes out the warm node of another run (its first message builds it then). A failure
+        is logged; the run's first message builds again and reports it."""
+        while self.prepared:
+            key, (config, recipe_yaml, token) = self.prepared.popitem()
+            if key in self.nodes or len(self.nodes) >= self.size:
+                continue
+            try:
+                self._build(key, config, recipe_yaml, token, ahead=True)
+            except Exception as e:  # noqa: BLE001 — told to the server by the message that needs the node
+                logging.getLogger("fedllm").warning("fedllm worker: could not build the federation of run %s ahead "
+                                                    "of its first message: %s", token, e)
+
+    def get(self, config: Any, recipe_yaml: str, token: str) -> Any:
+        """The run's node, as a freshly built one would be."""
+        key = self.key(config, recipe_yaml, token)
+        self.prepared.pop(key, None)
+        if key not in self.nodes:
+            return self._build(key, config, recipe_yaml, token, ahead=False)
+        node, initial = self.nodes.pop(key)
+        _reset(node, initial)
+        self.nodes[key] = (node, initial)
+        return node
+
+
+def prepare_node(config: Any, recipe_yaml: str, token: str) -> None:
+    """Inside a node worker, start building the run's node ahead of its first message (else nothing)."""
+    if _ACTIVE is not None:
+        _ACTIVE.prepare(config, recipe_yaml, token)
 
 
 def open_node(config: Any, recipe_yaml: str, token: str) -> Any:

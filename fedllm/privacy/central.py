@@ -17,7 +17,10 @@ noise`` (the same noise in each, uniform weights), so a mean-of-uploads strategy
 mean, and its server optimiser, merges and re-inits are post-processing. With the same updates and noise this
 equals Flower's ``DifferentialPrivacyServerSideFixedClipping`` / ``ClientSideFixedClipping`` around a uniform
 FedAvg (tests/privacy). The noise comes from a secret seed drawn once per run (and shared by every process of a
-multi-process run), unless ``privacy.noise_seed`` fixes it.
+multi-process run), unless ``privacy.noise_seed`` fixes it. So does the client sample (:meth:`ClientLevelDP.sampling_seed`):
+the amplified ε assumes the sampled clients are secret, so the sample is not drawn from the recipe's ``seed``, which
+every export's card and recipe state, but from a second secret seed, kept with the noise seed in the strategy's
+checkpointed state (a resume continues the same samples) and never written to an export.
 """
 
 from __future__ import annotations
@@ -102,7 +105,24 @@ class ClientLevelDP:
             self.count_stddev > 0 else self.noise_multiplier
         self.releases = 0
         self.noise_seed: Optional[int] = pv.noise_seed
+        self.sample_seed: Optional[int] = None  # drawn on the first sample (sampling_seed)
         self.last: dict[str, Any] = {}
+
+    resample_on_drops = False  # a retry's sample would depend on which clients failed: not a noised release
+
+    def outlier_scale(self) -> Optional[float]:
+        """The outlier screen bounds each update by ``update_outlier_factor`` × the current clipping norm (set by the
+        recipe or by earlier noised releases): whether a client is summed depends on its own update alone."""
+        return self.clipping_norm
+
+    def sampling_seed(self, seed: int) -> int:
+        """The secret seed of the client samples, drawn from the OS once per run (the same on every process of a
+        multi-process run); derived from ``privacy.noise_seed`` when that is set (experiments: reproducible, and
+        as public as the noise). The recipe's ``seed`` is not used: it is in every export's card."""
+        if self.sample_seed is None:
+            self.sample_seed = derived_seed(self.pv.noise_seed, 0x5A3) if self.pv.noise_seed is not None \
+                else secret_seed()
+        return self.sample_seed
 
     # ----- accounting
     def epsilon_after(self, releases: int) -> float:
@@ -212,7 +232,9 @@ class ClientLevelDP:
                 f"{STATE_PREFIX}clipping_norm": torch.tensor(self.clipping_norm, dtype=torch.float64),
                 f"{STATE_PREFIX}releases": torch.tensor(self.releases, dtype=torch.int64),
                 f"{STATE_PREFIX}noise_seed": torch.tensor(-1 if self.noise_seed is None else self.noise_seed,
-                                                          dtype=torch.int64)}
+                                                          dtype=torch.int64),
+                f"{STATE_PREFIX}sampling_seed": torch.tensor(-1 if self.sample_seed is None else self.sample_seed,
+                                                             dtype=torch.int64)}
 
     def load_state_dict(self, state: StateDict) -> None:
         mine = {k[len(STATE_PREFIX):]: v for k, v in state.items() if k.startswith(STATE_PREFIX)}
@@ -222,3 +244,5 @@ class ClientLevelDP:
             self.releases = int(mine["releases"])
             seed = int(mine["noise_seed"])
             self.noise_seed = None if seed < 0 else seed
+            sample = int(mine.get("sampling_seed", -1))  # absent from checkpoints of older releases: drawn anew
+            self.sample_seed = None if sample < 0 else sample

@@ -6,8 +6,9 @@ Each local step draws a Poisson batch (every example of the client independently
 ``DPOptimizer`` before the usual optimizer step (empty batches still take a noise-only step). The loss is a sum
 of per-example losses (per-token mean within an example), so one example's presence cannot rescale another's
 gradient. Everything the client uploads is post-processing of these steps: client ``i``'s examples are
-``(ε_i, δ)``-DP with ε_i from opacus's RDP accountant over the steps it took (``client_epsilon`` in
-``metrics.jsonl``; ``epsilon`` is the largest). ``privacy.target_epsilon`` picks ``z`` so that a client that
+``(ε_i, δ)``-DP with ε_i from opacus's RDP accountant over the steps behind every upload the server received —
+aggregated or dropped by the norm screen, in a retried sample too (``client_epsilon`` in ``metrics.jsonl``;
+``epsilon`` is the largest). The client's training loss is not uploaded (no noise protects it). ``privacy.target_epsilon`` picks ``z`` so that a client that
 trains every planned round stays within it. The noise and the Poisson draws come from a secret seed unless
 ``privacy.noise_seed`` is set.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from typing import Any, Optional
 
@@ -36,7 +38,7 @@ from fedllm.data.tokens import IGNORE_INDEX
 from fedllm.models.state import StateDict
 from fedllm.privacy import accounting
 from fedllm.recipe.schedule import derived_seed, steps_per_round
-from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate
+from fedllm.strategies.base import ClientInfo, ClientPlan
 
 STEPS_KEY = "privacy/dp_sgd_steps"
 
@@ -196,10 +198,19 @@ class SampleLevelDP:
         rate = self.recipe.train.batch_size / self.sizes[cid]
         return accounting.dp_sgd_epsilon(self.noise_multiplier, rate, steps, self.pv.delta)
 
-    def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
-        for u in updates:
-            self.client_steps[u.client_id] = self.client_steps.get(u.client_id, 0) + int(u.steps)
-        return super().aggregate(rnd, global_state, updates)
+    def uploads_seen(self, rnd: int, steps: dict[int, int]) -> None:
+        """Every upload that reached the server spends its client's budget: aggregated, dropped by the checks or
+        the norm screen, or discarded with a retried sample (each is a release of the steps that trained it)."""
+        super().uploads_seen(rnd, steps)
+        for cid, n in steps.items():
+            self.client_steps[cid] = self.client_steps.get(cid, 0) + int(n)
+
+    def released_loss(self, loss: float) -> Optional[float]:
+        """Nothing: the client's training loss is a function of its examples that no noise protects. A non-finite
+        loss is a fault of the client, which uploads nothing then."""
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss ({loss})")
+        return None
 
     def round_problem(self, rnd: int) -> Optional[str]:
         if self.pv.target_epsilon is None:

@@ -28,6 +28,7 @@ REFUSED = {
     "pflmf": "uploads gradients taken at each client's private vector, not a change of the sent state",
     "local": "aggregates nothing",
     "fedmedian": _ROBUST, "fedtrimmedavg": _ROBUST, "krum": _ROBUST, "multikrum": _ROBUST, "bulyan": _ROBUST,
+    "bulyan_multikrum": _ROBUST,
 }
 
 DP_SGD_REFUSED = {
@@ -102,6 +103,11 @@ def privacy_problems(r: Any) -> list[tuple[str, Any, str]]:
     if why:
         p.append(("privacy.mechanism", pv.mechanism, f"none with federation.strategy {r.federation.strategy!r}: "
                                                      f"it {why}"))
+    if pv.mechanism != "dp_sgd" and r.federation.min_clients_per_round > 1:
+        p.append(("federation.min_clients_per_round", r.federation.min_clients_per_round,
+                  f"1 with privacy.mechanism {pv.mechanism}: whether a round is released would depend on how many of "
+                  "the other sampled clients' updates were valid (the noised sum has a fixed denominator and needs "
+                  "no minimum; a round is not retried under client-level DP)"))
     if pv.noise_multiplier is None and pv.target_epsilon is None:
         p.append(("privacy.noise_multiplier", None, "a positive number, or give privacy.target_epsilon"))
     if pv.noise_multiplier is not None and not pv.noise_multiplier > 0:

@@ -203,15 +203,19 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None, check_f
     given, path = str(path), Path(path).expanduser()
     if not path.is_file():
         raise RecipeError(str(path), [("<file>", str(path), f"an existing recipe YAML file{path_hint(given)}")])
-    data = path.read_bytes()
+    return recipe_from_bytes(path.read_bytes(), str(path), overrides, check_files, ask_strategy)
+
+
+def recipe_from_bytes(data: bytes, source: str, overrides: Optional[list[str]] = None, check_files: bool = False,
+                      ask_strategy: bool = True) -> Recipe:
+    """A recipe from the bytes of its YAML file (named ``source`` in messages), as :func:`load_recipe` reads it."""
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
-        raise RecipeError(str(path), [("<file>", f"byte 0x{data[e.start]:02x} on line {line}", "UTF-8 text")]) \
-            from None
+        raise RecipeError(source, [("<file>", f"byte 0x{data[e.start]:02x} on line {line}", "UTF-8 text")]) from None
     try:
         raw = read_yaml(text)
     except yaml.YAMLError as e:
-        raise RecipeError(str(path), [(yaml_where(e), yaml_problem(e), "valid YAML")]) from None
-    return parse_recipe(raw, str(path), overrides, check_files, ask_strategy)
+        raise RecipeError(source, [(yaml_where(e), yaml_problem(e), "valid YAML")]) from None
+    return parse_recipe(raw, source, overrides, check_files, ask_strategy)

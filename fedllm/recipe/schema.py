@@ -117,9 +117,9 @@ class FederationConfig:
     comm_dtype: Literal["fp32", "bf16", "fp16"] = doc("fp32", "dtype of tensors sent, for byte accounting and transport")
     on_client_error: Literal["skip", "fail"] = doc("skip", "a client that raises or sends a non-finite/malformed update: drop it from the round, or stop the run")
     min_clients_per_round: int = doc(1, "fewest valid updates a round aggregates; fewer: retry the round with a fresh sample")
-    round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint)")
+    round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint); none under client-level DP")
     max_update_norm: Optional[float] = doc(None, "drop an update whose norm ||u - global|| is above this (null: no absolute bound)")
-    update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (null: off)")
+    update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (under client-level DP: this times privacy.clipping_norm; null: off)")
 
 
 @dataclass

@@ -4,7 +4,8 @@ Keys that change the result (model, LoRA, data, partition, seed, federation, str
 arguments, local training) must equal the run's ``recipe.yaml``; a difference is refused
 (exit 2) with every differing key listed. Keys that do not change what a round computes may
 change, and the change is recorded in ``metrics.jsonl`` (``{"resumed_after_round": N, "changed": ...}``):
-see :data:`SAFE_KEYS` and :data:`SAFE_SECTIONS`.
+see :data:`SAFE_KEYS` and :data:`SAFE_SECTIONS` (under differential privacy not the update-norm screen's
+keys, :data:`PART_OF_DP`).
 
 Not protected: the *contents* of a data file edited in place under the same path (the path is
 compared, not the bytes), and values the run's ``recipe.yaml`` holds redacted (URL credentials).
@@ -31,6 +32,15 @@ SAFE_KEYS = frozenset({
 })
 """Single keys that may change on ``--resume``."""
 
+PART_OF_DP = {
+    "federation.max_update_norm": "under differential privacy the update-norm screen decides which uploads are "
+                                  "summed and which steps are accounted: part of the mechanism",
+    "federation.update_outlier_factor": "under differential privacy the update-norm screen decides which uploads "
+                                        "are summed and which steps are accounted: part of the mechanism",
+}
+"""Safe keys that may not change on ``--resume`` of a run under differential privacy (``privacy.mechanism`` not
+``none``), with why."""
+
 
 class ResumeMismatchError(InputError):
     """``--resume`` with a recipe whose result-changing keys differ from the run's (exit 2)."""
@@ -46,8 +56,10 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-def is_safe(key: str) -> bool:
-    """Whether ``key`` may differ from the run's on ``--resume``."""
+def is_safe(key: str, private: bool = False) -> bool:
+    """Whether ``key`` may differ from the run's on ``--resume`` (``private``: a run under differential privacy)."""
+    if private and key in PART_OF_DP:
+        return False
     return key in SAFE_KEYS or key.split(".", 1)[0] in SAFE_SECTIONS
 
 
@@ -92,9 +104,11 @@ def check_resume_recipe(run_dir: Path, recipe: Recipe) -> dict[str, list[Any]]:
     if not isinstance(run_recipe, dict):
         raise ResumeMismatchError(f"{path}: not a recipe mapping; cannot check what --resume would continue")
     diff = differences(run_recipe, recipe)
-    refused = {k: v for k, v in diff.items() if not is_safe(k)}
+    private = recipe.privacy.mechanism != "none"
+    refused = {k: v for k, v in diff.items() if not is_safe(k, private)}
     if refused:
-        lines = [f"  - {k}: the run has {a!r}, the recipe gives {b!r}" for k, (a, b) in refused.items()]
+        lines = [f"  - {k}: the run has {a!r}, the recipe gives {b!r}"
+                 + (f" ({PART_OF_DP[k]})" if private and k in PART_OF_DP else "") for k, (a, b) in refused.items()]
         raise ResumeMismatchError(
             f"{recipe.source}: --resume of {run_dir} refused: {len(refused)} key(s) that change the result differ "
             f"from {path}:\n" + "\n".join(lines) + "\nresume with the run's values, or start a new run "

@@ -51,7 +51,7 @@ class ClientUpdate:
     client_id: int
     state: StateDict
     num_examples: int
-    loss: float
+    loss: Optional[float]  # the client's mean training loss; None: not uploaded (DP-SGD: no noise protects it)
     steps: int
     padding: tuple[int, int] = (0, 0)  # (padded positions, all positions) of the batches trained on
 
@@ -271,6 +271,32 @@ class Strategy(abc.ABC):
         FedLoRU's merges on a 4/8-bit or half-precision base. Default: none.
         """
         return {}
+
+    resample_on_drops = True
+    """Whether a round with too few valid updates may be tried again with a fresh sample
+    (``federation.round_retries``); not under client-level DP, where which clients failed would pick the second
+    sample."""
+
+    def outlier_scale(self) -> Optional[float]:
+        """A data-independent norm that ``federation.update_outlier_factor`` multiplies to bound each update's norm
+        (client-level DP: the clipping norm), or None: the median of the round's other updates (and the previous
+        round's accepted ones), which lets one client's data decide whether another's update is summed."""
+        return None
+
+    def released_loss(self, loss: float) -> Optional[float]:
+        """Client side: the training loss the client uploads with its update (None: none; DP-SGD's is not noised)."""
+        return loss
+
+    def uploads_seen(self, rnd: int, steps: dict[int, int]) -> None:
+        """Server side: ``{client: local steps}`` of every upload that reached the server in round ``rnd`` —
+        aggregated, dropped by the checks or the norm screen, or discarded with a retried sample alike (each was
+        trained and seen: DP-SGD's accountant counts its steps)."""
+
+    def sampling_seed(self, seed: int) -> int:
+        """The seed each round's client sample is drawn from (``fedllm.engine.server.sample_clients``), given the
+        recipe's ``seed``: that seed itself; client-level DP replaces it with a secret one (its ε assumes nobody
+        outside the server can tell which clients were sampled)."""
+        return seed
 
     def round_problem(self, rnd: int) -> Optional[str]:
         """Why round ``rnd`` must not run (the run then stops with a checkpoint of the round before), or None

@@ -12,17 +12,27 @@ from fedllm.strategies.fedavg import FedAvg
 from fedllm.strategies.fedmedian import checked
 
 
-def krum_scores(updates: list[ClientUpdate], num_malicious: int) -> list[float]:
-    """Krum score of each update: the sum of squared L2 distances (over every uploaded tensor) to its
-    ``n − f − 2`` nearest other updates (at least 1), as Flower's ``select_multikrum`` computes it."""
+def squared_distances(updates: list[ClientUpdate]) -> torch.Tensor:
+    """``n × n`` squared L2 distances between the updates (over every uploaded tensor, in fp64)."""
     flat = torch.stack([torch.cat([u.state[k].double().flatten() for k in sorted(u.state)]) for u in updates])
-    dist = torch.cdist(flat, flat).square()
-    closest = max(1, len(updates) - num_malicious - 2)
+    return torch.cdist(flat, flat).square()
+
+
+def scores_of(dist: torch.Tensor, num_malicious: int) -> list[float]:
+    """Krum score of each row of a squared-distance matrix: the sum of its ``n − f − 2`` smallest distances to the
+    others (at least 1), as Flower's ``select_multikrum`` / legacy ``aggregate_krum`` compute it."""
+    closest = max(1, dist.shape[0] - num_malicious - 2)
     return [float(row.sort().values[1:closest + 1].sum()) for row in dist]  # [0] is the update itself
 
 
+def krum_scores(updates: list[ClientUpdate], num_malicious: int) -> list[float]:
+    """Krum score of each update: the sum of squared L2 distances (over every uploaded tensor) to its
+    ``n − f − 2`` nearest other updates (at least 1), as Flower's ``select_multikrum`` computes it."""
+    return scores_of(squared_distances(updates), num_malicious)
+
+
 def select(updates: list[ClientUpdate], num_malicious: int, count: int) -> list[ClientUpdate]:
-    """The ``count`` updates with the lowest Krum scores, best first."""
+    """The ``count`` updates with the lowest Krum scores, best first (one-shot Multi-Krum)."""
     scores = krum_scores(updates, num_malicious)
     order = sorted(range(len(updates)), key=lambda i: (scores[i], i))
     return [updates[i] for i in order[:count]]

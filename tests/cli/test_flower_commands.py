@@ -61,3 +61,90 @@ def test_the_flower_runtime_filters_third_party_noise_as_the_cli_does():
                           env={k: v for k, v in os.environ.items() if k != "FEDLLM_LOG"})
     assert done.returncode == 0, done.stderr
     assert "from fedllm" in done.stderr and "inside transformers" not in done.stderr
+
+
+def test_flower_security_the_superlink_runs_behind_fedllms_guard(tmp_path):
+    cmd = superlink_command(parse("superlink", "--insecure"), tmp_path / "secret")
+    assert cmd[:3] == [sys.executable, "-m", "fedllm.flower.superlink"]
+
+
+def test_flower_run_whose_superlink_died_says_how_to_restart_and_resume(tmp_path, capsys):
+    """``flwr ls`` fails and nothing answers at the SuperLink's address any more: ``fedllm flower run`` says so at
+    once (not after its two-minute wait) and prints the commands that continue the run."""
+    from fedllm.commands.flower import _outcome
+
+    fake_flwr = tmp_path / "flwr"
+    fake_flwr.write_text("#!/bin/sh\necho '{\"success\": false, \"error-message\": \"connection refused\"}'\n")
+    fake_flwr.chmod(0o755)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    args = parse("run", "recipes/quickstart/smollm2-arith.yaml", "train.lr=0.01", "--superlink", dead,
+                 "--root-certificates", "certs/ca.crt")
+    assert _outcome(str(fake_flwr), "42", dict(os.environ), args, wait_s=600) == 1
+    err = capsys.readouterr().err
+    assert f"the SuperLink at {dead} stopped answering before run 42 finished" in err
+    assert "--database FILE" in err
+    assert (f"fedllm flower run recipes/quickstart/smollm2-arith.yaml train.lr=0.01 --superlink {dead} "
+            "--root-certificates certs/ca.crt --resume") in err
+    assert "traceback" not in err
+
+
+def test_flower_security_certs_write_the_operator_key_and_superlink_requires_it(tmp_path, capsys):
+    from fedllm.commands.flower import _certs, operator_public_key
+
+    certs = tmp_path / "certs"
+    assert _certs(parse("certs", str(certs), "--host", "127.0.0.1")) == 0
+    assert oct((certs / "operator.key").stat().st_mode & 0o777) == "0o600"
+    assert oct((certs / "ca.key").stat().st_mode & 0o777) == "0o600"
+    assert operator_public_key(parse("superlink", "--certificates", str(certs))) == certs / "operator.pub"
+    (certs / "operator.pub").unlink()
+    (certs / "operator.key").unlink()  # a directory made before the operator key existed
+    with pytest.raises(InputError, match=rf"no {certs}/operator.pub: runs must be signed by the operator; create the "
+                                         rf"key pair with fedllm flower certs {certs} --operator-only"):
+        operator_public_key(parse("superlink", "--certificates", str(certs)))
+    assert _certs(parse("certs", str(certs), "--operator-only")) == 0
+    assert (certs / "operator.pub").is_file()
+    with pytest.raises(InputError, match="already exist"):
+        _certs(parse("certs", str(certs), "--operator-only"))
+    with pytest.raises(InputError, match="give --host NAME"):
+        _certs(parse("certs", str(tmp_path / "other")))
+    assert operator_public_key(parse("superlink", "--insecure")) is None
+
+
+def test_a_killed_superlinks_private_directory_is_removed_at_the_next_start(tmp_path):
+    """``kill -9`` of ``fedllm flower superlink`` leaves its private directory (a stale secret); the next start
+    deletes such directories, and only them: not one whose command runs, not one holding anything else."""
+    from fedllm.commands.flower import remove_stale_private_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    dirs = {}
+    for name, pid, extra in (("stale", gone.pid, None), ("live", os.getpid(), None), ("foreign", gone.pid, "notes.txt")):
+        d = dirs[name] = tmp_path / f"fedllm-superlink-{name}"
+        d.mkdir()
+        (d / "owner.pid").write_text(f"{pid}\n")
+        (d / "superexec.secret").write_bytes(b"x" * 32)
+        if extra:
+            (d / extra).write_text("not fedllm's")
+    (tmp_path / "fedllm-superlink-nopid").mkdir()
+    assert remove_stale_private_dirs(tmp_path) == [dirs["stale"]]
+    assert not dirs["stale"].exists() and dirs["live"].is_dir() and dirs["foreign"].is_dir()
+    assert (tmp_path / "fedllm-superlink-nopid").is_dir()
+
+
+def test_the_supernode_runs_with_quick_object_pulls():
+    """``fedllm flower supernode`` runs Flower's SuperNode through fedllm.flower.supernode, whose object pulls ask
+    again after 50 ms (Flower's own: 1 s, doubling to 10 s)."""
+    import inspect
+    import types
+
+    from fedllm.flower.supernode import quick_object_pulls
+
+    cmd = supernode_command(parse("supernode", "--superlink", "127.0.0.1:9092", "--client", "0", "--insecure"), None)
+    assert cmd[:3] == [sys.executable, "-m", "fedllm.flower.supernode"]
+    module = types.SimpleNamespace()
+    quick_object_pulls(module)
+    assert module.pull_objects.keywords == {"initial_backoff": 0.05, "backoff_cap": 0.5}
+    flower_default = inspect.signature(module.pull_objects.func).parameters["initial_backoff"].default
+    assert flower_default == 1  # what it replaces: if Flower changes it, revisit fedllm.flower.supernode

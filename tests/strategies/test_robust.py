@@ -1,5 +1,6 @@
-"""FedMedian, FedTrimmedAvg, Krum, Multi-Krum and Bulyan against Flower's strategies of the same names, on the
-same uploads, with and without an attacking client."""
+"""FedMedian, FedTrimmedAvg, Krum, Multi-Krum and Bulyan's one-shot variant (``bulyan_multikrum``) against Flower's
+Message-API strategies of the same names, on the same uploads, with and without an attacking client (the paper's
+``bulyan``: tests/strategies/test_bulyan.py)."""
 
 import pytest
 import torch
@@ -20,8 +21,8 @@ CASES = [  # (fedllm name, fedllm args, Flower class, Flower args, clients' size
     ("krum", {"num_malicious_clients": 1}, flower.Krum, {"num_malicious_nodes": 1}, FIVE),
     ("multikrum", {"num_malicious_clients": 1, "num_clients_to_select": 3}, flower.MultiKrum,
      {"num_malicious_nodes": 1, "num_nodes_to_select": 3}, FIVE),
-    ("bulyan", {"num_malicious_clients": 1}, flower.Bulyan, {"num_malicious_nodes": 1}, SEVEN),
-    ("bulyan", {"num_malicious_clients": 0}, flower.Bulyan, {"num_malicious_nodes": 0}, FIVE),
+    ("bulyan_multikrum", {"num_malicious_clients": 1}, flower.Bulyan, {"num_malicious_nodes": 1}, SEVEN),
+    ("bulyan_multikrum", {"num_malicious_clients": 0}, flower.Bulyan, {"num_malicious_nodes": 0}, FIVE),
 ]
 
 
@@ -39,7 +40,8 @@ def test_robust_aggregator_equals_flower(name, args, cls, flower_args, sizes, at
 
 @pytest.mark.parametrize("name,args", [("fedmedian", {}), ("fedtrimmedavg", {}), ("krum", {"num_malicious_clients": 1}),
                                        ("multikrum", {"num_malicious_clients": 1, "num_clients_to_select": 3}),
-                                       ("bulyan", {"num_malicious_clients": 1})])
+                                       ("bulyan", {"num_malicious_clients": 1}),
+                                       ("bulyan_multikrum", {"num_malicious_clients": 1})])
 def test_a_scaled_attacker_moves_the_robust_aggregate_far_less_than_the_mean(name, args):
     sizes = SEVEN
     honest = [torch.cat([torch.from_numpy(a[k]).flatten() for k in SHAPES]).double()
@@ -54,9 +56,10 @@ def test_a_scaled_attacker_moves_the_robust_aggregate_far_less_than_the_mean(nam
     assert distance("fedavg", 50.0) > 10 * distance(name, 50.0)
 
 
-def test_bulyan_with_too_few_updates_keeps_the_global_state():
+@pytest.mark.parametrize("name", ["bulyan", "bulyan_multikrum"])
+def test_bulyan_with_too_few_updates_keeps_the_global_state(name):
     start = {k: torch.from_numpy(v) for k, v in initial_state().items()}
-    (state,), _ = fedllm_rounds("bulyan", {"num_malicious_clients": 1}, rounds=[1], sizes=FIVE, state=start)
+    (state,), _ = fedllm_rounds(name, {"num_malicious_clients": 1}, rounds=[1], sizes=FIVE, state=start)
     assert all(torch.equal(state[k], start[k]) for k in start)  # 5 < 4f + 3 = 7
 
 

@@ -47,6 +47,7 @@ def test_secagg_classification_of_the_built_in_strategies():
         "krum",
         "multikrum",
         "bulyan",
+        "bulyan_multikrum",
         "flexlora",
         "flora",
         "fedex_lora",
