@@ -30,6 +30,7 @@ from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
 from fedllm.engine.client import run_client
 from fedllm.engine.distributed import Dispatch
+from fedllm.engine.reference import precompute_references
 from fedllm.evaluation.personal import personal_stats
 from fedllm.evaluation.runner import eval_due
 from fedllm.models.loading import (
@@ -228,6 +229,13 @@ class LocalExecutor:
                                                      math.nan, 0, reason=problem)
             out.append(update)
         return out
+
+    def prepare(self, loop: RoundLoop) -> None:
+        """Before round 1: what clients compute once from the starting model (DPO's reference log-probabilities,
+        :mod:`fedllm.engine.reference`), each process its share of the clients, gathered into every store."""
+        data = loop.fed.data
+        precompute_references(loop.model, loop.store, data.examples, dict(enumerate(data.clients)), loop.recipe.train,
+                              loop.collate, self.dispatch)
 
     def sync(self, loop: RoundLoop, rnd: int, sampled: list[int], aggregated: StateDict) -> dict[int, int]:
         """Bytes sent outside the round's plans (the strategy's syncs to non-participants)."""
@@ -447,6 +455,8 @@ class RoundLoop:
         if self.start_round == 0 and eval_due(recipe.eval, 0, rounds):
             self.log_round({"round": 0, "eval": self.evaluate(0)})
             self.say(f"before training: {_format_metrics(self.history[-1]['eval'])}")
+        if self.start_round == 0 and hasattr(self.executor, "prepare"):
+            self.executor.prepare(self)
         sizes = [len(ix) for ix in self.fed.data.clients]
         steps_round = sum(sorted((steps_per_round(recipe.train, n) for n in sizes), reverse=True)
                           [:recipe.sampled_per_round()])
