@@ -30,8 +30,9 @@ as ``rejected_input_ids`` / ``rejected_labels``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 from fedllm.data.chat import ROLE_ALIASES, chat_template
 from fedllm.data.errors import DataError
@@ -49,9 +50,9 @@ PLAIN = "plain"
 class PreferenceParts:
     """A preference record read: the prompt and the two answers, all text or all messages."""
 
-    prompt: Union[str, Messages]
-    chosen: Union[str, Messages]
-    rejected: Union[str, Messages]
+    prompt: str | Messages
+    chosen: str | Messages
+    rejected: str | Messages
 
     @property
     def conversational(self) -> bool:
@@ -68,8 +69,10 @@ def _messages(turns: Any, what: str) -> Messages:
         content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
         role = ROLE_ALIASES.get(str(speaker).lower())
         if role is None or not isinstance(content, str):
-            raise DataError(f"{what}: turn {i} needs a role/from in {sorted(ROLE_ALIASES)} and a string "
-                            f"content/value; got {turn!r:.120}")
+            raise DataError(
+                f"{what}: turn {i} needs a role/from in {sorted(ROLE_ALIASES)} and a string "
+                f"content/value; got {turn!r:.120}"
+            )
         out.append({"role": role, "content": content})
     return out
 
@@ -117,13 +120,16 @@ def split_dialogue(chosen: str, rejected: str) -> tuple[Messages, Messages, Mess
     parts = []
     for name, text in (("chosen", chosen), ("rejected", rejected)):
         cut = text.rfind(ASSISTANT)
-        if cut < 0 or HUMAN not in text[:cut + 1]:
-            raise DataError(f"{name} has no prompt column and is no '\\n\\nHuman: ... \\n\\nAssistant: ...' dialogue "
-                            "to split (give a prompt column, map it with data.fields, or use data.template: plain)")
-        parts.append((text[:cut], text[cut + len(ASSISTANT):].strip()))
+        if cut < 0 or HUMAN not in text[: cut + 1]:
+            raise DataError(
+                f"{name} has no prompt column and is no '\\n\\nHuman: ... \\n\\nAssistant: ...' dialogue "
+                "to split (give a prompt column, map it with data.fields, or use data.template: plain)"
+            )
+        parts.append((text[:cut], text[cut + len(ASSISTANT) :].strip()))
     if parts[0][0] != parts[1][0]:
-        raise DataError("chosen and rejected differ before their last Assistant turn, so no shared prompt can be "
-                        "split off")
+        raise DataError(
+            "chosen and rejected differ before their last Assistant turn, so no shared prompt can be split off"
+        )
     answer = [{"role": "assistant", "content": parts[0][1]}], [{"role": "assistant", "content": parts[1][1]}]
     return dialogue_turns(parts[0][0]), *answer
 
@@ -165,7 +171,8 @@ def preference_parts(record: dict, data_cfg: DataConfig) -> PreferenceParts:
 
 def answer_texts(parts: PreferenceParts) -> tuple[str, str]:
     """The two answers as text (every turn's content joined), to tell empty or identical answers."""
-    def text(x: Union[str, Messages]) -> str:
+
+    def text(x: str | Messages) -> str:
         return x if isinstance(x, str) else "\n".join(m["content"] for m in x)
 
     return text(parts.chosen), text(parts.rejected)
@@ -184,16 +191,18 @@ class Rendered:
     bos: list[int]
 
 
-def _as_messages(x: Union[str, Messages], role: str) -> Messages:
+def _as_messages(x: str | Messages, role: str) -> Messages:
     return [{"role": role, "content": x}] if isinstance(x, str) else x
 
 
-def _single_text(x: Union[str, Messages], role: str, template: str) -> str:
+def _single_text(x: str | Messages, role: str, template: str) -> str:
     if isinstance(x, str):
         return x
     if len(x) != 1 or x[0]["role"] != role:
-        raise DataError(f"data.template {template!r} renders a single {role} turn as text; this record has "
-                        f"{[m['role'] for m in x]} (use data.template: tokenizer or a FastChat template for dialogues)")
+        raise DataError(
+            f"data.template {template!r} renders a single {role} turn as text; this record has "
+            f"{[m['role'] for m in x]} (use data.template: tokenizer or a FastChat template for dialogues)"
+        )
     return x[0]["content"]
 
 
@@ -203,9 +212,12 @@ def chat_renderer(tokenizer: Any, name: str) -> Callable[[PreferenceParts], Rend
 
     def render(parts: PreferenceParts) -> Rendered:
         prompt = _as_messages(parts.prompt, "user")
-        return Rendered(template.render(prompt, True),
-                        template.render(prompt + _as_messages(parts.chosen, "assistant"), False),
-                        template.render(prompt + _as_messages(parts.rejected, "assistant"), False), template.bos)
+        return Rendered(
+            template.render(prompt, True),
+            template.render(prompt + _as_messages(parts.chosen, "assistant"), False),
+            template.render(prompt + _as_messages(parts.rejected, "assistant"), False),
+            template.bos,
+        )
 
     return render
 
@@ -220,8 +232,12 @@ def text_renderer(tokenizer: Any, name: str) -> Callable[[PreferenceParts], Rend
 
     def render(parts: PreferenceParts) -> Rendered:
         prompt = fmt(_single_text(parts.prompt, "user", name))
-        return Rendered(prompt, prompt + with_eos(_single_text(parts.chosen, "assistant", name)),
-                        prompt + with_eos(_single_text(parts.rejected, "assistant", name)), bos)
+        return Rendered(
+            prompt,
+            prompt + with_eos(_single_text(parts.chosen, "assistant", name)),
+            prompt + with_eos(_single_text(parts.rejected, "assistant", name)),
+            bos,
+        )
 
     return render
 
@@ -246,14 +262,16 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 def preference_tokens(tokenizer: Any, rendered: Rendered) -> tuple[list[int], list[int], list[int]]:
     """``(prompt, chosen, rejected)`` ids as trl's DPOTrainer tokenizes them: the answers start where the prompt's
     tokens and the prompt+answer tokens diverge."""
-    prompt, chosen, rejected = (rendered.bos + text_ids(tokenizer, t)
-                                for t in (rendered.prompt, rendered.chosen, rendered.rejected))
+    prompt, chosen, rejected = (
+        rendered.bos + text_ids(tokenizer, t) for t in (rendered.prompt, rendered.chosen, rendered.rejected)
+    )
     cut = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
     return prompt[:cut], chosen[cut:], rejected[cut:]
 
 
-def preference_encoder(tokenizer: Any, data_cfg: DataConfig, max_length: int,
-                       label_names: Optional[list[str]] = None) -> Callable[[dict], Optional[dict]]:
+def preference_encoder(
+    tokenizer: Any, data_cfg: DataConfig, max_length: int, label_names: list[str] | None = None
+) -> Callable[[dict], dict | None]:
     """Encoder of preference records: chosen and rejected sequences with the loss on the answer tokens.
 
     Returns:
@@ -262,13 +280,16 @@ def preference_encoder(tokenizer: Any, data_cfg: DataConfig, max_length: int,
     """
     render = renderer(tokenizer, data_cfg.template)
 
-    def encode(record: dict) -> Optional[dict]:
+    def encode(record: dict) -> dict | None:
         prompt, chosen, rejected = preference_tokens(tokenizer, render(preference_parts(record, data_cfg)))
         if len(prompt) >= max_length or not chosen or not rejected:
             return None
         masked = [IGNORE_INDEX] * len(prompt)
-        return {"input_ids": (prompt + chosen)[:max_length], "labels": (masked + chosen)[:max_length],
-                "rejected_input_ids": (prompt + rejected)[:max_length],
-                "rejected_labels": (masked + rejected)[:max_length]}
+        return {
+            "input_ids": (prompt + chosen)[:max_length],
+            "labels": (masked + chosen)[:max_length],
+            "rejected_input_ids": (prompt + rejected)[:max_length],
+            "rejected_labels": (masked + rejected)[:max_length],
+        }
 
     return encode

@@ -54,8 +54,13 @@ class ReferencedExamples(Sequence):
         return example if row is None else {**example, "ref_chosen_logp": row[0], "ref_rejected_logp": row[1]}
 
 
-def compute_reference(model: torch.nn.Module, examples: Sequence[dict], indices: Sequence[int], cfg: TrainConfig,
-                      collate: Callable[[list[dict]], dict]) -> torch.Tensor:
+def compute_reference(
+    model: torch.nn.Module,
+    examples: Sequence[dict],
+    indices: Sequence[int],
+    cfg: TrainConfig,
+    collate: Callable[[list[dict]], dict],
+) -> torch.Tensor:
     """The reference table of the examples ``indices``: the model as it is now, eval mode, no gradient, in
     batches of ``train.batch_size`` taken in order.
 
@@ -69,7 +74,7 @@ def compute_reference(model: torch.nn.Module, examples: Sequence[dict], indices:
     try:
         with torch.no_grad():
             for start in range(0, len(indices), cfg.batch_size):
-                batch = collate([examples[i] for i in indices[start:start + cfg.batch_size]])
+                batch = collate([examples[i] for i in indices[start : start + cfg.batch_size]])
                 batch = {k: v.to(device) for k, v in batch.items()}
                 autocast = torch.autocast(device.type, DTYPES[cfg.dtype]) if cfg.dtype != "fp32" else None
                 if autocast is None:
@@ -84,8 +89,15 @@ def compute_reference(model: torch.nn.Module, examples: Sequence[dict], indices:
     return torch.cat(rows) if rows else torch.zeros(0, 2)
 
 
-def client_reference(model: torch.nn.Module, store: ClientStore, client_id: int, examples: Sequence[dict],
-                     indices: Sequence[int], cfg: TrainConfig, collate: Callable[[list[dict]], dict]) -> StateDict:
+def client_reference(
+    model: torch.nn.Module,
+    store: ClientStore,
+    client_id: int,
+    examples: Sequence[dict],
+    indices: Sequence[int],
+    cfg: TrainConfig,
+    collate: Callable[[list[dict]], dict],
+) -> StateDict:
     """Client ``client_id``'s reference part, computed now (and kept in ``store``) when it has none yet."""
     kept = store.reference(client_id)
     if REFERENCE_KEY not in kept:
@@ -94,9 +106,15 @@ def client_reference(model: torch.nn.Module, store: ClientStore, client_id: int,
     return kept
 
 
-def precompute_references(model: torch.nn.Module, store: ClientStore, examples: Sequence[dict],
-                          clients: dict[int, Sequence[int]], cfg: TrainConfig,
-                          collate: Callable[[list[dict]], dict], dispatch: Any = None) -> None:
+def precompute_references(
+    model: torch.nn.Module,
+    store: ClientStore,
+    examples: Sequence[dict],
+    clients: dict[int, Sequence[int]],
+    cfg: TrainConfig,
+    collate: Callable[[list[dict]], dict],
+    dispatch: Any = None,
+) -> None:
     """Compute the reference part of every client in ``clients`` (id -> example indices) that has none, before
     training starts. With a multi-process ``dispatch`` each process computes its share and all are gathered."""
     if not uses_precomputed(cfg):

@@ -19,10 +19,25 @@ from fedllm.recipe.schema import Recipe
 
 #: Strategies that never change the base and start every adapter with a zero product: with them the base with
 #: the adapter disabled is the policy training started from (``reference: adapter_disabled``).
-ADAPTER_DISABLED_STRATEGIES = frozenset({
-    "fedavg", "fedprox", "scaffold", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedsa_lora",
-    "local", "krum", "multikrum", "bulyan", "fedmedian", "fedtrimmedavg",
-})
+ADAPTER_DISABLED_STRATEGIES = frozenset(
+    {
+        "fedavg",
+        "fedprox",
+        "scaffold",
+        "fedavgm",
+        "fedadagrad",
+        "fedyogi",
+        "fedadam",
+        "ffa_lora",
+        "fedsa_lora",
+        "local",
+        "krum",
+        "multikrum",
+        "bulyan",
+        "fedmedian",
+        "fedtrimmedavg",
+    }
+)
 
 
 def preference_problems(r: Recipe) -> list[tuple[str, Any, str]]:
@@ -30,13 +45,26 @@ def preference_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     p: list[tuple[str, Any, str]] = []
     tr, pref = r.train, r.train.preference
     if tr.objective == "dpo" and r.data.format != "preference":
-        p.append(("train.objective", tr.objective, f"sft with data.format: {r.data.format} (dpo trains on "
-                                                   "chosen/rejected pairs: data.format: preference)"))
+        p.append(
+            (
+                "train.objective",
+                tr.objective,
+                f"sft with data.format: {r.data.format} (dpo trains on chosen/rejected pairs: data.format: preference)",
+            )
+        )
     if r.data.format == "preference" and tr.objective != "dpo":
         p.append(("train.objective", tr.objective, "dpo with data.format: preference (pairs train a pairwise loss)"))
     if "pref_accuracy" in r.eval.tasks and r.data.format != "preference":
-        p.append(("eval.tasks", "pref_accuracy", f"a task for data.format: {r.data.format} (pref_accuracy scores "
-                                                 "held-out preference pairs: data.format: preference)"))
+        p.append(
+            (
+                "eval.tasks",
+                "pref_accuracy",
+                (
+                    f"a task for data.format: {r.data.format} (pref_accuracy scores "
+                    "held-out preference pairs: data.format: preference)"
+                ),
+            )
+        )
     if tr.objective != "dpo":
         return p
     if not pref.beta > 0:
@@ -47,19 +75,50 @@ def preference_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     elif pref.loss == "simpo" and not 0 <= eps <= 0.5:
         p.append(("train.preference.label_smoothing", eps, "a number in [0, 0.5] for loss: simpo"))
     elif pref.loss not in ("robust", "simpo") and eps != 0:
-        p.append(("train.preference.label_smoothing", eps, f"0 for loss: {pref.loss} (label smoothing is robust's "
-                                                           "and simpo's; trl's sigmoid, ipo and hinge ignore it)"))
-    if pref.reference == "adapter_disabled" and pref.loss != "simpo" \
-            and r.federation.strategy not in ADAPTER_DISABLED_STRATEGIES:
-        p.append(("train.preference.reference", pref.reference,
-                  f"precomputed with federation.strategy: {r.federation.strategy} (it merges into the base or starts "
-                  "from a non-zero adapter, so the adapter-disabled model is not the policy training started from; "
-                  f"adapter_disabled suits {', '.join(sorted(ADAPTER_DISABLED_STRATEGIES))})"))
+        p.append(
+            (
+                "train.preference.label_smoothing",
+                eps,
+                (
+                    f"0 for loss: {pref.loss} (label smoothing is robust's "
+                    "and simpo's; trl's sigmoid, ipo and hinge ignore it)"
+                ),
+            )
+        )
+    if (
+        pref.reference == "adapter_disabled"
+        and pref.loss != "simpo"
+        and r.federation.strategy not in ADAPTER_DISABLED_STRATEGIES
+    ):
+        p.append(
+            (
+                "train.preference.reference",
+                pref.reference,
+                (
+                    f"precomputed with federation.strategy: {r.federation.strategy} (it merges into the base or starts "
+                    "from a non-zero adapter, so the adapter-disabled model is not the policy training started from; "
+                    f"adapter_disabled suits {', '.join(sorted(ADAPTER_DISABLED_STRATEGIES))})"
+                ),
+            )
+        )
     if r.privacy.mechanism == "dp_sgd":
-        p.append(("privacy.mechanism", "dp_sgd", "none, central or central_client_clipping with train.objective: dpo "
-                                                 "(DP-SGD clips each sequence's gradient, but a pairwise loss couples a "
-                                                 "pair's two sequences; per-pair clipping is not implemented)"))
+        p.append(
+            (
+                "privacy.mechanism",
+                "dp_sgd",
+                (
+                    "none, central or central_client_clipping with train.objective: dpo "
+                    "(DP-SGD clips each sequence's gradient, but a pairwise loss couples a "
+                    "pair's two sequences; per-pair clipping is not implemented)"
+                ),
+            )
+        )
     if tr.clients_per_pass > 1:
-        p.append(("train.clients_per_pass", tr.clients_per_pass, "1 with train.objective: dpo (a batched client pass "
-                                                                 "computes the next-token loss only)"))
+        p.append(
+            (
+                "train.clients_per_pass",
+                tr.clients_per_pass,
+                "1 with train.objective: dpo (a batched client pass computes the next-token loss only)",
+            )
+        )
     return p

@@ -26,8 +26,9 @@ def trl_tokens(tokenizer, record: dict, max_length: int = 512) -> tuple[list[int
     from trl import DPOConfig, DPOTrainer
 
     args = DPOConfig(output_dir="unused", report_to=[], max_length=max_length, use_cpu=True)
-    out = DPOTrainer._prepare_dataset(types.SimpleNamespace(_tokenizer=tokenizer), Dataset.from_list([record]),
-                                      tokenizer, args, "test")[0]
+    out = DPOTrainer._prepare_dataset(
+        types.SimpleNamespace(_tokenizer=tokenizer), Dataset.from_list([record]), tokenizer, args, "test"
+    )[0]
     return out["prompt_ids"], out["chosen_ids"], out["rejected_ids"]
 
 
@@ -67,12 +68,13 @@ def test_preference_whole_conversations_extract_the_shared_turns_as_trl(tokenize
 
 def test_preference_string_prompt_with_answer_turns_is_a_user_turn(tokenizer):
     record = {"prompt": "hello world", "chosen": GOOD, "rejected": BAD}
-    assert fedllm_tokens(tokenizer, record) == trl_tokens(tokenizer, {"prompt": USER, "chosen": GOOD,
-                                                                      "rejected": BAD})
+    assert fedllm_tokens(tokenizer, record) == trl_tokens(tokenizer, {"prompt": USER, "chosen": GOOD, "rejected": BAD})
 
 
-HH = {"chosen": "\n\nHuman: hello world\n\nAssistant: the cat\n\nHuman: and the dog?\n\nAssistant: the dog is good.",
-      "rejected": "\n\nHuman: hello world\n\nAssistant: the cat\n\nHuman: and the dog?\n\nAssistant: bad dog"}
+HH = {
+    "chosen": "\n\nHuman: hello world\n\nAssistant: the cat\n\nHuman: and the dog?\n\nAssistant: the dog is good.",
+    "rejected": "\n\nHuman: hello world\n\nAssistant: the cat\n\nHuman: and the dog?\n\nAssistant: bad dog",
+}
 
 
 def test_preference_hh_dialogues_plain_split_as_trl_extract_prompt(tokenizer):
@@ -80,18 +82,26 @@ def test_preference_hh_dialogues_plain_split_as_trl_extract_prompt(tokenizer):
 
 
 def test_preference_hh_dialogues_parse_into_turns_for_a_chat_template(tokenizer):
-    turns = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the cat"},
-             {"role": "user", "content": "and the dog?"}]
-    conversational = {"prompt": turns, "chosen": [{"role": "assistant", "content": "the dog is good."}],
-                      "rejected": [{"role": "assistant", "content": "bad dog"}]}
+    turns = [
+        {"role": "user", "content": "hello world"},
+        {"role": "assistant", "content": "the cat"},
+        {"role": "user", "content": "and the dog?"},
+    ]
+    conversational = {
+        "prompt": turns,
+        "chosen": [{"role": "assistant", "content": "the dog is good."}],
+        "rejected": [{"role": "assistant", "content": "bad dog"}],
+    }
     assert fedllm_tokens(tokenizer, HH) == trl_tokens(tokenizer, conversational)
 
 
 def test_preference_fields_mapping_and_alpaca_template(tokenizer):
     record = {"question": "Add 2 and 3.", "good": "5", "bad": "6"}
     fields = {"prompt": "question", "chosen": "good", "rejected": "bad"}
-    alpaca = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
-              "request.\n\n### Instruction:\nAdd 2 and 3.\n\n### Response:\n")
+    alpaca = (
+        "Below is an instruction that describes a task. Write a response that appropriately completes the "
+        "request.\n\n### Instruction:\nAdd 2 and 3.\n\n### Response:\n"
+    )
     expected = trl_tokens(tokenizer, {"prompt": alpaca, "chosen": "5", "rejected": "6"})
     assert fedllm_tokens(tokenizer, record, template="alpaca", fields=fields) == expected
 
@@ -131,16 +141,24 @@ def test_preference_bad_records_are_counted_per_client(tokenizer, tmp_path):
     total = {k: sum(c[k] for c in counts.values()) for k in ("empty", "identical", "too_long", "kept")}
     assert total == {"empty": 1, "identical": 1, "too_long": 1, "kept": 5}
     with pytest.raises(DataError, match=r"p.jsonl: record \d \(client \d\): (a required text is empty|the chosen and)"):
-        build_federated_data(DataConfig(path=str(path), format="preference", template="plain", cache=False,
-                                        on_bad_record="error"), PartitionConfig(method="iid"), 2, tokenizer, 48, 0)
+        build_federated_data(
+            DataConfig(path=str(path), format="preference", template="plain", cache=False, on_bad_record="error"),
+            PartitionConfig(method="iid"),
+            2,
+            tokenizer,
+            48,
+            0,
+        )
 
 
 def test_preference_user_keyed_json_partitions_naturally(tokenizer, tmp_path):
     from fedllm.data.federated import build_federated_data
     from fedllm.recipe.schema import PartitionConfig
 
-    users = {"alice": [{"prompt": "the cat", "chosen": "sat", "rejected": "the dog"}] * 3,
-             "bob": [{"prompt": "hello", "chosen": "world", "rejected": "bad"}] * 2}
+    users = {
+        "alice": [{"prompt": "the cat", "chosen": "sat", "rejected": "the dog"}] * 3,
+        "bob": [{"prompt": "hello", "chosen": "world", "rejected": "bad"}] * 2,
+    }
     path = tmp_path / "by_client.json"
     path.write_text(json.dumps(users))
     cfg = DataConfig(path=str(path), format="preference", template="plain", cache=False)
@@ -154,8 +172,12 @@ def test_preference_recipe_checks_refuse_what_cannot_hold(tmp_path):
     from fedllm.recipe.checks import parse_recipe
     from fedllm.recipe.schema import RecipeError
 
-    base = {"output_dir": str(tmp_path / "r"), "data": {"path": "x.jsonl", "format": "preference"},
-            "federation": {"num_clients": 2, "strategy": "frlora"}, "train": {"local_steps": 1, "objective": "dpo"}}
+    base = {
+        "output_dir": str(tmp_path / "r"),
+        "data": {"path": "x.jsonl", "format": "preference"},
+        "federation": {"num_clients": 2, "strategy": "frlora"},
+        "train": {"local_steps": 1, "objective": "dpo"},
+    }
 
     def problems(**train) -> dict:
         raw = json.loads(json.dumps(base))
@@ -169,12 +191,14 @@ def test_preference_recipe_checks_refuse_what_cannot_hold(tmp_path):
         return {}
 
     assert problems() == {}
-    assert "precomputed" in problems(train__preference={"reference": "adapter_disabled"})[
-        "train.preference.reference"]
-    assert "per-pair clipping" in problems(privacy__mechanism="dp_sgd", privacy__noise_multiplier=1.0)[
-        "privacy.mechanism"]
-    assert "0 for loss: sigmoid" in problems(train__preference={"label_smoothing": 0.1})[
-        "train.preference.label_smoothing"]
+    assert "precomputed" in problems(train__preference={"reference": "adapter_disabled"})["train.preference.reference"]
+    assert (
+        "per-pair clipping" in problems(privacy__mechanism="dp_sgd", privacy__noise_multiplier=1.0)["privacy.mechanism"]
+    )
+    assert (
+        "0 for loss: sigmoid"
+        in problems(train__preference={"label_smoothing": 0.1})["train.preference.label_smoothing"]
+    )
     assert "positive" in problems(train__preference={"beta": 0})["train.preference.beta"]
     assert "dpo with data.format: preference" in problems(train__objective="sft")["train.objective"]
     assert problems(train__preference={"loss": "robust", "label_smoothing": 0.2}) == {}
