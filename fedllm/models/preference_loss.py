@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fedllm.data.tokens import IGNORE_INDEX
-from fedllm.models.supervised_loss import supervised_hidden, supports_supervised_positions, token_losses
+from fedllm.models.supervised_loss import LOGIT_HEADS, base_of, supervised_hidden, supports_supervised_positions
 
 
 @dataclass
@@ -48,9 +48,15 @@ class PairLoss:
     rejected_rewards: torch.Tensor
 
 
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def _gathered_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     hidden, targets, rows = supervised_hidden(model, batch)
-    per_token = -token_losses(model, hidden, targets)
+    base = base_of(model)
+    logits = _at_least_fp32(LOGIT_HEADS[base.config.model_type](base, hidden))
+    per_token = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
     out = torch.zeros(batch["labels"].shape[0], dtype=per_token.dtype, device=per_token.device)
     return out.index_add(0, rows, per_token)
 
@@ -59,12 +65,13 @@ def _all_position_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Ten
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE_INDEX
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    logp = torch.log_softmax(_at_least_fp32(logits[:, :-1]), dim=-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     return (logp * keep).sum(-1)
 
 
 def sequence_logps(model: Any, batch: dict[str, torch.Tensor], positions: str = "supervised") -> PairLogps:
-    """Each row's summed log-probability of its supervised tokens (fp32) and their number.
+    """Each row's summed log-probability of its supervised tokens (fp32, or the model's dtype if wider) and their
+    number.
 
     Args:
         model: A (PEFT-wrapped) causal LM.
