@@ -64,7 +64,7 @@ def test_preference_dpo_runs_with_every_strategy(case, pref_file, tmp_path, monk
 
     def recorded(model, batch, cfg):
         loss = dpo(model, batch, cfg)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         return loss
 
     def marked(*args, **kwargs):
