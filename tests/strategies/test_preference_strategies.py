@@ -8,7 +8,6 @@ run that takes its reference that way trains the same adapter.
 """
 
 import math
-import random
 
 import pytest
 import torch
@@ -22,19 +21,7 @@ from fedllm.engine.server import run
 from fedllm.models.preference_loss import adapter_disabled, sequence_logps
 from fedllm.recipe.checks import parse_recipe
 from tests.conftest import tiny_raw
-
-
-def preference_records(n: int, seed: int = 0) -> list[dict]:
-    """Arithmetic preference pairs: the correct sum chosen, an off-by-some one rejected."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        wrong = a + b + rng.choice([-2, -1, 1, 2])
-        out.append(
-            {"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}", "rejected": f"{a} + {b} = {wrong}"}
-        )
-    return out
+from tests.preference_helpers import preference_records
 
 
 @pytest.fixture(scope="module")
