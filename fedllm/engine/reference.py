@@ -28,6 +28,10 @@ from fedllm.runs.client_store import REFERENCE, ClientStore
 
 REFERENCE_KEY = REFERENCE + "logps"
 """Key of a client's reference table: float32, one row per example (chosen, rejected)."""
+EVAL_REFERENCE_KEY = REFERENCE + "eval_logps"
+"""Key of the reference table of a client's personal held-out pairs (``pref_accuracy`` of personal models)."""
+HELD_OUT = -1
+"""Store id under which the run's global held-out pairs keep their reference table (``pref_accuracy``)."""
 
 
 def uses_precomputed(cfg: TrainConfig) -> bool:
@@ -128,7 +132,34 @@ def precompute_references(
         store.put_reference(c, part)
 
 
-def with_reference(examples: Sequence[dict], indices: Sequence[int], part: StateDict) -> Sequence[dict]:
-    """``examples`` with client's reference table (``part``) attached to its examples (unchanged without one)."""
-    table = part.get(REFERENCE_KEY)
+def precompute_eval_references(
+    model: torch.nn.Module,
+    store: ClientStore,
+    held_out: Sequence[dict],
+    personal: Sequence[Sequence[dict]],
+    recipe: Any,
+    collate: Callable[[list[dict]], dict],
+) -> None:
+    """Before round 1, when ``pref_accuracy`` is evaluated: the reference tables of the global held-out pairs
+    (under :data:`HELD_OUT`) and of each client's personal held-out pairs (:data:`EVAL_REFERENCE_KEY`)."""
+    cfg = recipe.train
+    if not uses_precomputed(cfg) or "pref_accuracy" not in recipe.eval.tasks:
+        return
+    if held_out and REFERENCE_KEY not in store.reference(HELD_OUT):
+        store.put_reference(
+            HELD_OUT, {REFERENCE_KEY: compute_reference(model, held_out, range(len(held_out)), cfg, collate)}
+        )
+    for cid, examples in enumerate(personal):
+        kept = store.reference(cid)
+        if examples and EVAL_REFERENCE_KEY not in kept:
+            table = compute_reference(model, examples, range(len(examples)), cfg, collate)
+            store.put_reference(cid, {**kept, EVAL_REFERENCE_KEY: table})
+
+
+def with_reference(
+    examples: Sequence[dict], indices: Sequence[int], part: StateDict, key: str = REFERENCE_KEY
+) -> Sequence[dict]:
+    """``examples`` with the reference table ``part[key]`` attached to the examples ``indices`` (unchanged
+    without one)."""
+    table = part.get(key)
     return examples if table is None else ReferencedExamples(examples, indices, table)

@@ -65,6 +65,15 @@ def preference_problems(r: Recipe) -> list[tuple[str, Any, str]]:
                 ),
             )
         )
+    held_out = r.data.eval_fraction > 0 or r.data.eval_path or r.data.eval_split
+    if "pref_accuracy" in r.eval.tasks and r.data.format == "preference" and not held_out:
+        p.append(
+            (
+                "data.eval_fraction",
+                r.data.eval_fraction,
+                "a fraction > 0 (or data.eval_path) with eval.tasks: pref_accuracy (it scores held-out pairs)",
+            )
+        )
     if tr.objective != "dpo":
         return p
     if not pref.beta > 0:

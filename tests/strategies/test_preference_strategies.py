@@ -29,16 +29,16 @@ def pref_file(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("pref") / "pairs.jsonl", preference_records(36))
 
 
-def dpo_raw(out_dir, data, strategy="fedavg", args=None, **sections):
+def dpo_raw(out_dir, data_path, /, strategy="fedavg", args=None, **sections):
     """A tiny DPO recipe: 3 clients, 2 per round, 2 rounds, 2 local steps, the tiny tokenizer's chat template."""
     own = {
-        "data": {"path": str(data), "format": "preference", "fields": {}},
+        "data": {"path": str(data_path), "format": "preference", "fields": {}},
         "federation": {"strategy": strategy, "strategy_args": dict(args or {})},
         "train": {"objective": "dpo", "max_length": 48, "lr": 5e-2, "preference": {"beta": 0.5}},
     }
     for key, value in sections.items():
         own[key] = {**own.get(key, {}), **value} if isinstance(value, dict) else value
-    return tiny_raw(out_dir, data, **own)
+    return tiny_raw(out_dir, data_path, **own)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -141,3 +141,51 @@ def test_preference_resume_is_bit_exact_and_exports(pref_file, tmp_path, crash_a
     for fmt in ("merged", "adapter"):  # each export checks that it reproduces the run's model
         export(resumed.run_dir, fmt, tmp_path / fmt)
         assert any((tmp_path / fmt).iterdir())
+
+
+def test_preference_pref_accuracy_is_the_implicit_reward_recomputed(pref_file, tmp_path):
+    """pref_accuracy's numbers, recomputed by hand from plain forward passes of the final model (with and
+    without its adapter: FedAvg never changes the base) on the run's held-out pairs."""
+    raw = dpo_raw(
+        tmp_path / "acc",
+        pref_file,
+        data={"eval_fraction": 0.25},
+        eval={"tasks": ["pref_accuracy"], "before_training": True},
+    )
+    recipe = parse_recipe(raw)
+    result = run(recipe)
+    start, end = result.history[0]["eval"], result.history[-1]["eval"]
+    assert start["pref_accuracy/accuracy"] == 0.0 and start["pref_accuracy/margin"] == 0.0  # policy == reference
+
+    from fedllm.data.federated import build_federated_data
+
+    data = build_federated_data(
+        recipe.data,
+        recipe.federation.partition,
+        recipe.federation.num_clients,
+        result.tokenizer,
+        recipe.train.max_length,
+        recipe.seed,
+    )
+    model, beta = result.model.eval(), recipe.train.preference.beta
+
+    def logp(ids: list, labels: list) -> float:
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].double()
+        target = torch.tensor(labels[1:])
+        keep = target != -100
+        return float(torch.log_softmax(logits, -1)[keep].gather(-1, target[keep][:, None]).sum())
+
+    rewards = []
+    with torch.no_grad():
+        for ex in data.eval_examples:
+            seqs = [(ex["input_ids"], ex["labels"]), (ex["rejected_input_ids"], ex["rejected_labels"])]
+            policy = [logp(*s) for s in seqs]
+            with model.disable_adapter():
+                ref = [logp(*s) for s in seqs]
+            rewards.append([beta * (p - r) for p, r in zip(policy, ref, strict=True)])
+    assert len(rewards) == 9
+    accuracy = sum(c > r for c, r in rewards) / len(rewards)
+    margin = sum(c - r for c, r in rewards) / len(rewards)
+    assert end["pref_accuracy/accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    assert end["pref_accuracy/margin"] == pytest.approx(margin, abs=1e-5)
+    assert end["pref_accuracy/margin"] > 0  # it learned to prefer the correct sums
