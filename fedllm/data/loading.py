@@ -41,7 +41,8 @@ def _read_json(path: Path, split: str) -> list[Any]:
         for key in ("data", split):
             if isinstance(obj.get(key), list):
                 return obj[key]
-        if obj and all(isinstance(v, list) and all(isinstance(r, dict) for r in v) for v in obj.values()):
+        if obj and not SPLIT_NAMES & set(obj) and all(isinstance(v, list) and all(isinstance(r, dict) for r in v)
+                                                       for v in obj.values()):
             return user_keyed(obj)
     raise DataError(
         f"{path}: expected a JSON list of records or an object with the list under 'data' or {split!r}; "
@@ -49,6 +50,8 @@ def _read_json(path: Path, split: str) -> list[Any]:
     )
 
 
+SPLIT_NAMES = frozenset({"train", "test", "validation", "valid", "dev", "eval", "data"})
+"""Keys that make a JSON object of lists split-keyed, never user-keyed."""
 USER_COLUMN = "user"
 """Column that holds a record's key in a user-keyed JSON file (``federation.partition: {method: natural, column:
 user}`` gives each key its own client)."""
@@ -56,7 +59,8 @@ user}`` gives each key its own client)."""
 
 def user_keyed(obj: dict[str, list[dict]]) -> list[dict]:
     """FedLLM-Bench's user-keyed JSON (``{client id: [records]}``) as one list, each record tagged with its key in
-    :data:`USER_COLUMN` (a record's own ``user`` column is kept), in file order."""
+    :data:`USER_COLUMN` (a record's own ``user`` column is kept), in file order. An object with a key of
+    :data:`SPLIT_NAMES` is split-keyed instead (``{"train": [...], "test": [...]}``)."""
     return [{USER_COLUMN: str(key), **record} for key, records in obj.items() for record in records]
 
 
