@@ -64,9 +64,10 @@ def compute_reference(
     indices: Sequence[int],
     cfg: TrainConfig,
     collate: Callable[[list[dict]], dict],
+    batch_size: int | None = None,
 ) -> torch.Tensor:
     """The reference table of the examples ``indices``: the model as it is now, eval mode, no gradient, in
-    batches of ``train.batch_size`` taken in order.
+    batches of ``batch_size`` (default ``train.batch_size``) taken in order.
 
     Returns:
         float32 CPU tensor (len(indices) x 2): each pair's summed answer log-probability, chosen then rejected.
@@ -77,8 +78,9 @@ def compute_reference(
     rows = []
     try:
         with torch.no_grad():
-            for start in range(0, len(indices), cfg.batch_size):
-                batch = collate([examples[i] for i in indices[start : start + cfg.batch_size]])
+            size = batch_size or cfg.batch_size
+            for start in range(0, len(indices), size):
+                batch = collate([examples[i] for i in indices[start : start + size]])
                 batch = {k: v.to(device) for k, v in batch.items()}
                 autocast = torch.autocast(device.type, DTYPES[cfg.dtype]) if cfg.dtype != "fp32" else None
                 if autocast is None:
@@ -141,18 +143,19 @@ def precompute_eval_references(
     collate: Callable[[list[dict]], dict],
 ) -> None:
     """Before round 1, when ``pref_accuracy`` is evaluated: the reference tables of the global held-out pairs
-    (under :data:`HELD_OUT`) and of each client's personal held-out pairs (:data:`EVAL_REFERENCE_KEY`)."""
-    cfg = recipe.train
+    (under :data:`HELD_OUT`) and of each client's personal held-out pairs (:data:`EVAL_REFERENCE_KEY`), in the
+    batches ``pref_accuracy`` takes (``eval.batch_size``, in order), so that the starting model's rewards are
+    exactly 0 rather than the rounding of another batching."""
+    cfg, size = recipe.train, recipe.eval.batch_size
     if not uses_precomputed(cfg) or "pref_accuracy" not in recipe.eval.tasks:
         return
     if held_out and REFERENCE_KEY not in store.reference(HELD_OUT):
-        store.put_reference(
-            HELD_OUT, {REFERENCE_KEY: compute_reference(model, held_out, range(len(held_out)), cfg, collate)}
-        )
+        table = compute_reference(model, held_out, range(len(held_out)), cfg, collate, size)
+        store.put_reference(HELD_OUT, {REFERENCE_KEY: table})
     for cid, examples in enumerate(personal):
         kept = store.reference(cid)
         if examples and EVAL_REFERENCE_KEY not in kept:
-            table = compute_reference(model, examples, range(len(examples)), cfg, collate)
+            table = compute_reference(model, examples, range(len(examples)), cfg, collate, size)
             store.put_reference(cid, {**kept, EVAL_REFERENCE_KEY: table})
 
 
