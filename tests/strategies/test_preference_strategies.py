@@ -7,6 +7,7 @@ of a FedAvg run is the policy it started from, so it reproduces the stored refer
 run that takes its reference that way trains the same adapter.
 """
 
+import json
 import math
 
 import pytest
@@ -189,3 +190,13 @@ def test_preference_pref_accuracy_is_the_implicit_reward_recomputed(pref_file, t
     assert end["pref_accuracy/accuracy"] == pytest.approx(accuracy, abs=1e-9)
     assert end["pref_accuracy/margin"] == pytest.approx(margin, abs=1e-5)
     assert end["pref_accuracy/margin"] > 0  # it learned to prefer the correct sums
+
+    # fedllm eval of the run's checkpoint: the same pairs, the references the run kept, the same numbers
+    from fedllm.commands.cli import main
+
+    assert (
+        main(["eval", str(result.run_dir), "--tasks", "pref_accuracy", "--out", str(tmp_path / "ev"), "--no-progress"])
+        == 0
+    )
+    again = json.loads((tmp_path / "ev" / "summary.json").read_text())["metrics"]
+    assert again == pytest.approx(end, abs=1e-6)
