@@ -1,7 +1,7 @@
 """The DPO quickstart on the real SmolLM2-135M weights, scaled down to fit CI (slow).
 
 recipes/quickstart/smollm2-arith-dpo.yaml itself (10 clients, 6 rounds, 400 pairs) is measured in
-docs/preference.md; here the same recipe runs on 60 pairs, 3 clients, 2 rounds of 4 steps, and must move the
+docs/preference.md; here the same recipe runs on 40 pairs, 3 clients, 2 rounds of 3 steps, and must move the
 held-out reward accuracy from exactly 0 (the starting model is the reference) to a clear majority.
 """
 
@@ -23,7 +23,7 @@ RECIPE = ROOT / "recipes" / "quickstart" / "smollm2-arith-dpo.yaml"
 def test_preference_quickstart_learns_scaled_down(tmp_path, monkeypatch, capsys):
     script = ROOT / "data_prep" / "make_arith_preferences.py"
     subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path / "data/arith_pref"), "--train", "60", "--test", "24"],
+        [sys.executable, str(script), "--out", str(tmp_path / "data/arith_pref"), "--train", "40", "--test", "16"],
         check=True,
     )
     monkeypatch.chdir(tmp_path)
@@ -33,9 +33,9 @@ def test_preference_quickstart_learns_scaled_down(tmp_path, monkeypatch, capsys)
         "federation.clients_per_round=2",
         "federation.rounds=2",
         "federation.partition.method=iid",
-        "train.local_steps=4",
+        "train.local_steps=3",
         "eval.tasks=[pref_accuracy]",
-        "eval.limit=24",
+        "eval.limit=16",
         "eval.batch_size=8",
         "checkpoint.every=0",
     ]
@@ -44,7 +44,7 @@ def test_preference_quickstart_learns_scaled_down(tmp_path, monkeypatch, capsys)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     before, after = summary["initial_eval"], summary["final_eval"]
     assert before["pref_accuracy/accuracy"] == 0.0 and before["pref_accuracy/margin"] == 0.0
-    assert after["pref_accuracy/accuracy"] >= 0.7, after
+    assert after["pref_accuracy/accuracy"] >= 0.75, after
     assert after["pref_accuracy/margin"] > 0.1, after
     clients = tmp_path / "run" / "final" / "clients.safetensors"
     assert clients.is_file()  # the per-client references are checkpointed
