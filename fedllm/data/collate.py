@@ -35,7 +35,7 @@ LABELS: dict[str, Callable[[list[dict]], torch.Tensor]] = {
 
 def pair_rows(examples: list[dict]) -> list[dict]:
     """Preference examples as ``2B`` causal rows: the ``B`` chosen sequences, then the ``B`` rejected ones (trl's
-    concatenated batch); each row carries the example's reference log-probability when it has one."""
+    concatenated batch)."""
     chosen = [{"input_ids": ex["input_ids"], "labels": ex["labels"]} for ex in examples]
     rejected = [{"input_ids": ex["rejected_input_ids"], "labels": ex["rejected_labels"]} for ex in examples]
     return chosen + rejected
