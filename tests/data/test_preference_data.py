@@ -202,3 +202,23 @@ def test_preference_recipe_checks_refuse_what_cannot_hold(tmp_path):
     assert "positive" in problems(train__preference={"beta": 0})["train.preference.beta"]
     assert "dpo with data.format: preference" in problems(train__objective="sft")["train.objective"]
     assert problems(train__preference={"loss": "robust", "label_smoothing": 0.2}) == {}
+
+
+def test_preference_arith_pairs_reject_a_wrong_result_in_the_same_words(tmp_path):
+    import re
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "data_prep" / "make_arith_preferences.py"
+    main = runpy.run_path(str(script))["main"]
+    for out in ("a", "b"):
+        assert main(["--out", str(tmp_path / out), "--train", "60", "--test", "20"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "a" / "train.jsonl").read_text().splitlines()]
+    assert (tmp_path / "a" / "train.jsonl").read_bytes() == (tmp_path / "b" / "train.jsonl").read_bytes()
+    ops = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y, "/": lambda x, y: x // y}
+    for r in rows:
+        x, op, y, good = re.search(r"(\d+) ([-+*/]) (\d+) = (\d+)", r["answer"]).groups()
+        bad = re.search(r"\d+ [-+*/] \d+ = (\d+)", r["rejected"]).group(1)
+        assert int(good) == ops[op](int(x), int(y)) and int(bad) != int(good)
+        assert r["answer"].endswith(f"#### {good}") and r["rejected"].endswith(f"#### {bad}")
+        assert re.sub(r"\d+", "N", r["answer"]) == re.sub(r"\d+", "N", r["rejected"])  # only the number differs
