@@ -81,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         if i:
             times["reference_once"].append(time.perf_counter() - t0)
     base = statistics.median(times["sft"])
-    print(f"SmolLM2-135M shapes, LoRA r=8 q/k/v/o, {b} pairs = {2 * b} sequences x {n} tokens, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}:")
+    print(
+        f"SmolLM2-135M shapes, LoRA r=8 q/k/v/o, {b} pairs = {2 * b} sequences x {n} tokens, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats}:"
+    )
     for name, values in times.items():
         med = statistics.median(values)
         print(f"  {name:22s} {med:7.3f} s   x{med / base:.2f} of sft")
