@@ -1,6 +1,6 @@
 """The DPO quickstart on the real SmolLM2-135M weights, scaled down to fit CI (slow).
 
-recipes/quickstart/smollm2-arith-dpo.yaml itself (10 clients, 6 rounds, 400 pairs) is measured in
+recipes/quickstart/smollm2-arith-dpo.yaml itself (10 clients, 5 rounds, 400 pairs) is measured in
 docs/preference.md; here the same recipe runs on 40 pairs, 3 clients, 2 rounds of 3 steps, and must move the
 held-out reward accuracy from exactly 0 (the starting model is the reference) to a clear majority.
 """
