@@ -103,6 +103,7 @@ SHARED_GROUPS = {
     "tests/test_flower_deployment.py": "flower-deployment",  # one SuperLink + SuperNodes (tests/flower_cluster.py)
     "tests/test_flower_security.py": "flower-deployment",
     "tests/test_quickstart.py": "smollm2",  # the session's one SmolLM2 GGUF conversion (smollm2_first_load)
+    "tests/test_preference_quickstart.py": "smollm2",
     "tests/test_gguf_cache.py": "smollm2",
     "tests/reliability/test_offline_presets.py": "smollm2",
 }

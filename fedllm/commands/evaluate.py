@@ -121,6 +121,28 @@ def heldout_records(recipe: Recipe) -> Optional[list[dict]]:
     return None
 
 
+def heldout_pairs(recipe: Recipe, tokenizer: Any, checkpoint: str) -> Optional[list[dict]]:
+    """A preference run's held-out pairs, tokenized as in training (bad records left out), each with the reference
+    log-probabilities the run computed for it before round 1 when the checkpoint keeps them (else None: the
+    adapter-disabled base is the reference)."""
+    from fedllm.data.formats import make_encoder
+    from fedllm.data.validation import bad_record_kind
+    from fedllm.engine.reference import HELD_OUT, with_reference
+    from fedllm.runs import checkpoint as ckpt_io
+
+    records = heldout_records(recipe)
+    if not records:
+        return None
+    encode = make_encoder(tokenizer, recipe.data, recipe.train.max_length)
+    examples = [ex for r in records if bad_record_kind(r, recipe.data) is None and (ex := encode(r)) is not None]
+    store = ckpt_io.client_store(ckpt_io.load_checkpoint(ckpt_io.resolve_checkpoint(Path(checkpoint))))
+    part = store.reference(HELD_OUT)
+    table = next(iter(part.values()), None)
+    if table is None or len(table) != len(examples):
+        return examples
+    return list(with_reference(examples, range(len(examples)), part))
+
+
 def default_out_dir(checkpoint: str) -> Path:
     """``<checkpoint>/eval`` for a local directory, else ``eval_results/<sanitised name>``."""
     p = Path(checkpoint).expanduser()
@@ -176,8 +198,11 @@ def run_eval_command(args: argparse.Namespace) -> int:
                                 for t in cfg.tasks):
         records = heldout_records(recipe)
     model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype)
-    metrics = evaluate(model, tokenizer, cfg, out_dir, records=records,
-                       prompt_style=prompt_style, progress=not args.no_progress)
+    examples, preference = None, None
+    if recipe is not None and recipe.data.format == "preference":  # pref_accuracy: the run's held-out pairs
+        examples, preference = heldout_pairs(recipe, tokenizer, args.checkpoint), recipe.train.preference
+    metrics = evaluate(model, tokenizer, cfg, out_dir, records=records, eval_examples=examples,
+                       prompt_style=prompt_style, progress=not args.no_progress, preference=preference)
     print(markdown_table(metrics, title=args.checkpoint))
     print(f"\nper-example results: {out_dir}")
     return 0

@@ -33,8 +33,35 @@ LABELS: dict[str, Callable[[list[dict]], torch.Tensor]] = {
 }
 
 
+def pair_rows(examples: list[dict]) -> list[dict]:
+    """Preference examples as ``2B`` causal rows: the ``B`` chosen sequences, then the ``B`` rejected ones (trl's
+    concatenated batch)."""
+    chosen = [{"input_ids": ex["input_ids"], "labels": ex["labels"]} for ex in examples]
+    rejected = [{"input_ids": ex["rejected_input_ids"], "labels": ex["rejected_labels"]} for ex in examples]
+    return chosen + rejected
+
+
+def _pair_batch(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    rows = pair_rows(examples)
+    batch = {"input_ids": _pad([r["input_ids"] for r in rows], int(pad_id)), "attention_mask": _mask(rows),
+             "labels": _causal_labels(rows)}
+    if all("ref_chosen_logp" in ex for ex in examples):
+        batch["ref_logps"] = torch.tensor([ex["ref_chosen_logp"] for ex in examples]
+                                          + [ex["ref_rejected_logp"] for ex in examples], dtype=torch.float32)
+    return batch
+
+
+def is_pair_batch(batch: dict[str, torch.Tensor]) -> bool:
+    """Whether a collated batch holds preference pairs (see :func:`collate`)."""
+    return "pairs" in batch
+
+
 def collate(examples: list[dict], pad_id: int, task: str = "causal_lm") -> dict[str, torch.Tensor]:
     """Right-pad examples to the longest one in the batch.
+
+    Preference examples (``rejected_input_ids``; :mod:`fedllm.data.preference`) become ``2B`` causal rows, the
+    chosen sequences first (:func:`pair_rows`), with ``pairs`` (the ``B``) and, when the examples carry them,
+    ``ref_logps`` (``2B`` reference log-probabilities in the same order, float32).
 
     Args:
         examples: Examples from :mod:`fedllm.data.formats`.
@@ -55,6 +82,8 @@ def collate(examples: list[dict], pad_id: int, task: str = "causal_lm") -> dict[
         raise ValueError(f"unknown task {task!r}; known: {', '.join(LABELS)}")
     if pad_id is None:
         raise ValueError("collate needs a pad id (the tokenizer has no pad token; set one, e.g. the EOS token)")
+    if "rejected_input_ids" in examples[0]:
+        return {**_pair_batch(examples, pad_id), "pairs": torch.tensor(len(examples))}
     return {
         "input_ids": _pad([ex["input_ids"] for ex in examples], int(pad_id)),
         "attention_mask": _mask(examples),

@@ -35,7 +35,7 @@ from fedllm.data.manifest import load_manifest, manifest_clients, partition_mani
 from fedllm.data.partition import partition_records
 from fedllm.data.templates import field_name
 from fedllm.data.token_cache import open_token_cache
-from fedllm.data.validation import BAD_KINDS, bad_record_kind, check_records
+from fedllm.data.validation import bad_kinds, bad_record_kind, check_records
 from fedllm.recipe.schema import DataConfig, PartitionConfig
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def _encode_all(encode: Encoder, records: list[dict], what: str, max_length: int
     """Tokenize ``records`` (``ids``: their record numbers in ``source``), handling bad records per
     ``data.on_bad_record`` and counting them under ``counts[what]``, with the kept records that reach
     ``max_length`` tokens (truncated, or exactly that long) as ``truncated``."""
-    examples, bad, truncated = [], dict.fromkeys(BAD_KINDS, 0), 0
+    examples, bad, truncated = [], dict.fromkeys(bad_kinds(data_cfg.format), 0), 0
     for rid, record in zip(ids, records, strict=True):
         kind = bad_record_kind(record, data_cfg)
         example = None if kind else encode(record)
@@ -240,16 +240,17 @@ def _encode_all(encode: Encoder, records: list[dict], what: str, max_length: int
             bad[kind] += 1
             continue
         examples.append(example)
-        truncated += len(example["input_ids"]) >= max_length
+        truncated += max(len(example["input_ids"]), len(example.get("rejected_input_ids", ()))) >= max_length
     if records and not examples:
         raise DataError(f"{source}: {what}: none of its {len(records)} records is usable "
                         f"({bad['empty']} empty, {bad['too_long']} with no trainable token within "
-                        f"max_length={max_length}, {bad['too_large']} larger than data.max_record_chars)")
+                        f"max_length={max_length}, {bad['too_large']} larger than data.max_record_chars"
+                        f"{_identical(bad)})")
     if any(bad.values()):
         log.warning("%s: %s: dropped %d empty record(s), %d with no trainable token within max_length=%d and %d "
-                    "larger than data.max_record_chars=%s, of %d (data.on_bad_record: drop)", source, what,
+                    "larger than data.max_record_chars=%s%s, of %d (data.on_bad_record: drop)", source, what,
                     bad["empty"], bad["too_long"], max_length, bad["too_large"], data_cfg.max_record_chars,
-                    len(records))
+                    _identical(bad), len(records))
     if truncated:
         log.info("%s: %s: %d kept record(s) reach max_length=%d tokens and are truncated", source, what, truncated,
                  max_length)
@@ -257,7 +258,12 @@ def _encode_all(encode: Encoder, records: list[dict], what: str, max_length: int
     return examples
 
 
-_BAD_TEXT = {"empty": "a required text is empty",
+def _identical(bad: dict[str, int]) -> str:
+    """``, N with identical answers`` for the preference format's count (nothing for other formats)."""
+    return f", {bad['identical']} with identical answers" if "identical" in bad else ""
+
+
+_BAD_TEXT = {"empty": "a required text is empty", "identical": "the chosen and the rejected answer are the same",
              "too_long": "no trainable token is left within max_length={max_length}",
              "too_large": "more than data.max_record_chars={chars} characters of text (not tokenized)"}
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 from fedllm.data.chat import chat_encoder
 from fedllm.data.errors import DataError
+from fedllm.data.preference import preference_encoder
 from fedllm.data.templates import (
     INSTRUCTION_TEMPLATES,
     format_prompt,
@@ -204,10 +205,12 @@ FORMATS: dict[str, Callable[..., Encoder]] = {
     "instruction": instruction_encoder,
     "chat": chat_encoder,
     "classification": classification_encoder,
+    "preference": preference_encoder,
 }
 
 #: Format name -> the model task it trains.
-FORMAT_TASKS: dict[str, str] = {"instruction": "causal_lm", "chat": "causal_lm", "classification": "classification"}
+FORMAT_TASKS: dict[str, str] = {"instruction": "causal_lm", "chat": "causal_lm", "classification": "classification",
+                                 "preference": "causal_lm"}
 
 
 def make_encoder(tokenizer: Any, data_cfg: DataConfig, max_length: int, label_names: Optional[list[str]] = None) -> Encoder:

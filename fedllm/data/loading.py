@@ -1,7 +1,8 @@
 """Load raw records (a list of dicts) from a local file, a directory or the hub.
 
-Local forms: ``.json`` (a list of objects, or an object holding the list under
-``"data"`` or under the split name), ``.jsonl`` (one object per line), ``.csv``
+Local forms: ``.json`` (a list of objects, an object holding the list under
+``"data"`` or under the split name, or FedLLM-Bench's user-keyed object ``{user: [objects]}``, read with
+each record's key in the column ``user``), ``.jsonl`` (one object per line), ``.csv``
 and ``.parquet`` (read through ``datasets``), or a directory holding
 ``<split>.jsonl|json|csv|parquet``. Anything else is taken as a Hugging Face hub
 id and read with ``datasets.load_dataset``.
@@ -40,10 +41,27 @@ def _read_json(path: Path, split: str) -> list[Any]:
         for key in ("data", split):
             if isinstance(obj.get(key), list):
                 return obj[key]
+        if obj and not SPLIT_NAMES & set(obj) and all(isinstance(v, list) and all(isinstance(r, dict) for r in v)
+                                                       for v in obj.values()):
+            return user_keyed(obj)
     raise DataError(
         f"{path}: expected a JSON list of records or an object with the list under 'data' or {split!r}; "
         f"got {type(obj).__name__}" + (f" with keys {sorted(obj)}" if isinstance(obj, dict) else "")
     )
+
+
+SPLIT_NAMES = frozenset({"train", "test", "validation", "valid", "dev", "eval", "data"})
+"""Keys that make a JSON object of lists split-keyed, never user-keyed."""
+USER_COLUMN = "user"
+"""Column that holds a record's key in a user-keyed JSON file (``federation.partition: {method: natural, column:
+user}`` gives each key its own client)."""
+
+
+def user_keyed(obj: dict[str, list[dict]]) -> list[dict]:
+    """FedLLM-Bench's user-keyed JSON (``{client id: [records]}``) as one list, each record tagged with its key in
+    :data:`USER_COLUMN` (a record's own ``user`` column is kept), in file order. An object with a key of
+    :data:`SPLIT_NAMES` is split-keyed instead (``{"train": [...], "test": [...]}``)."""
+    return [{USER_COLUMN: str(key), **record} for key, records in obj.items() for record in records]
 
 
 def _read_jsonl(path: Path, split: str) -> list[Any]:

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 #: Bump when the stored layout changes.
 LAYOUT = 1
 #: Modules whose code decides the tokens (their source is part of the key).
-ENCODING_MODULES = ("fedllm.data.formats", "fedllm.data.chat", "fedllm.data.templates", "fedllm.data.tokens")
+ENCODING_MODULES = ("fedllm.data.formats", "fedllm.data.chat", "fedllm.data.templates", "fedllm.data.tokens",
+                    "fedllm.data.preference")
 #: ``data`` options that only select records (not how they are encoded): left out of the key.
 SELECTION_KEYS = ("path", "name", "split", "max_examples", "eval_path", "eval_split", "eval_fraction",
                   "client_eval_fraction", "cache", "cache_dir", "on_bad_record")

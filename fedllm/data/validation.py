@@ -24,12 +24,20 @@ from fedllm.recipe.schema import DataConfig, PartitionConfig
 
 BAD_KINDS = ("empty", "too_long", "too_large")
 """Kinds of bad records counted in ``partition.json``."""
+#: Kinds counted only for some formats (preference: a chosen answer equal to the rejected one).
+FORMAT_BAD_KINDS: dict[str, tuple[str, ...]] = {"preference": ("identical",)}
+
+
+def bad_kinds(fmt: str) -> tuple[str, ...]:
+    """The kinds of bad records counted for data.format ``fmt``."""
+    return BAD_KINDS + FORMAT_BAD_KINDS.get(fmt, ())
 
 #: Text fields of each format: ``(canonical name, required)``.
 TEXT_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
     "instruction": (("instruction", True), ("input", False), ("output", True)),
     "classification": (("text", True), ("text_pair", False)),
     "chat": (),
+    "preference": (),
 }
 
 
@@ -92,10 +100,22 @@ def _chat_problem(record: dict, data_cfg: DataConfig) -> Optional[str]:
     return None if turns is not None else "no conversation"
 
 
+def _preference_problem(record: dict, data_cfg: DataConfig) -> Optional[str]:
+    from fedllm.data.preference import preference_parts
+
+    try:
+        preference_parts(record, data_cfg)
+    except DataError as e:
+        return str(e)
+    return None
+
+
 def record_problem(record: dict, data_cfg: DataConfig) -> Optional[str]:
     """Why ``record`` cannot be used at all (missing or mistyped field), or None."""
     if data_cfg.format == "chat":
         return _chat_problem(record, data_cfg)
+    if data_cfg.format == "preference":
+        return _preference_problem(record, data_cfg)
     for key, required in TEXT_FIELDS.get(data_cfg.format, ()):
         problem = _field_problem(record, data_cfg, key, required)
         if problem:
@@ -117,6 +137,7 @@ def column_problems(data_cfg: DataConfig, partition_cfg: PartitionConfig, record
     problems = []
     fields = [key for key, required in TEXT_FIELDS.get(data_cfg.format, ()) if required]
     fields += ["label"] if data_cfg.format == "classification" else []
+    fields += ["chosen", "rejected"] if data_cfg.format == "preference" else []
     for key in fields:
         column = field_name(data_cfg, key)
         if not any(column in r for r in records):
@@ -164,7 +185,8 @@ def text_size(value: Any) -> int:
 
 def bad_record_kind(record: dict, data_cfg: DataConfig) -> Optional[str]:
     """``"too_large"`` when ``record`` holds more than ``data.max_record_chars`` characters of text (checked
-    before anything tokenizes it), ``"empty"`` when a required text is empty or whitespace, else None."""
+    before anything tokenizes it), ``"empty"`` when a required text is empty or whitespace (preference: either
+    answer), ``"identical"`` when a preference record's answers are the same, else None."""
     if data_cfg.max_record_chars is not None and text_size(record) > data_cfg.max_record_chars:
         return "too_large"
     if data_cfg.format == "chat":
@@ -172,6 +194,11 @@ def bad_record_kind(record: dict, data_cfg: DataConfig) -> Optional[str]:
 
         replies = [m["content"] for m in record_messages(record, data_cfg) if m["role"] == "assistant"]
         return "empty" if not any(r.strip() for r in replies) else None
+    if data_cfg.format == "preference":
+        from fedllm.data.preference import answer_texts, preference_parts
+
+        chosen, rejected = answer_texts(preference_parts(record, data_cfg))
+        return "empty" if not (chosen.strip() and rejected.strip()) else "identical" if chosen == rejected else None
     for key, required in TEXT_FIELDS.get(data_cfg.format, ()):
         if required and not str(record.get(field_name(data_cfg, key)) or "").strip():
             return "empty"

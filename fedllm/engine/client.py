@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
+from fedllm.data.collate import is_pair_batch
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
+from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
 from fedllm.models.loading import read_state, write_state
+from fedllm.models.preference_loss import pair_loss
 from fedllm.models.state import DTYPES, StateDict
 from fedllm.models.supervised_loss import loss_path
 from fedllm.recipe.schedule import steps_per_round
@@ -73,10 +76,29 @@ def batch_stream(cfg: TrainConfig, examples: Sequence[dict], indices: Sequence[i
     return BatchStream(indices, cfg.batch_size, seed)
 
 
-def micro_batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: TrainConfig) -> torch.Tensor:
-    """Loss of one micro-batch: ``train.loss_positions`` for a causal LM, the model's own otherwise."""
+def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: TrainConfig) -> torch.Tensor:
+    """Next-token loss of one micro-batch: ``train.loss_positions`` for a causal LM, the model's own otherwise."""
     task = "causal_lm" if batch["labels"].dim() == 2 else "classification"
     return loss_path(model, cfg.loss_positions, task)(model, batch)
+
+
+def dpo_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: TrainConfig) -> torch.Tensor:
+    """The pairwise loss of ``train.preference`` on a batch of preference pairs (:mod:`fedllm.models.preference_loss`)."""
+    if not is_pair_batch(batch):
+        raise ValueError("train.objective: dpo needs preference pairs (data.format: preference)")
+    return pair_loss(model, batch, cfg.preference, cfg.loss_positions).loss
+
+
+#: ``train.objective`` -> loss of one micro-batch.
+OBJECTIVES: dict[str, Callable[[torch.nn.Module, dict[str, torch.Tensor], TrainConfig], torch.Tensor]] = {
+    "sft": sft_loss,
+    "dpo": dpo_loss,
+}
+
+
+def micro_batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], cfg: TrainConfig) -> torch.Tensor:
+    """Loss of one micro-batch under ``train.objective`` (:data:`OBJECTIVES`)."""
+    return OBJECTIVES[cfg.objective](model, batch, cfg)
 
 
 def _named_optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> StateDict:
@@ -222,8 +244,13 @@ def run_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, sto
 
     The client's entry in ``store`` is handed to the strategy through ``plan.client_state``
     (``open_client``), its optimizer moments continue when ``train.optimizer_state: per_client``,
-    and the new entry (``close_client`` plus the moments) replaces the old one in ``store``.
+    and the new entry (``close_client`` plus the moments) replaces the old one in ``store``. Under DPO with
+    precomputed references, the client's reference log-probabilities come from ``store`` (computed now, from
+    the model as it stands, if it has none: :mod:`fedllm.engine.reference`).
     """
+    if uses_precomputed(cfg):
+        part = client_reference(model, store, plan.client_id, examples, indices, cfg, collate)
+        examples = with_reference(examples, indices, part)
     moments = open_client_state(plan, strategy, store)
     result = train_client(model, plan, strategy, examples, indices, cfg, collate, seed, moments, progress)
     return close_client_state(plan, strategy, store, result, moments, len(indices))

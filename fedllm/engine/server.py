@@ -31,6 +31,13 @@ from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
 from fedllm.engine.client import run_client
 from fedllm.engine.distributed import Dispatch
+from fedllm.engine.reference import (
+    EVAL_REFERENCE_KEY,
+    HELD_OUT,
+    precompute_eval_references,
+    precompute_references,
+    with_reference,
+)
 from fedllm.engine.secure_rounds import SecureRound, SummedUpdate
 from fedllm.evaluation.personal import personal_stats
 from fedllm.evaluation.runner import eval_due
@@ -257,6 +264,13 @@ class LocalExecutor:
             out.append(update)
         return out
 
+    def prepare(self, loop: RoundLoop) -> None:
+        """Before round 1: what clients compute once from the starting model (DPO's reference log-probabilities,
+        :mod:`fedllm.engine.reference`), each process its share of the clients, gathered into every store."""
+        data = loop.fed.data
+        precompute_references(loop.model, loop.store, data.examples, dict(enumerate(data.clients)), loop.recipe.train,
+                              loop.collate, self.dispatch)
+
     def sync(self, loop: RoundLoop, rnd: int, sampled: list[int], aggregated: StateDict) -> dict[int, int]:
         """Bytes sent outside the round's plans (the strategy's syncs to non-participants)."""
         fed = loop.recipe.federation
@@ -348,11 +362,16 @@ class RoundLoop:
 
         data = self.fed.data
         out_dir = self.run_dir / "eval" / f"round-{rnd:04d}" if self.executor.is_main else None
+        if examples is None:  # the held-out pairs carry their reference log-probabilities (DPO)
+            examples = with_reference(data.eval_examples, range(len(data.eval_examples)),
+                                      self.store.reference(HELD_OUT))
+        dpo = self.recipe.train.preference if self.recipe.train.objective == "dpo" else None
         return evaluate(self.model, self.fed.loaded.tokenizer, eval_config_for_data(self.recipe.eval,
                                                                                       self.recipe.data), out_dir,
                         records=data.eval_records if records is None else records,
-                        eval_examples=data.eval_examples if examples is None else examples, tag=tag,
-                        prompt_style=prompt_style_for_data(self.recipe.data), progress=self.progress)
+                        eval_examples=examples, tag=tag,
+                        prompt_style=prompt_style_for_data(self.recipe.data), progress=self.progress,
+                        preference=dpo)
 
     def evaluate_personal(self, rnd: int) -> dict[str, dict[str, float]]:
         """Each client's personal model (``Strategy.personal_state``) on its own held-out split."""
@@ -364,8 +383,9 @@ class RoundLoop:
             saved = read_state(self.model, personal.keys())
             write_state(self.model, personal)
             try:
-                out[str(cid)] = self.evaluate(rnd, data.client_eval_records[cid], data.client_eval[cid],
-                                              tag=f"client-{cid}")
+                examples = with_reference(data.client_eval[cid], range(len(data.client_eval[cid])),
+                                          self.store.reference(cid), EVAL_REFERENCE_KEY)
+                out[str(cid)] = self.evaluate(rnd, data.client_eval_records[cid], examples, tag=f"client-{cid}")
             finally:
                 write_state(self.model, saved)
         return out
@@ -497,6 +517,12 @@ class RoundLoop:
     def _run(self) -> RunResult:
         recipe = self.recipe
         rounds = recipe.federation.rounds
+        if self.start_round == 0:  # from the model as training starts: DPO's reference log-probabilities
+            if hasattr(self.executor, "prepare"):
+                self.executor.prepare(self)
+            data = self.fed.data
+            precompute_eval_references(self.model, self.store, data.eval_examples, data.client_eval, recipe,
+                                       self.collate)
         if self.start_round == 0 and eval_due(recipe.eval, 0, rounds):
             self.log_round({"round": 0, "eval": self.evaluate(0)})
             self.say(f"before training: {_format_metrics(self.history[-1]['eval'])}")

@@ -41,6 +41,7 @@ class EvalContext:
         judge: a :class:`JudgeClient`, or a completion function to build one around; None
             builds one from ``cfg.judge`` on first use.
         progress: show progress bars.
+        preference: ``train.preference`` of a DPO run (the rewards ``pref_accuracy`` reports), or None.
     """
 
     model: Any
@@ -53,6 +54,7 @@ class EvalContext:
     prompt_style_name: Optional[str] = None
     judge: Union[JudgeClient, Complete, None] = None
     progress: bool = True
+    preference: Any = None
     _fingerprint: Optional[str] = field(default=None, repr=False)
     _style: Optional[PromptStyle] = field(default=None, repr=False)
 

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from fedllm.common.registry import tasks
 from fedllm.evaluation.context import EvalContext, file_suffix
@@ -31,6 +31,7 @@ def evaluate(
     prompt_style: Optional[str] = None,
     judge: Union[JudgeClient, Complete, None] = None,
     progress: bool = True,
+    preference: Any = None,
 ) -> dict[str, float]:
     """Run every task of ``eval_cfg.tasks`` and return flat metrics.
 
@@ -51,13 +52,15 @@ def evaluate(
         judge: the judge (a :class:`JudgeClient`, or a ``messages -> reply`` function, wrapped
             with the on-disk cache); None: built from ``eval_cfg.judge`` when a judged task runs.
         progress: show progress bars.
+        preference: ``train.preference`` of a DPO run, for ``pref_accuracy``'s rewards (None: the defaults).
 
     Returns:
         ``{"<task>/<metric>": value}``, e.g. ``{"gsm8k/accuracy": 0.4, "mt_bench/mt1": 6.1}``.
     """
     ctx = EvalContext(model=model, tokenizer=tokenizer, cfg=eval_cfg,
                       out_dir=Path(out_dir) if out_dir is not None else None, tag=tag, records=records,
-                      eval_examples=eval_examples, prompt_style_name=prompt_style, judge=judge, progress=progress)
+                      eval_examples=eval_examples, prompt_style_name=prompt_style, judge=judge, progress=progress,
+                      preference=preference)
     metrics: dict[str, float] = {}
     protocols: dict[str, Optional[str]] = {}
     for name in eval_cfg.tasks:

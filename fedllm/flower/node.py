@@ -119,6 +119,20 @@ class Node:
             ckpt_io.restore_into(self.fed.loaded.model, self.fed.strategy, ck)
             self.store = ckpt_io.client_store(ck)
             self.synced = ck.round
+        else:  # the model as training starts, before any catch-up: DPO's reference log-probabilities, once
+            self.prepare()
+
+    def prepare(self) -> None:
+        """What this client computes once from the starting model (:mod:`fedllm.engine.reference`)."""
+        from functools import partial
+
+        from fedllm.data import collate
+        from fedllm.engine.reference import precompute_references
+
+        fed = self.fed
+        precompute_references(fed.loaded.model, self.store, fed.data.examples, {self.config.client_id: self.indices},
+                              self.recipe.train, partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id,
+                                                         task=fed.loaded.task))
 
     def save(self, step: int, adapter: dict) -> None:
         """Write this client's state and the replica after round ``step`` atomically; prune old steps."""

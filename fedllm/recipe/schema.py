@@ -86,8 +86,8 @@ class DataConfig:
     path: str = doc("", "hub id, or local json/jsonl/csv/parquet file or directory")
     name: Optional[str] = doc(None, "hub dataset config name")
     split: str = doc("train", "split to train on")
-    format: Literal["instruction", "chat", "classification"] = doc("instruction", "how records become token sequences")
-    template: Optional[str] = doc(None, "instruction template (default alpaca), or for chat 'tokenizer' (default) or a FastChat template name")
+    format: Literal["instruction", "chat", "classification", "preference"] = doc("instruction", "how records become token sequences (preference: prompt/chosen/rejected pairs, docs/preference.md)")
+    template: Optional[str] = doc(None, "instruction template (default alpaca), or for chat and preference 'tokenizer' (default) or a FastChat template name; preference also takes an instruction template or 'plain' (text as given)")
     fields: dict[str, str] = doc({}, "column renames, e.g. {instruction: query, output: response, label: label}")
     labels: Optional[list[str]] = doc(None, "label names for classification (default: sorted distinct values)")
     max_examples: Optional[int] = doc(None, "keep at most this many training records (after shuffling with the seed)")
@@ -102,7 +102,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.template is None:
-            self.template = "tokenizer" if self.format == "chat" else "alpaca"
+            self.template = "tokenizer" if self.format in ("chat", "preference") else "alpaca"
 
 
 @dataclass
@@ -120,6 +120,15 @@ class FederationConfig:
     round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint); none under client-level DP")
     max_update_norm: Optional[float] = doc(None, "drop an update whose norm ||u - global|| is above this (null: no absolute bound)")
     update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (under client-level DP: this times privacy.clipping_norm; null: off)")
+
+
+@dataclass
+class PreferenceConfig:
+    loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = doc("sigmoid", "pairwise loss (train.objective: dpo): sigmoid = DPO, ipo, hinge, robust (label smoothing), simpo (reference-free); as trl's (docs/preference.md)")
+    beta: float = doc(0.1, "inverse temperature of the implicit reward beta * log(pi / pi_ref) (IPO: its regularisation tau)")
+    label_smoothing: float = doc(0.0, "robust: assumed share of flipped preference labels, in [0, 0.5); simpo: cDPO-style smoothing, in [0, 0.5]")
+    gamma: float = doc(0.5, "simpo: target reward margin (trl's simpo_gamma)")
+    reference: Literal["precomputed", "adapter_disabled"] = doc("precomputed", "reference log-probabilities: computed once per client before round 1 and kept in its state (any strategy), or the base with the adapter disabled at every step (strategies that never change the base)")
 
 
 @dataclass
@@ -143,6 +152,8 @@ class TrainConfig:
     clients_per_pass: int = doc(1, "train this many sampled clients of a process together in one batched pass")
     threads: Optional[int] = doc(None, "CPU threads of this process; default: usable cores / local processes "
                                        "(env FEDLLM_THREADS overrides; see fedllm.common.threads)")
+    objective: Literal["sft", "dpo"] = doc("sft", "what a local step minimises: sft (next-token loss on the answer) or dpo (a pairwise preference loss of train.preference on data.format: preference)")
+    preference: PreferenceConfig = doc(PreferenceConfig(), "the preference loss of train.objective: dpo")
 
 
 @dataclass

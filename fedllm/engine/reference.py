@@ -1,0 +1,168 @@
+"""DPO's reference log-probabilities without a second copy of the model.
+
+DPO compares the policy with the policy training started from. Strategies that merge into the base (FRLoRA,
+FedLoRU, FedEx-LoRA, FLoRA ...) move the base, so "the base with the adapter disabled" is not that reference
+after round 1. With ``train.preference.reference: precomputed`` (the default) every client's reference
+log-probabilities are computed once, from the model as training starts (after the strategy's ``setup``, before
+any client's first update; one forward pass per pair, no gradient, eval mode), and kept in the client's state
+(:class:`fedllm.runs.client_store.ClientStore`'s reference part, checkpointed with it): two numbers per pair,
+``reference/logps`` (pairs x 2: chosen, rejected) in the order of the client's examples. Whoever trains the client
+holds them: the in-process store, every process of a multi-process run (each computes its share, then they are
+gathered), a Flower SuperNode (computed when it first builds its client, before any catch-up).
+
+``reference: adapter_disabled`` computes them at every step with the adapter disabled instead (trl's and
+OpenFedLLM's way), for strategies that never change the base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fedllm.models.preference_loss import needs_reference, sequence_logps
+from fedllm.models.state import DTYPES, StateDict
+from fedllm.recipe.schema import TrainConfig
+from fedllm.runs.client_store import REFERENCE, ClientStore
+
+REFERENCE_KEY = REFERENCE + "logps"
+"""Key of a client's reference table: float32, one row per example (chosen, rejected)."""
+EVAL_REFERENCE_KEY = REFERENCE + "eval_logps"
+"""Key of the reference table of a client's personal held-out pairs (``pref_accuracy`` of personal models)."""
+HELD_OUT = -1
+"""Store id under which the run's global held-out pairs keep their reference table (``pref_accuracy``)."""
+
+
+def uses_precomputed(cfg: TrainConfig) -> bool:
+    """Whether ``train`` trains DPO on reference log-probabilities computed once per client."""
+    return cfg.objective == "dpo" and needs_reference(cfg.preference) and cfg.preference.reference == "precomputed"
+
+
+class ReferencedExamples(Sequence):
+    """The federation's examples, those of one client carrying their reference log-probabilities
+    (``ref_chosen_logp`` / ``ref_rejected_logp``, which :func:`fedllm.data.collate.collate` batches)."""
+
+    def __init__(self, examples: Sequence[dict], indices: Sequence[int], table: torch.Tensor):
+        if table.shape != (len(indices), 2):
+            raise ValueError(f"reference table of shape {tuple(table.shape)} for {len(indices)} examples")
+        self.examples = examples
+        self.rows = {int(i): row for i, row in zip(indices, table.tolist(), strict=True)}
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+        row = self.rows.get(int(i))
+        example = self.examples[i]
+        return example if row is None else {**example, "ref_chosen_logp": row[0], "ref_rejected_logp": row[1]}
+
+
+def compute_reference(
+    model: torch.nn.Module,
+    examples: Sequence[dict],
+    indices: Sequence[int],
+    cfg: TrainConfig,
+    collate: Callable[[list[dict]], dict],
+    batch_size: int | None = None,
+) -> torch.Tensor:
+    """The reference table of the examples ``indices``: the model as it is now, eval mode, no gradient, in
+    batches of ``batch_size`` (default ``train.batch_size``) taken in order.
+
+    Returns:
+        float32 CPU tensor (len(indices) x 2): each pair's summed answer log-probability, chosen then rejected.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    rows = []
+    try:
+        with torch.no_grad():
+            size = batch_size or cfg.batch_size
+            for start in range(0, len(indices), size):
+                batch = collate([examples[i] for i in indices[start : start + size]])
+                batch = {k: v.to(device) for k, v in batch.items()}
+                autocast = torch.autocast(device.type, DTYPES[cfg.dtype]) if cfg.dtype != "fp32" else None
+                if autocast is None:
+                    logps = sequence_logps(model, batch, cfg.loss_positions).logps
+                else:
+                    with autocast:
+                        logps = sequence_logps(model, batch, cfg.loss_positions).logps
+                chosen, rejected = logps.float().cpu().chunk(2)
+                rows.append(torch.stack([chosen, rejected], dim=1))
+    finally:
+        model.train(was_training)
+    return torch.cat(rows) if rows else torch.zeros(0, 2)
+
+
+def client_reference(
+    model: torch.nn.Module,
+    store: ClientStore,
+    client_id: int,
+    examples: Sequence[dict],
+    indices: Sequence[int],
+    cfg: TrainConfig,
+    collate: Callable[[list[dict]], dict],
+) -> StateDict:
+    """Client ``client_id``'s reference part, computed now (and kept in ``store``) when it has none yet."""
+    kept = store.reference(client_id)
+    if REFERENCE_KEY not in kept:
+        kept = {REFERENCE_KEY: compute_reference(model, examples, indices, cfg, collate)}
+        store.put_reference(client_id, kept)
+    return kept
+
+
+def precompute_references(
+    model: torch.nn.Module,
+    store: ClientStore,
+    examples: Sequence[dict],
+    clients: dict[int, Sequence[int]],
+    cfg: TrainConfig,
+    collate: Callable[[list[dict]], dict],
+    dispatch: Any = None,
+) -> None:
+    """Compute the reference part of every client in ``clients`` (id -> example indices) that has none, before
+    training starts. With a multi-process ``dispatch`` each process computes its share and all are gathered."""
+    if not uses_precomputed(cfg):
+        return
+    todo = [c for c in sorted(clients) if REFERENCE_KEY not in store.reference(c)]
+    mine = dispatch.local_share(todo) if dispatch is not None else todo
+    computed = {c: client_reference(model, store, c, examples, clients[c], cfg, collate) for c in mine}
+    if dispatch is not None:
+        _, _, computed = dispatch.gather([], {}, computed)
+    for c, part in computed.items():
+        store.put_reference(c, part)
+
+
+def precompute_eval_references(
+    model: torch.nn.Module,
+    store: ClientStore,
+    held_out: Sequence[dict],
+    personal: Sequence[Sequence[dict]],
+    recipe: Any,
+    collate: Callable[[list[dict]], dict],
+) -> None:
+    """Before round 1, when ``pref_accuracy`` is evaluated: the reference tables of the global held-out pairs
+    (under :data:`HELD_OUT`) and of each client's personal held-out pairs (:data:`EVAL_REFERENCE_KEY`), in the
+    batches ``pref_accuracy`` takes (``eval.batch_size``, in order), so that the starting model's rewards are
+    exactly 0 rather than the rounding of another batching."""
+    cfg, size = recipe.train, recipe.eval.batch_size
+    if not uses_precomputed(cfg) or "pref_accuracy" not in recipe.eval.tasks:
+        return
+    if held_out and REFERENCE_KEY not in store.reference(HELD_OUT):
+        table = compute_reference(model, held_out, range(len(held_out)), cfg, collate, size)
+        store.put_reference(HELD_OUT, {REFERENCE_KEY: table})
+    for cid, examples in enumerate(personal):
+        kept = store.reference(cid)
+        if examples and EVAL_REFERENCE_KEY not in kept:
+            table = compute_reference(model, examples, range(len(examples)), cfg, collate, size)
+            store.put_reference(cid, {**kept, EVAL_REFERENCE_KEY: table})
+
+
+def with_reference(
+    examples: Sequence[dict], indices: Sequence[int], part: StateDict, key: str = REFERENCE_KEY
+) -> Sequence[dict]:
+    """``examples`` with the reference table ``part[key]`` attached to the examples ``indices`` (unchanged
+    without one)."""
+    table = part.get(key)
+    return examples if table is None else ReferencedExamples(examples, indices, table)

@@ -1,0 +1,51 @@
+"""DPO on two CPU processes gives the single-process result (FedAvg, FRLoRA, SCAFFOLD).
+
+Each process computes the reference log-probabilities of its share of the clients before round 1 and every
+process gathers all of them (:mod:`fedllm.engine.reference`); a client trained by rank 1 in one round and by
+rank 0 in the next uses the same reference. One torchrun launch runs the three jobs (tests/distributed_jobs.py).
+"""
+
+import pytest
+
+from fedllm.engine.server import run
+from fedllm.recipe.checks import parse_recipe
+from tests.conftest import tiny_raw, write_jsonl
+from tests.preference_helpers import preference_records
+from tests.test_distributed import TwoProcessLaunch, assert_same, final_tensors
+
+CASES = {
+    "fedavg": ("fedavg", {}, {}),
+    "frlora": ("frlora", {}, {"optimizer_state": "per_client"}),
+    "scaffold": ("scaffold", {}, {}),
+}
+
+
+def dpo_raw(data, strategy: str, args: dict, train: dict) -> dict:
+    return tiny_raw(
+        "-",
+        data,
+        data={"path": str(data), "format": "preference", "fields": {}},
+        federation={"num_clients": 4, "clients_per_round": 3, "rounds": 2, "strategy": strategy, "strategy_args": args},
+        train={"objective": "dpo", "max_length": 48, "lr": 5e-2, **train},
+    )
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    launch = TwoProcessLaunch(tmp_path_factory.mktemp("preference-distributed"))
+    data = write_jsonl(launch.root / "pairs.jsonl", preference_records(40))
+    for name, (strategy, args, train) in CASES.items():
+        launch.add(f"dpo-{name}", dpo_raw(data, strategy, args, train))
+    launch.start()
+    try:
+        yield launch
+    finally:
+        launch.stop()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_preference_two_processes_match_one(case, launch, tmp_path):
+    one = run(parse_recipe(launch.recipe(f"dpo-{case}", tmp_path / "one")))
+    two = final_tensors(launch.run_dir(f"dpo-{case}"))
+    assert any(k.endswith("reference/logps") for k in two["clients"])  # every client's reference, gathered
+    assert_same(final_tensors(one.run_dir), two)
