@@ -253,41 +253,14 @@ def operator_public_key(args: argparse.Namespace) -> Path | None:
     return pub
 
 
-PRIVATE_PREFIX = "fedllm-superlink-"
-PRIVATE_FILES = {"superexec.secret", "owner.pid", "nonces"}
-"""What ``fedllm flower superlink`` keeps in its private temporary directory (and nothing else)."""
-
-
-def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
-    """Delete the private directories of earlier ``fedllm flower superlink`` commands that were killed (``kill -9``
-    leaves them, with a stale secret): only ours (prefix, owner, nothing but :data:`PRIVATE_FILES`) whose command
-    is gone. Returns what was deleted."""
-    import os
-    import shutil
-
-    removed = []
-    for path in Path(root or tempfile.gettempdir()).glob(PRIVATE_PREFIX + "*"):
-        try:
-            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
-                continue
-            names = {p.name for p in path.iterdir()}
-            pid = int((path / "owner.pid").read_text().strip())
-        except (OSError, ValueError):
-            continue  # not one of ours, or still being written
-        if names <= PRIVATE_FILES and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
 def _superlink(args: argparse.Namespace) -> int:
     import os
 
     from fedllm.flower.runtime import write_secret
 
-    for stale in remove_stale_private_dirs():
+    for stale in processes.remove_stale_private_dirs():
         print(f"fedllm flower superlink: removed {stale}, left by a SuperLink that was killed", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix=PRIVATE_PREFIX) as private:
+    with tempfile.TemporaryDirectory(prefix=processes.PRIVATE_PREFIX) as private:
         (Path(private) / "owner.pid").write_text(f"{os.getpid()}\n")
         secret = write_secret(Path(private) / "superexec.secret")
         cmd = superlink_command(args, secret)
@@ -316,53 +289,8 @@ def _superlink(args: argparse.Namespace) -> int:
                                    after_start=ready)
 
 
-ACTIVATED = "SuperNode ID: "
-"""What ``flower-supernode`` prints once the SuperLink has activated it."""
-ACTIVATION_REFUSED = "Failed to activate SuperNode"
-"""What it prints (then exits 1) when the SuperLink refuses to activate it: an unknown key, or the key's previous
-session still counted online (a node killed without deactivating stays online for 2 heartbeats of 30 s)."""
-REJOIN_S = 150.0
-"""How long a node that was activated before retries a refused activation (the 60 s above, with a margin)."""
-
-
-class ActivationWatch:
-    """Start ``flower-supernode`` with its output copied through this process, noting whether it was activated
-    and whether its activation was refused."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker  # exists once this node's key was activated at least once (state directory)
-        self.refused = self.activated = False
-
-    def start(self, cmd: list[str]) -> subprocess.Popen:
-        import threading
-
-        self.refused = self.activated = False
-        proc = processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                               bufsize=1)
-
-        def copy() -> None:
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                if ACTIVATED in line:
-                    self.activated = True
-                    self.marker.touch()
-                self.refused = self.refused or ACTIVATION_REFUSED in line
-
-        threading.Thread(target=copy, daemon=True).start()
-        return proc
-
-
-def rejoin_delays(total_s: float = REJOIN_S, first_s: float = 2.0, cap_s: float = 15.0):
-    """The waits between activation attempts: doubling from ``first_s`` up to ``cap_s``, ``total_s`` in all."""
-    waited, delay = 0.0, first_s
-    while waited + delay <= total_s:
-        yield delay
-        waited += delay
-        delay = min(2 * delay, cap_s)
-
-
 def _supernode(args: argparse.Namespace) -> int:
+    from fedllm.flower.rejoin import serve_node
     from fedllm.flower.runtime import write_secret
 
     state = Path(args.state_dir).expanduser()
@@ -375,28 +303,7 @@ def _supernode(args: argparse.Namespace) -> int:
                   "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret),
                   "--journal", str(state / f".worker-{args.client}.inflight"), "--warm-runs", str(args.warm_runs)]
         helpers["node worker"] = lambda: processes.start(worker)
-    state.mkdir(parents=True, exist_ok=True)
-    watch = ActivationWatch(state / f".node-{args.client}.activated")
-    delays = rejoin_delays()
-    while True:
-        rc = processes.supervise(lambda: watch.start(cmd), helpers)
-        if rc >= 128 or not watch.marker.exists():  # stopped by a signal to this command; or a key that never
-            return rc  # joined (unknown to the SuperLink): not retried
-        # Flower's SuperNode ended by itself: refused activation (exit 1), or told by the SuperLink that its session
-        # is unknown (a restarted SuperLink answers its heartbeat with 401, and it exits "gracefully", code 0)
-        if watch.activated:  # it was serving: a new outage (a SuperLink restart), with a new allowance
-            delays = rejoin_delays()
-        delay = next(delays, None)
-        if delay is None:
-            print(f"fedllm flower supernode: client {args.client}'s node could not rejoin the SuperLink within "
-                  f"{REJOIN_S:.0f} s; giving up", file=sys.stderr, flush=True)
-            return rc
-        why = ("the SuperLink refused to activate it: its previous session (killed without signing off?) still counts "
-               "as online until its heartbeats time out (Flower: 2 x 30 s)" if watch.refused else
-               f"Flower's SuperNode ended with code {rc} (the SuperLink restarted, or is unreachable)")
-        print(f"fedllm flower supernode: client {args.client}'s node left the federation: {why}; rejoining in "
-              f"{delay:.0f} s (retrying for up to {REJOIN_S:.0f} s)", file=sys.stderr, flush=True)
-        time.sleep(delay)
+    return serve_node(cmd, helpers, state, args.client)
 
 
 def _run(args: argparse.Namespace) -> int:

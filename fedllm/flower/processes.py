@@ -176,3 +176,30 @@ def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[
             signal.signal(sig, handler)
         for proc in reversed(list(procs.values())):
             stop(proc)
+
+
+PRIVATE_PREFIX = "fedllm-superlink-"
+PRIVATE_FILES = {"superexec.secret", "owner.pid", "nonces"}
+"""What ``fedllm flower superlink`` keeps in its private temporary directory (and nothing else)."""
+
+
+def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
+    """Delete the private directories of earlier ``fedllm flower superlink`` commands that were killed (``kill -9``
+    leaves them, with a stale secret): only ours (prefix, owner, nothing but :data:`PRIVATE_FILES`) whose command
+    is gone. Returns what was deleted."""
+    import shutil
+    import tempfile
+
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(PRIVATE_PREFIX + "*"):
+        try:
+            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+                continue
+            names = {p.name for p in path.iterdir()}
+            pid = int((path / "owner.pid").read_text().strip())
+        except (OSError, ValueError):
+            continue  # not one of ours, or still being written
+        if names <= PRIVATE_FILES and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -115,7 +115,7 @@ def test_flower_security_certs_write_the_operator_key_and_superlink_requires_it(
 def test_a_killed_superlinks_private_directory_is_removed_at_the_next_start(tmp_path):
     """``kill -9`` of ``fedllm flower superlink`` leaves its private directory (a stale secret); the next start
     deletes such directories, and only them: not one whose command runs, not one holding anything else."""
-    from fedllm.commands.flower import remove_stale_private_dirs
+    from fedllm.flower.processes import remove_stale_private_dirs
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no longer runs
@@ -148,3 +148,11 @@ def test_the_supernode_runs_with_quick_object_pulls():
     assert module.pull_objects.keywords == {"initial_backoff": 0.05, "backoff_cap": 0.5}
     flower_default = inspect.signature(module.pull_objects.func).parameters["initial_backoff"].default
     assert flower_default == 1  # what it replaces: if Flower changes it, revisit fedllm.flower.supernode
+
+
+def test_a_node_that_left_retries_after_growing_waits_for_a_bounded_time():
+    from fedllm.flower.rejoin import REJOIN_S, rejoin_delays
+
+    waits = list(rejoin_delays())
+    assert waits[:4] == [2.0, 4.0, 8.0, 15.0] and set(waits[4:]) == {15.0}
+    assert REJOIN_S - 15.0 < sum(waits) <= REJOIN_S  # Flower's 2 x 30 s heartbeat patience, with a margin

@@ -1,0 +1,94 @@
+"""A SuperNode that leaves the federation by itself comes back: ``fedllm flower supernode`` starts Flower's SuperNode
+again, with backoff, when it ends without having been told to.
+
+Two ways a node that had joined ends on its own: it was killed without signing off (``kill -9``, a crash) and,
+restarted at once, the SuperLink still counts its old session online and refuses to activate its key until two
+heartbeats (Flower: 2 x 30 s) have passed ("Failed to activate SuperNode", exit 1); or the SuperLink restarted and
+answers its heartbeat with 401, and Flower's SuperNode exits "gracefully" (code 0). Either way :func:`serve_node`
+starts it again after 2, 4, 8, then every 15 s, for up to :data:`REJOIN_S` in all. A key that never joined (unknown
+to the SuperLink: the marker file below never written) is not retried: that refusal is final.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fedllm.flower import processes
+
+ACTIVATED = "SuperNode ID: "
+"""What ``flower-supernode`` prints once the SuperLink has activated it."""
+ACTIVATION_REFUSED = "Failed to activate SuperNode"
+"""What it prints (then exits 1) when the SuperLink refuses to activate it: an unknown key, or the key's previous
+session still counted online (a node killed without deactivating stays online for 2 heartbeats of 30 s)."""
+REJOIN_S = 150.0
+"""How long a node that was activated before retries a refused activation (the 60 s above, with a margin)."""
+
+
+class ActivationWatch:
+    """Start ``flower-supernode`` with its output copied through this process, noting whether it was activated
+    and whether its activation was refused."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker  # exists once this node's key was activated at least once (state directory)
+        self.refused = self.activated = False
+
+    def start(self, cmd: list[str]) -> subprocess.Popen:
+        import threading
+
+        self.refused = self.activated = False
+        proc = processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                               bufsize=1)
+
+        def copy() -> None:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                if ACTIVATED in line:
+                    self.activated = True
+                    self.marker.touch()
+                self.refused = self.refused or ACTIVATION_REFUSED in line
+
+        threading.Thread(target=copy, daemon=True).start()
+        return proc
+
+
+def rejoin_delays(total_s: float = REJOIN_S, first_s: float = 2.0, cap_s: float = 15.0):
+    """The waits between activation attempts: doubling from ``first_s`` up to ``cap_s``, ``total_s`` in all."""
+    waited, delay = 0.0, first_s
+    while waited + delay <= total_s:
+        yield delay
+        waited += delay
+        delay = min(2 * delay, cap_s)
+
+
+def serve_node(cmd: list[str], helpers: dict[str, Callable[[], subprocess.Popen]], state: Path, client: int) -> int:
+    """Supervise Flower's SuperNode ``cmd`` (and ``helpers``: the node worker) until this command is stopped, starting
+    it again when it leaves the federation by itself after having joined (see the module). Returns the exit code."""
+    state.mkdir(parents=True, exist_ok=True)
+    watch = ActivationWatch(state / f".node-{client}.activated")
+    delays = rejoin_delays()
+    while True:
+        rc = processes.supervise(lambda: watch.start(cmd), helpers)
+        if rc >= 128 or not watch.marker.exists():  # stopped by a signal to this command; or a key that never
+            return rc  # joined (unknown to the SuperLink): not retried
+        # Flower's SuperNode ended by itself: refused activation (exit 1), or told by the SuperLink that its session
+        # is unknown (a restarted SuperLink answers its heartbeat with 401, and it exits "gracefully", code 0)
+        if watch.activated:  # it was serving: a new outage (a SuperLink restart), with a new allowance
+            delays = rejoin_delays()
+        delay = next(delays, None)
+        if delay is None:
+            print(f"fedllm flower supernode: client {client}'s node could not rejoin the SuperLink within "
+                  f"{REJOIN_S:.0f} s; giving up", file=sys.stderr, flush=True)
+            return rc
+        why = ("the SuperLink refused to activate it: its previous session (killed without signing off?) still counts "
+               "as online until its heartbeats time out (Flower: 2 x 30 s)" if watch.refused else
+               f"Flower's SuperNode ended with code {rc} (the SuperLink restarted, or is unreachable)")
+        print(f"fedllm flower supernode: client {client}'s node left the federation: {why}; rejoining in "
+              f"{delay:.0f} s (retrying for up to {REJOIN_S:.0f} s)", file=sys.stderr, flush=True)
+        time.sleep(delay)
+
+
