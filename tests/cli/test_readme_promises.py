@@ -60,8 +60,9 @@ def test_your_own_data_example_runs_as_written(tmp_path, monkeypatch, capsys):
     assert len(by_recipe["eval"]) == 6  # 10 % of 60 held out
     train = next(c for c in commands if "federation.partition.path=parts/" in c)
     overrides = shlex.split(train)[3:]
-    assert load_recipe("my-recipe.yaml", overrides, check_files=True, ask_strategy=False).federation.partition.path \
-        == "parts/"
+    again = load_recipe("my-recipe.yaml", overrides, check_files=True, ask_strategy=False)
+    assert again.federation.partition.path == "parts/"
+    assert again.output_dir != recipe.output_dir  # run after the recipe's own run, it does not collide with it
 
 
 def test_every_file_readme_links_to_is_in_the_repository():
