@@ -223,6 +223,12 @@ class Shapes:
                    text.vocab_size if task == "causal_lm" else 0)
 
 
+def sequences_per_batch(recipe: Any) -> int:
+    """Sequences in one training micro-batch: ``train.batch_size``, twice that for preference pairs (the chosen and
+    the rejected answer of each pair go through the model together, :func:`fedllm.data.collate.pair_rows`)."""
+    return recipe.train.batch_size * (2 if recipe.data.format == "preference" else 1)
+
+
 def activation_bytes(shapes: Shapes, batch: int, length: int, dtype_bytes: int) -> int:
     """``b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8)`` (see the module docstring)."""
     s = shapes
@@ -296,7 +302,7 @@ class CostReport:
             "gradients": trainable,
             "optimizer": slots * trainable,
             "strategy state": self.state.server,
-            "activations": activation_bytes(self.shapes, r.train.batch_size, r.train.max_length, compute),
+            "activations": activation_bytes(self.shapes, sequences_per_batch(r), r.train.max_length, compute),
         }
 
     def lines(self) -> list[str]:
@@ -331,7 +337,10 @@ class CostReport:
         out.append(f"  peak memory estimate (one training process): {unit(sum(mem.values()))} = "
                    + " + ".join(f"{k} {unit(v)}" for k, v in mem.items()))
         s = self.shapes
-        out.append(f"    activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8) with b={r.train.batch_size}, "
+        pairs = " (2 x batch_size: a preference batch holds each pair's chosen and rejected answer)" \
+            if sequences_per_batch(r) != r.train.batch_size else ""
+        out.append(f"    activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8) with b={sequences_per_batch(r)}"
+                   f"{pairs}, "
                    f"s={r.train.max_length}, L={s.layers}, p={_dtype_bytes(r.train.dtype)}, h={s.hidden}, "
                    f"d_q={s.q_dim}, d_kv={s.kv_dim}, i={s.mlp}, V={s.vocab} (every sequence at max_length; "
                    "fused attention; no checkpointing)")

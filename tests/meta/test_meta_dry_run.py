@@ -81,3 +81,15 @@ def test_dry_run_with_the_weights_but_without_the_data(tiny_recipe, tmp_path, ca
     assert "client sizes (taken as 20 examples each: data.max_examples / 3 clients)" in out
     assert "3,584 trainable (exact)" in out
 
+
+
+def test_peak_memory_counts_both_answers_of_a_preference_pair(meta_costs):
+    """A DPO batch of B pairs runs 2B sequences through the model (chosen, then rejected): the activation term
+    doubles against the same recipe's SFT batch, the other terms stay."""
+    sft = meta_costs(RECIPE).memory()
+    report = meta_costs(RECIPE, "data.format=preference", "train.objective=dpo", "data.fields={}")
+    dpo = report.memory()
+    assert dpo["activations"] == 2 * sft["activations"]
+    assert "b=32 (2 x batch_size: a preference batch holds each pair's chosen and rejected answer)" in \
+        "\n".join(report.lines())
+    assert {k: v for k, v in dpo.items() if k != "activations"} == {k: v for k, v in sft.items() if k != "activations"}
