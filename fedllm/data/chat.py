@@ -127,17 +127,20 @@ def record_messages(record: dict, data_cfg: DataConfig) -> list[dict]:
         turns = record_field(record, data_cfg, "conversations", required=False)
     if not isinstance(turns, list):
         raise DataError(f"a chat record needs a 'messages' or 'conversations' list; its columns are {sorted(record)}")
-    messages = []
-    for i, turn in enumerate(turns):
-        speaker = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
-        content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
-        role = ROLE_ALIASES.get(str(speaker).lower())
-        if role is None or content is None:
-            raise DataError(
-                f"chat turn {i} needs a role/from in {sorted(ROLE_ALIASES)} and a content/value; got {turn!r}"
-            )
-        messages.append({"role": role, "content": str(content)})
-    return messages
+    return [turn_message(turn, f"chat turn {i}") for i, turn in enumerate(turns)]
+
+
+def turn_message(turn: Any, where: str, string_only: bool = False) -> dict:
+    """One turn of a conversation (OpenAI ``role``/``content`` or ShareGPT ``from``/``value``) as a message
+    ``{"role", "content"}``; a :class:`DataError` naming ``where`` for anything else (with ``string_only``, a
+    content that is not a string too)."""
+    speaker = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
+    content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
+    role = ROLE_ALIASES.get(str(speaker).lower())
+    if role is None or content is None or (string_only and not isinstance(content, str)):
+        raise DataError(f"{where} needs a role/from in {sorted(ROLE_ALIASES)} and a {'string ' if string_only else ''}"
+                        f"content/value; got {turn!r:.120}")
+    return {"role": role, "content": str(content)}
 
 
 def assistant_spans(messages: list[dict], render: Callable[[list[dict], bool], str]) -> tuple[str, list[tuple[int, int]]]:

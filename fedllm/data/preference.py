@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fedllm.data.chat import ROLE_ALIASES, chat_template
+from fedllm.data.chat import chat_template, turn_message
 from fedllm.data.errors import DataError
 from fedllm.data.templates import INSTRUCTION_TEMPLATES, field_name
 from fedllm.data.tokens import IGNORE_INDEX, leading_bos, text_ids
@@ -63,18 +63,7 @@ class PreferenceParts:
 def _messages(turns: Any, what: str) -> Messages:
     if not isinstance(turns, list):
         raise DataError(f"{what} must be a string or a list of turns; got {type(turns).__name__}")
-    out = []
-    for i, turn in enumerate(turns):
-        speaker = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
-        content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
-        role = ROLE_ALIASES.get(str(speaker).lower())
-        if role is None or not isinstance(content, str):
-            raise DataError(
-                f"{what}: turn {i} needs a role/from in {sorted(ROLE_ALIASES)} and a string "
-                f"content/value; got {turn!r:.120}"
-            )
-        out.append({"role": role, "content": content})
-    return out
+    return [turn_message(turn, f"{what}: turn {i}", string_only=True) for i, turn in enumerate(turns)]
 
 
 def extract_prompt_text(chosen: str, rejected: str) -> tuple[str, str, str]:

@@ -222,3 +222,18 @@ def test_preference_arith_pairs_reject_a_wrong_result_in_the_same_words(tmp_path
         assert int(good) == ops[op](int(x), int(y)) and int(bad) != int(good)
         assert r["answer"].endswith(f"#### {good}") and r["rejected"].endswith(f"#### {bad}")
         assert re.sub(r"\d+", "N", r["answer"]) == re.sub(r"\d+", "N", r["rejected"])  # only the number differs
+
+
+def test_preference_turns_are_read_as_chat_turns_but_need_string_content():
+    """One reader of a conversation turn (fedllm.data.chat.turn_message) for chat and preference records: both
+    take OpenAI and ShareGPT keys; a chat turn's number becomes text, a preference answer's is refused."""
+    from fedllm.data.chat import turn_message
+    from fedllm.data.errors import DataError
+
+    assert turn_message({"from": "gpt", "value": 5}, "chat turn 0") == {"role": "assistant", "content": "5"}
+    assert turn_message({"role": "user", "content": "2+3?"}, "chosen: turn 0", string_only=True) == \
+        {"role": "user", "content": "2+3?"}
+    with pytest.raises(DataError, match=r"chosen: turn 1 needs a role/from in .* and a string content/value"):
+        turn_message({"role": "assistant", "content": 5}, "chosen: turn 1", string_only=True)
+    with pytest.raises(DataError, match=r"chat turn 2 needs a role/from"):
+        turn_message({"speaker": "x", "content": "hi"}, "chat turn 2")
