@@ -71,6 +71,15 @@ def _base_loading(source: Source, info: dict[str, Any], where: str) -> tuple[str
             f"`base_model_name_or_path` is the run's model `{cfg.name}`.")
 
 
+# Third-party notices a user of the adapter snippet would otherwise see: peft imports bitsandbytes, whose CPU build
+# logs a warning about an optional kernel package, and peft reads a property transformers 5 deprecates.
+QUIET_THIRD_PARTY = ("import logging\nimport warnings\n\n"
+                      "logging.getLogger(\"bitsandbytes\").setLevel(logging.ERROR)  "
+                      "# peft imports it; its CPU build warns about an optional kernel\n"
+                      "warnings.filterwarnings(\"ignore\", message=\".*is_gradient_checkpointing\")  "
+                      "# peft reads a property transformers deprecates\n")
+
+
 def _usage(fmt: str, source: Source, info: dict[str, Any], where: Optional[Path] = None) -> str:
     """A snippet that runs as written: ``where`` is the export directory (absolute)."""
     auto = _auto_class(source)
@@ -80,7 +89,8 @@ def _usage(fmt: str, source: Source, info: dict[str, Any], where: Optional[Path]
                 f"model = {auto}.from_pretrained({here!r})\n"
                 f"tokenizer = AutoTokenizer.from_pretrained({here!r})\n```")
     imports, base, note = _base_loading(source, info, here)
-    return (f"```python\nfrom peft import PeftModel\nfrom transformers import AutoTokenizer\n{imports}\n\n"
+    return (f"```python\n{QUIET_THIRD_PARTY}"
+            f"from peft import PeftModel\nfrom transformers import AutoTokenizer\n{imports}\n\n"
             f"{base}\nmodel = PeftModel.from_pretrained(base, {here!r})\n"
             f"tokenizer = AutoTokenizer.from_pretrained({here!r})\n```\n\n" + note)
 

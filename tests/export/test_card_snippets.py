@@ -23,3 +23,15 @@ def test_merged_card_runs_as_written(cases):
     got = cases["fedavg"].meta["snippets"]["merged"]
     assert "error" not in got, got["error"]
     assert got["result"] == "LlamaForCausalLM" and got["imported"] == []  # plain transformers: no peft, no fedllm
+
+
+def test_adapter_card_snippet_prints_nothing_on_stderr(cases):
+    """Run as a user would (a fresh interpreter, the snippet alone): peft imports bitsandbytes, whose CPU build
+    logs "Failed to load CPU gemm_4bit_forward from kernels-community" unless the snippet quiets it."""
+    import subprocess
+    import sys
+
+    code = card_snippet(cases["fedavg"].dirs["adapter/global"])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "", done.stderr
