@@ -106,6 +106,10 @@ def find_run_recipe(path: str) -> Optional[Path]:
     return None
 
 
+HELD_OUT_TASKS = ("held_out", "pref_accuracy")
+"""Tasks that score the run's tokenized held-out records."""
+
+
 def heldout_records(recipe: Recipe) -> Optional[list[dict]]:
     """The run's held-out raw records (its eval source, or the ``eval_fraction`` split), or None."""
     from fedllm.data import load_records
@@ -121,20 +125,22 @@ def heldout_records(recipe: Recipe) -> Optional[list[dict]]:
     return None
 
 
-def heldout_pairs(recipe: Recipe, tokenizer: Any, checkpoint: str) -> Optional[list[dict]]:
-    """A preference run's held-out pairs, tokenized as in training (bad records left out), each with the reference
-    log-probabilities the run computed for it before round 1 when the checkpoint keeps them (else None: the
-    adapter-disabled base is the reference)."""
+def heldout_examples(recipe: Recipe, tokenizer: Any, checkpoint: str,
+                     records: Optional[list[dict]]) -> Optional[list[dict]]:
+    """The run's held-out ``records`` tokenized as in training (bad records left out); a preference run's pairs
+    each with the reference log-probabilities the run computed for it before round 1 when the checkpoint keeps
+    them (else none: the adapter-disabled base is the reference)."""
     from fedllm.data.formats import make_encoder
     from fedllm.data.validation import bad_record_kind
     from fedllm.engine.reference import HELD_OUT, with_reference
     from fedllm.runs import checkpoint as ckpt_io
 
-    records = heldout_records(recipe)
     if not records:
         return None
     encode = make_encoder(tokenizer, recipe.data, recipe.train.max_length)
     examples = [ex for r in records if bad_record_kind(r, recipe.data) is None and (ex := encode(r)) is not None]
+    if recipe.data.format != "preference":
+        return examples
     store = ckpt_io.client_store(ckpt_io.load_checkpoint(ckpt_io.resolve_checkpoint(Path(checkpoint))))
     part = store.reference(HELD_OUT)
     table = next(iter(part.values()), None)
@@ -199,8 +205,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
         records = heldout_records(recipe)
     model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype)
     examples, preference = None, None
-    if recipe is not None and recipe.data.format == "preference":  # pref_accuracy: the run's held-out pairs
-        examples, preference = heldout_pairs(recipe, tokenizer, args.checkpoint), recipe.train.preference
+    if recipe is not None and any(t in HELD_OUT_TASKS for t in cfg.tasks):  # the run's held-out records, tokenized
+        examples = heldout_examples(recipe, tokenizer, args.checkpoint, records or heldout_records(recipe))
+        preference = recipe.train.preference if recipe.data.format == "preference" else None
     metrics = evaluate(model, tokenizer, cfg, out_dir, records=records, eval_examples=examples,
                        prompt_style=prompt_style, progress=not args.no_progress, preference=preference)
     print(markdown_table(metrics, title=args.checkpoint))

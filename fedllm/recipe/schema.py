@@ -169,7 +169,7 @@ class JudgeConfig:
 
 @dataclass
 class EvalConfig:
-    tasks: list[str] = doc([], "task registry names evaluated on the global model")
+    tasks: list[str] = doc([], "task registry names evaluated on the global model; a recipe that names none: `held_out` (`pref_accuracy` for preference data) if data holds records out; [] none")
     every: int = doc(0, "evaluate every N rounds (0: only after the last round)")
     before_training: bool = doc(False, "also evaluate the initial model (round 0)")
     limit: Optional[int] = doc(None, "examples per task")
@@ -568,7 +568,17 @@ def build_recipe(raw: Any, source: str, overrides: Optional[list[str]], problems
     apply_overrides(raw, list(overrides or []), problems)
     recipe = _build(Recipe, raw, "", problems)
     _expand_home(recipe)
+    named = raw.get("eval")
+    if not (isinstance(named, dict) and "tasks" in named):
+        recipe.eval.tasks = default_tasks(recipe.data)
     return recipe
+
+
+def default_tasks(data: DataConfig) -> list[str]:
+    """The evaluation of a recipe that names no ``eval.tasks``: its held-out records, when it holds some out."""
+    if not (data.eval_fraction > 0 or data.eval_path or data.eval_split):
+        return []
+    return ["pref_accuracy"] if data.format == "preference" else ["held_out"]
 
 
 def _expand_home(recipe: Recipe) -> None:
