@@ -61,6 +61,8 @@ class DryRunReport:
     bytes_down: int
     eval_rounds: list[int]
     costs: Any = None  # fedllm.commands.cost_report.CostReport
+    eval_seconds: float = 0.0  # one evaluation of every timed task
+    eval_untimed: tuple[str, ...] = ()  # "task (why)" of the tasks not timed
 
     @property
     def seconds_per_round(self) -> float:
@@ -68,12 +70,17 @@ class DryRunReport:
 
     @property
     def seconds_total(self) -> float:
-        return self.seconds_per_round * self.recipe.federation.rounds
+        """Building the federation, every round and every evaluation."""
+        return (self.build_seconds + self.seconds_per_round * self.recipe.federation.rounds
+                + self.eval_seconds * len(self.eval_rounds))
 
     def report(self) -> str:
         r = self.recipe
-        evals = (f"; plus evaluation ({', '.join(r.eval.tasks)}) after round(s) "
-                 f"{', '.join(map(str, self.eval_rounds))}, not timed" if r.eval.tasks and self.eval_rounds else "")
+        evals = []
+        if r.eval.tasks and self.eval_rounds:
+            untimed = f"; not timed: {', '.join(self.eval_untimed)}" if self.eval_untimed else ""
+            evals = [f"  evaluation ({', '.join(r.eval.tasks)}) after round(s) {', '.join(map(str, self.eval_rounds))}:"
+                     f" ~{_duration(self.eval_seconds)} each (one batch of each task timed){untimed}"]
         return "\n".join([
             f"dry run of {r.source}: recipe valid; data, model ({r.model.name}) and strategy "
             f"({r.federation.strategy}) built in {self.build_seconds:.1f} s",
@@ -81,7 +88,9 @@ class DryRunReport:
             f"batch {r.train.batch_size} x grad_accum {r.train.grad_accum}, max_length {r.train.max_length})",
             f"  per round: {self.steps_per_round} client steps ({r.sampled_per_round()} clients) -> "
             f"~{_duration(self.seconds_per_round)}",
-            f"  whole run: {r.federation.rounds} rounds -> ~{_duration(self.seconds_total)}{evals}",
+            *evals,
+            f"  whole run: building, {r.federation.rounds} rounds and the evaluations -> "
+            f"~{_duration(self.seconds_total)} at this machine's load now ({_load()})",
             f"  bytes per round: up {self.bytes_up / 1e6:.2f} MB, down {self.bytes_down / 1e6:.2f} MB "
             f"({r.federation.comm_dtype})",
             *(self.costs.lines() if self.costs is not None else []),
@@ -106,6 +115,16 @@ class UntimedReport:
             *self.costs.lines(),
             f"  nothing was written to {r.output_dir}",
         ])
+
+
+def _load() -> str:
+    """The 1-minute load average against the CPUs: the timings scale with what else runs."""
+    import os
+
+    try:
+        return f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    except OSError:
+        return f"{os.cpu_count()} CPUs"
 
 
 def _duration(seconds: float) -> str:
@@ -235,4 +254,50 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
         pass
     eval_rounds: list[Any] = [r for r in range(recipe.federation.rounds + 1) if eval_due(recipe.eval, r,
                                                                                         recipe.federation.rounds)]
-    return DryRunReport(recipe, build_seconds, timer.seconds_per_step(), steps, up, down, eval_rounds, costs)
+    eval_seconds, eval_untimed = _eval_seconds(recipe, fed) if eval_rounds else (0.0, [])
+    return DryRunReport(recipe, build_seconds, timer.seconds_per_step(), steps, up, down, eval_rounds, costs,
+                        eval_seconds, tuple(eval_untimed))
+
+
+def _eval_seconds(recipe: Recipe, fed: Any) -> tuple[float, list[str]]:
+    """Seconds of one evaluation of the recipe's tasks: each task timed on one batch (``eval.batch_size``
+    examples) and scaled to the examples it evaluates; ``"task (why)"`` for each task it cannot time: a judged
+    or lm-evaluation-harness task (a dry run calls no judge and runs no harness), or one whose data are not here
+    (nothing is downloaded)."""
+    import dataclasses
+
+    from fedllm.common.errors import InputError
+    from fedllm.evaluation import evaluate, prompt_style_for_data
+    from fedllm.evaluation.judged_task import JudgedTask
+    from fedllm.evaluation.runner import eval_config_for_data, make_task
+
+    data, cfg = fed.data, eval_config_for_data(recipe.eval, recipe.data)
+    dpo = recipe.train.preference if recipe.train.objective == "dpo" else None
+    seconds, untimed = 0.0, []
+    for name in recipe.eval.tasks:
+        task = make_task(name)
+        if isinstance(task, JudgedTask) or name.startswith("lm_eval:") or (cfg.answer_protocol == "lm_eval" and \
+                getattr(task, "lm_eval_task", "")):
+            untimed.append(f"{name} (judged or run by lm-evaluation-harness)")
+            continue
+        if name in ("held_out", "pref_accuracy"):
+            size = len(data.eval_examples)
+        elif task.uses_records and data.eval_records and name not in cfg.data:
+            size = len(data.eval_records)
+        else:
+            size = cfg.limit
+        size = min(size, cfg.limit) if size is not None and cfg.limit is not None else size
+        if not size:
+            untimed.append(f"{name} (its number of examples is known only when it reads its data; set eval.limit)")
+            continue
+        batch = min(size, cfg.batch_size)
+        start = time.perf_counter()
+        try:
+            evaluate(fed.loaded.model, fed.loaded.tokenizer, dataclasses.replace(cfg, tasks=[name], limit=batch),
+                     None, records=data.eval_records, eval_examples=data.eval_examples,
+                     prompt_style=prompt_style_for_data(recipe.data), progress=False, preference=dpo)
+        except (InputError, OSError) as e:  # its data are not here: the real run would read or download them
+            untimed.append(f"{name} ({str(e).splitlines()[0][:120]})")
+            continue
+        seconds += (time.perf_counter() - start) * math.ceil(size / batch)
+    return seconds, untimed

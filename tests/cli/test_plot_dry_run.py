@@ -93,7 +93,28 @@ def test_dry_run_writes_nothing_and_matches_a_real_round(tiny_recipe, tmp_path, 
     assert "per round: 4 client steps" in said.out
     assert report.bytes_up == first["bytes_up_total"] and report.bytes_down == first["bytes_down_total"]
     assert report.steps_per_round == sum(first["client_steps"].values())
-    assert report.seconds_total == pytest.approx(report.seconds_per_step * 4 * 2)
+    assert report.eval_rounds == [] and report.seconds_total == pytest.approx(report.build_seconds
+                                                                               + report.seconds_per_step * 4 * 2)
+
+
+def test_dry_run_times_one_batch_of_each_evaluation_and_names_what_it_cannot_time(tiny_recipe):
+    """The whole-run estimate counts building, rounds and evaluations (a run of the quickstart spends a third of its
+    time evaluating); a judged task is not timed (a dry run calls no judge) and the report says so."""
+    from fedllm.commands.dry_run import dry_run
+    from fedllm.recipe.checks import parse_recipe
+
+    raw = tiny_recipe(data={"eval_fraction": 0.25},
+                      eval={"tasks": ["held_out", "gsm8k", "mt_bench"], "batch_size": 4, "max_new_tokens": 4,
+                            "before_training": True})
+    report = dry_run(parse_recipe(raw))
+    assert report.eval_rounds == [0, 2] and report.eval_seconds > 0
+    assert [t.split(" ")[0] for t in report.eval_untimed] == ["mt_bench"]
+    assert report.seconds_total == pytest.approx(report.build_seconds + report.seconds_per_round * 2
+                                                 + 2 * report.eval_seconds)
+    text = report.report()
+    assert "evaluation (held_out, gsm8k, mt_bench) after round(s) 0, 2: ~" in text
+    assert "not timed: mt_bench (judged or run by lm-evaluation-harness)" in text
+    assert "at this machine's load now (load " in text
 
 
 def test_run_eta_is_mean_round_time_times_rounds_left():
