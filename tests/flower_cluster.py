@@ -33,11 +33,11 @@ def env_for(home: Path) -> dict:
             "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start(args, log_path, env):
-    """A fedllm command in its own process group (its Flower children die with it)."""
+def start(args, log_path, env, cwd=None):
+    """A fedllm command in its own process group (its Flower children die with it), in ``cwd`` if given."""
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", "fedllm", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
 
 
 def stop(proc, sig=signal.SIGTERM):
