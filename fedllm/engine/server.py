@@ -57,7 +57,7 @@ from fedllm.privacy.secagg.settings import enabled as secure_aggregation
 from fedllm.recipe.schedule import derived_seed, steps_per_round
 from fedllm.recipe.schema import Recipe, dump_recipe
 from fedllm.runs import checkpoint as ckpt_io
-from fedllm.runs import rundir, runlock, strict_json
+from fedllm.runs import comm_budget, rundir, runlock, strict_json
 from fedllm.runs.client_store import ClientStore
 from fedllm.runs.resume_check import check_resume_recipe
 from fedllm.runs.rundir import RunDirError  # noqa: F401  (re-exported: raised by prepare_run_dir)
@@ -581,6 +581,10 @@ class RoundLoop:
             "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},
             **{k: rounds[-1][k] for k in ("epsilon", "client_epsilon", "privacy") if rounds and k in rounds[-1]},
         }
+        budget = self.recipe.federation.communication_budget_mb
+        summary["communication"] = comm_budget.usage(summary["bytes_up_total"] + summary["bytes_down_total"], budget)
+        if budget is not None and not summary["communication"]["within_budget"]:
+            log.warning(comm_budget.over_budget_warning(summary["communication"]["total_mb"], budget, projected=False))
         ckpt_io.atomic_write_text(self.run_dir / "summary.json", strict_json.dumps(summary, indent=2))
         return summary
 

@@ -119,6 +119,7 @@ class FederationConfig:
     min_clients_per_round: int = doc(1, "fewest valid updates a round aggregates; fewer: retry the round with a fresh sample")
     round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint); none under client-level DP")
     max_update_norm: Optional[float] = doc(None, "drop an update whose norm ||u - global|| is above this (null: no absolute bound)")
+    communication_budget_mb: Optional[float] = doc(None, "bytes up + down for the whole run, in MB of 1024**2 bytes (FlowerTune: 200000): --dry-run projects it, summary.json reports the share; over: a warning (null: no budget)")
     update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (under client-level DP: this times privacy.clipping_norm; null: off)")
 
 
@@ -522,7 +523,7 @@ def value_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     if fed.min_clients_per_round < 1 or fed.min_clients_per_round > r.sampled_per_round():
         p.append(("federation.min_clients_per_round", fed.min_clients_per_round,
                   f"an integer in 1..clients sampled per round ({r.sampled_per_round()})"))
-    for key in ("max_update_norm", "update_outlier_factor"):
+    for key in ("max_update_norm", "update_outlier_factor", "communication_budget_mb"):
         if getattr(fed, key) is not None and not getattr(fed, key) > 0:
             p.append((f"federation.{key}", getattr(fed, key), "a positive number, or null"))
     if fed.round_retries < 0:
