@@ -12,7 +12,7 @@ the projection for a whole run that ``--dry-run`` prints.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 MB = 1024**2
 """Bytes per MB in FlowerTune's tracker (``count_bytes() / 1024**2``)."""
@@ -28,7 +28,7 @@ def projected_bytes(round_up: int, round_down: int, rounds: int) -> int:
     return rounds * (round_up + round_down)
 
 
-def usage(total_bytes: int, budget_mb: Optional[float]) -> dict[str, Any]:
+def usage(total_bytes: int, budget_mb: float | None) -> dict[str, Any]:
     """``summary.json``'s ``communication`` entry: total MB, and with a budget its share and whether it fits.
 
     Args:
@@ -51,7 +51,7 @@ def over_budget_warning(total_mb: float, budget_mb: float, projected: bool) -> s
             f"smaller updates) if the run is meant for a leaderboard with this budget")
 
 
-def projection_lines(round_up: int, round_down: int, rounds: int, budget_mb: Optional[float]) -> list[str]:
+def projection_lines(round_up: int, round_down: int, rounds: int, budget_mb: float | None) -> list[str]:
     """``--dry-run``'s lines on the whole run's bytes (and its budget, with its warning when over)."""
     total = projected_bytes(round_up, round_down, rounds)
     line = (f"  communication for the whole run: {total / MB:,.2f} MB (MB = 1024**2 bytes) = {rounds} rounds x "

@@ -74,7 +74,7 @@ def test_flowertune_recipe_dry_run_offline_projects_the_budget(challenge, capsys
     """Mistral's weights and the hub data are absent offline: the dry run says what it would load and projects the
     run's bytes from the model's shapes against the 200,000 MB budget."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    data, clients, sampled = CHALLENGES[challenge]
+    data, _, sampled = CHALLENGES[challenge]
     assert main(["train", f"recipes/flowertune/mistral-7b-{challenge}-fedavg.yaml", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "model (mistralai/Mistral-7B-v0.3) built on the meta device" in out and "weights absent" in out

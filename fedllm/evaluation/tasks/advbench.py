@@ -20,8 +20,6 @@ the same code):
 
 from __future__ import annotations
 
-from typing import Optional
-
 from fedllm.common.registry import register_task
 from fedllm.data.errors import DataError
 from fedllm.evaluation.context import EvalContext
@@ -100,7 +98,7 @@ class AdvBench(JudgedTask):
     name = "advbench"
     reference = "openfedllm-advbench"
 
-    def reference_style(self, ctx: EvalContext) -> Optional[PromptStyle]:
+    def reference_style(self, ctx: EvalContext) -> PromptStyle | None:
         if ctx.prompt_style_name == "alpaca":
             return ReferenceTemplateStyle(ctx.tokenizer, OPENFEDLLM_ALPACA_PROMPT, "openfedllm-alpaca")
         return None
