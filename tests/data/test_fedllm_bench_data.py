@@ -36,8 +36,7 @@ def _federate(tmp_path, users, tokenizer, **data):
     path.write_text(json.dumps(users, indent=4))
     cfg = DataConfig(path=str(path), cache=False, **data)
     fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), len(users), tokenizer, 256, 0)
-    return fed, {user: [fed.examples[i] for i in members]
-                 for user, members in zip(sorted(users), fed.clients, strict=True)}
+    return {user: [fed.examples[i] for i in members] for user, members in zip(sorted(users), fed.clients, strict=True)}
 
 
 def _supervised(tokenizer, example):
@@ -46,8 +45,8 @@ def _supervised(tokenizer, example):
 
 
 def test_fedllm_bench_single_turn_user_keyed_json(tokenizer, tmp_path):
-    fed, by_user = _federate(tmp_path, SINGLE, tokenizer, format="instruction", template="openfedllm",
-                             fields={"output": "response"})
+    by_user = _federate(tmp_path, SINGLE, tokenizer, format="instruction", template="openfedllm",
+                        fields={"output": "response"})
     assert {u: len(ex) for u, ex in by_user.items()} == {"u_03": 1, "u_17": 2, "u_42": 3}   # one client per user
     first = by_user["u_17"][0]
     text = tokenizer.decode(first["input_ids"])
@@ -57,7 +56,7 @@ def test_fedllm_bench_single_turn_user_keyed_json(tokenizer, tmp_path):
 
 def test_fedllm_bench_multi_turn_user_keyed_json(tokenizer, tmp_path):
     pytest.importorskip("fastchat")
-    fed, by_user = _federate(tmp_path, MULTI, tokenizer, format="chat", template="vicuna_v1.1")
+    by_user = _federate(tmp_path, MULTI, tokenizer, format="chat", template="vicuna_v1.1")
     assert {u: len(ex) for u, ex in by_user.items()} == {"ip_1": 2, "ip_9": 1}
     convo = by_user["ip_9"][0]
     assert tokenizer.decode(convo["input_ids"]) == (f"<s>{VICUNA} USER: hello ASSISTANT: world</s>USER: the cat "
