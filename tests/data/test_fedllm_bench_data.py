@@ -99,3 +99,20 @@ def test_fedllm_bench_recipe_settings(name):
     assert (r.federation.partition.method, r.federation.partition.column) == ("natural", "user")
     assert (r.data.format, r.data.template) == (("chat", "vicuna_v1.1") if "multiturn" in name else
                                                 ("instruction", "openfedllm"))
+
+
+@pytest.mark.parametrize("pairs", [1, 7, 8, 9, 25, 100])
+def test_fedllm_bench_chatbotpa_dpo_recipe_and_dynamic_local_steps(pairs):
+    """FedChatbotPA/dpo_all.sh: 747 users, 10 per round, 200 rounds, batch 8 x 1, length 512, lr 1e-4 -> 1e-5;
+    --dynamic_local_step is utils.get_dynamic_local_step: ceil(n x 3 / (200 x 10 / 747) / (8 x 1))."""
+    import math
+
+    from fedllm.recipe.checks import load_recipe
+    from fedllm.recipe.schedule import steps_per_round
+
+    r = load_recipe("recipes/fedllm_bench/llama2-7b-fedchatbotpa-dpo.yaml", check_files=False)
+    assert (r.federation.num_clients, r.sampled_per_round(), r.federation.rounds) == (747, 10, 200)
+    assert (r.train.batch_size, r.train.grad_accum, r.train.max_length, r.train.lr, r.train.min_lr) == (8, 1, 512, 1e-4, 1e-5)
+    assert (r.lora.r, r.lora.alpha, r.train.objective, r.train.preference.beta) == (8, 16, "dpo", 0.1)
+    sample_num = 200 * 10 / 747
+    assert steps_per_round(r.train, pairs) == math.ceil(pairs * 3 / sample_num / (8 * 1))
