@@ -145,3 +145,20 @@ def test_flowertune_prompt_templates_match_flowertune_formatting():
     medical = DataConfig(path="x", template="flowertune", fields={"instruction": "input"})
     flashcard = {"instruction": "Answer this question truthfully", "input": "What is X?", "output": "Y."}
     assert format_prompt(flashcard, medical) == f"{head}\n### Instruction:\nWhat is X?\n### Response: "
+
+
+@pytest.mark.parametrize("records,clients", [(52_002, 20), (1_003, 50), (97, 10)])
+def test_flowertune_recipe_iid_split_equals_flwr_datasets(records, clients):
+    """FlowerTune's clients: flwr-datasets' FederatedDataset(shuffle=True, seed=42) shuffles with datasets'
+    Dataset.shuffle(seed=42), then IidPartitioner takes Dataset.shard(num_shards, index, contiguous=True). The
+    recipes' seed 42 makes fedllm's iid partitioner give every client the same records (checked against datasets)."""
+    import datasets
+
+    from fedllm.data.partition import partition_records
+
+    recipe = load_recipe("recipes/flowertune/mistral-7b-general-nlp-fedavg.yaml", check_files=False)
+    assert recipe.seed == 42 and recipe.federation.partition.method == "iid"
+    shuffled = datasets.Dataset.from_dict({"row": list(range(records))}).shuffle(seed=42)
+    flower = [sorted(shuffled.shard(num_shards=clients, index=k, contiguous=True)["row"]) for k in range(clients)]
+    fedllm = partition_records([{}] * records, clients, recipe.seed, recipe.federation.partition)
+    assert fedllm == flower
