@@ -106,10 +106,18 @@ def sample_clients(seed: int, rnd: int, num_clients: int, k: int, attempt: int =
     return sorted(eligible[i] for i in torch.randperm(len(eligible), generator=gen)[:k].tolist())
 
 
+LR_PROGRESS = {
+    "first_to_last": lambda t, total: (t - 1) / (total - 1) if total > 1 else 0.0,
+    "openfedllm": lambda t, total: (t - 1) / total,  # OpenFedLLM's cosine_learning_rate(round from 0, num_rounds)
+    "flowertune": lambda t, total: t / total,  # FlowerTune's cosine_annealing(server_round from 1, num_rounds)
+}
+"""``train.lr_progress``: the position of round ``t`` of ``total`` (1-based) on the schedule, 0 (lr) to 1 (min_lr)."""
+
+
 def round_lr(recipe: Recipe, rnd: int) -> float:
     """Learning rate of round ``rnd`` (1-based): constant, or cosine/linear decay across rounds."""
     tr, total = recipe.train, recipe.federation.rounds
-    progress = (rnd - 1) / max(1, total - 1) if total > 1 else 0.0
+    progress = LR_PROGRESS[tr.lr_progress](rnd, total)
     if tr.lr_schedule == "cosine":
         return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * progress))
     if tr.lr_schedule == "linear":

@@ -141,6 +141,7 @@ class TrainConfig:
     lr: float = doc(2e-4, "peak learning rate")
     min_lr: float = doc(0.0, "final learning rate of the cosine/linear schedule")
     lr_schedule: Literal["constant", "cosine", "linear"] = doc("constant", "schedule across rounds (constant within a round)")
+    lr_progress: Literal["first_to_last", "openfedllm", "flowertune"] = doc("first_to_last", "where round t of T sits on the cosine/linear schedule: (t-1)/(T-1) (lr at round 1, min_lr at round T); openfedllm: (t-1)/T (OpenFedLLM / FedLLM-Bench cosine_learning_rate); flowertune: t/T (FlowerTune cosine_annealing)")
     optimizer: Literal["adamw", "sgd"] = doc("adamw", "local optimizer")
     weight_decay: float = doc(0.0, "weight decay")
     momentum: float = doc(0.0, "SGD momentum")

@@ -162,3 +162,21 @@ def test_flowertune_recipe_iid_split_equals_flwr_datasets(records, clients):
     flower = [sorted(shuffled.shard(num_shards=clients, index=k, contiguous=True)["row"]) for k in range(clients)]
     fedllm = partition_records([{}] * records, clients, recipe.seed, recipe.federation.partition)
     assert fedllm == flower
+
+
+@pytest.mark.parametrize("recipe_path,progress", [
+    ("recipes/flowertune/mistral-7b-finance-fedavg.yaml", lambda t, total: t / total),        # server_round 1..T
+    ("recipes/fedllm_bench/llama2-7b-fedaya-fedavg.yaml", lambda t, total: (t - 1) / total),  # round 0..T-1
+])
+def test_flowertune_and_fedllm_bench_lr_schedules(recipe_path, progress):
+    """FlowerTune's cosine_annealing(server_round, T, max, min) and OpenFedLLM / FedLLM-Bench's
+    cosine_learning_rate(round, T, lr, min): min + 0.5 (max - min)(1 + cos(pi x progress)), written out here."""
+    import math
+
+    from fedllm.engine.server import round_lr
+
+    r = load_recipe(recipe_path, check_files=False)
+    lr, low, total = r.train.lr, r.train.min_lr, r.federation.rounds
+    for t in (1, 2, total // 2, total - 1, total):
+        expected = low + 0.5 * (lr - low) * (1 + math.cos(math.pi * progress(t, total)))
+        assert round_lr(r, t) == pytest.approx(expected, rel=1e-12, abs=0)
