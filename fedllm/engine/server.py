@@ -558,6 +558,7 @@ class RoundLoop:
         if self.executor.is_main:
             summary = self.write_summary()
             write_run_plot(self.run_dir)
+            self.say(comm_budget.summary_line(summary["communication"]))
             if summary["initial_eval"] and summary["final_eval"]:
                 self.say("eval before -> after: " + "  ".join(
                     f"{k} {summary['initial_eval'][k]:.4g} -> {v:.4g}" for k, v in summary["final_eval"].items()

@@ -43,11 +43,19 @@ def usage(total_bytes: int, budget_mb: float | None) -> dict[str, Any]:
     return out
 
 
+def summary_line(entry: dict[str, Any]) -> str:
+    """The run's closing line on its communication (from :func:`usage`'s entry)."""
+    line = f"communication: {entry['total_mb']:,.2f} MB up + down (MB = 1024**2 bytes)"
+    if "budget_mb" in entry:
+        line += f", {100 * entry['budget_share']:.2f}% of the budget of {entry['budget_mb']:,g} MB"
+    return line
+
+
 def over_budget_warning(total_mb: float, budget_mb: float, projected: bool) -> str:
     """The warning printed when a run uses (or would use) more than its budget."""
     verb = "would move" if projected else "moved"
     return (f"warning: the run {verb} {total_mb:,.2f} MB, over federation.communication_budget_mb "
-            f"({budget_mb:,.0f} MB; MB = 1024**2 bytes, up + down, as FlowerTune counts): reduce it (fewer or "
+            f"({budget_mb:,g} MB; MB = 1024**2 bytes, up + down, as FlowerTune counts): reduce it (fewer or "
             f"smaller updates) if the run is meant for a leaderboard with this budget")
 
 
@@ -59,7 +67,7 @@ def projection_lines(round_up: int, round_down: int, rounds: int, budget_mb: flo
     if budget_mb is None:
         return [line]
     share = usage(total, budget_mb)
-    lines = [line + f"; {100 * share['budget_share']:.2f}% of the budget of {budget_mb:,.0f} MB"]
+    lines = [line + f"; {100 * share['budget_share']:.2f}% of the budget of {budget_mb:,g} MB"]
     if not share["within_budget"]:
         lines.append("  " + over_budget_warning(total / MB, budget_mb, projected=True))
     return lines

@@ -125,6 +125,10 @@ def test_budget_in_summary_of_a_run(tiny_recipe, caplog):
     assert summary["communication"] == {"total_bytes": total, "total_mb": 0.109375, "mb_unit_bytes": MB,
                                         "budget_mb": budget, "budget_share": 1.09375, "within_budget": False}
     assert "over federation.communication_budget_mb" in caplog.text
+    from fedllm.runs.comm_budget import summary_line
+
+    assert summary_line(summary["communication"]) == ("communication: 0.11 MB up + down (MB = 1024**2 bytes), "
+                                                      "109.38% of the budget of 0.1 MB")
 
 
 def test_flowertune_prompt_templates_match_flowertune_formatting():
