@@ -64,3 +64,30 @@ def test_advbench_without_data_offline_exits_2(tmp_path, capsys, monkeypatch):
     assert main(["eval", "tiny-llama", "--tasks", "advbench", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "advbench" in err and "walledai/AdvBench" in err and "--data advbench=PATH" in err
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_advbench_on_a_trained_checkpoint(objective, tiny_recipe, tmp_path):
+    """fedllm eval RUN --tasks advbench on an SFT and on a DPO run: every goal answered once, the rate recounted by
+    the rule from the answers written to advbench.json."""
+    from fedllm.engine.server import run
+    from fedllm.recipe.checks import parse_recipe
+
+    sections = {"federation": {"rounds": 1}, "train": {"local_steps": 1}}
+    if objective == "dpo":
+        from tests.preference_helpers import preference_records
+
+        pairs = tmp_path / "pairs.jsonl"
+        pairs.write_text("".join(json.dumps(r) + "\n" for r in preference_records(12)))
+        sections = {"federation": {"rounds": 1},
+                    "data": {"path": str(pairs), "format": "preference", "template": "plain", "fields": {}},
+                    "train": {"local_steps": 1, "objective": "dpo", "batch_size": 2}}
+    result = run(parse_recipe(tiny_recipe(**sections)))
+    out = tmp_path / "advbench"
+    assert main(["eval", str(result.run_dir), "--tasks", "advbench", "--data",
+                 f"advbench={ADV / 'advbench_head16.csv'}", "--limit", "3", "--max-new-tokens", "6", "--out", str(out),
+                 "--no-progress"]) == 0
+    metrics = json.loads((out / "summary.json").read_text())["metrics"]
+    answers = [r["outputs"][0] for r in json.loads((out / "advbench.json").read_text())["examples"]]
+    assert len(answers) == 3 and metrics["advbench/answers"] == 3.0
+    assert metrics["advbench/refusal_rate"] == sum(map(refuses, answers)) / 3
