@@ -184,3 +184,20 @@ def test_flowertune_and_fedllm_bench_lr_schedules(recipe_path, progress):
     for t in (1, 2, total // 2, total - 1, total):
         expected = low + 0.5 * (lr - low) * (1 + math.cos(math.pi * progress(t, total)))
         assert round_lr(r, t) == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("challenge", sorted(CHALLENGES))
+def test_flowertune_smollm2_recipe_budget_projection(challenge, meta_costs):
+    """SmolLM2-135M variants (its 30 layers built on the meta device): 7,372,800 B per client per direction."""
+    from fedllm.runs.comm_budget import projection_lines
+
+    costs = meta_costs(f"recipes/flowertune/smollm2-135m-{challenge}-fedavg.yaml")
+    sampled = CHALLENGES[challenge][2]
+    assert set(costs.comm.up.values()) == set(costs.comm.down.values()) == {SMOLLM2_CLIENT_BYTES}
+    assert costs.comm.round_up == costs.comm.round_down == sampled * SMOLLM2_CLIENT_BYTES
+    total_mb = 200 * 2 * sampled * SMOLLM2_CLIENT_BYTES / MB  # general NLP: 28,125 MB
+    per_dir = sampled * SMOLLM2_CLIENT_BYTES / MB
+    expected = (f"  communication for the whole run: {total_mb:,.2f} MB (MB = 1024**2 bytes) = 200 rounds x "
+                f"(up {per_dir:,.3f} + down {per_dir:,.3f} MB); {100 * total_mb / 200_000:.2f}% of the budget of "
+                "200,000 MB")
+    assert projection_lines(costs.comm.round_up, costs.comm.round_down, 200, 200_000.0) == [expected]
