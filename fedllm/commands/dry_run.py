@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from fedllm.recipe.schema import Recipe
+from fedllm.runs.comm_budget import projection_lines
 
 #: Optimizer steps timed (the first is a warm-up and not counted).
 TIMED_STEPS = 3
@@ -93,6 +94,8 @@ class DryRunReport:
             f"~{_duration(self.seconds_total)} at this machine's load now ({_load()})",
             f"  bytes per round: up {self.bytes_up / 1e6:.2f} MB, down {self.bytes_down / 1e6:.2f} MB "
             f"({r.federation.comm_dtype})",
+            *projection_lines(self.bytes_up, self.bytes_down, r.federation.rounds,
+                              r.federation.communication_budget_mb),
             *(self.costs.lines() if self.costs is not None else []),
             f"  nothing was written to {r.output_dir}",
         ])
@@ -113,6 +116,8 @@ class UntimedReport:
             f"dry run of {r.source}: recipe valid; model ({r.model.name}) {self.built} and strategy "
             f"({r.federation.strategy}) set up in {self.build_seconds:.1f} s; no step timed",
             *self.costs.lines(),
+            *projection_lines(self.costs.comm.round_up, self.costs.comm.round_down, r.federation.rounds,
+                              r.federation.communication_budget_mb),
             f"  nothing was written to {r.output_dir}",
         ])
 
@@ -193,7 +198,7 @@ def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
         built = "built on the meta device from " + (f"fedllm's shipped config ({where.relative_to(where.parents[3])})"
                                                     if where else "its config")
         source = f"{recipe.model.name} on the meta device (weights absent: {weights_missing})"
-        notes = ["step time (no weights here)", "the data set (not loaded without the model's tokenizer)"] + notes
+        notes = ["step time (no weights here)", f"the data set {recipe.data.path} (not loaded without the model's tokenizer)"] + notes
     else:
         loaded = load_model(recipe.model, recipe.lora, num_labels, recipe.seed, recipe.source)
         model, task, built = loaded.model, loaded.task, "loaded"

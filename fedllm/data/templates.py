@@ -32,6 +32,7 @@ _ALPACA_HEAD_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
     "Write a response that appropriately completes the request.\n\n"
 )
+_FLOWERTUNE_HEAD = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n"
 _ALPACA_HEAD = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
 
 #: Instruction templates by ``DataConfig.template`` name.
@@ -45,6 +46,25 @@ INSTRUCTION_TEMPLATES: dict[str, InstructionTemplate] = {
     "stanford_alpaca": InstructionTemplate(
         with_input=_ALPACA_HEAD_INPUT + "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:",
         no_input=_ALPACA_HEAD + "### Instruction:\n{instruction}\n\n### Response:",
+    ),
+    # OpenFedLLM / FedLLM-Bench's utils/template.py alpaca_template ("...### Instruction:\n{} \n\n### Response: {}{}",
+    # note the space after the instruction) with their alpaca_format(): instruction + " " + input when input is
+    # not empty; the response follows "### Response: " and the EOS closes it, as in their SFT text.
+    "openfedllm": InstructionTemplate(
+        with_input=_ALPACA_HEAD + "### Instruction:\n{instruction} {input} \n\n### Response: ",
+        no_input=_ALPACA_HEAD + "### Instruction:\n{instruction} \n\n### Response: ",
+    ),
+    # FlowerTune's formatting_prompts_func (flwrlabs/flower examples/flowertune-llm-*/…/dataset.py): single newlines,
+    # "### Response: " then the response. General NLP and medical prompt with the instruction column alone (medical
+    # maps its 'input' question there with data.fields); finance and code with instruction + " " + input, the space
+    # kept when the input is empty ("flowertune_input").
+    "flowertune": InstructionTemplate(
+        with_input=_FLOWERTUNE_HEAD + "### Instruction:\n{instruction}\n### Response: ",
+        no_input=_FLOWERTUNE_HEAD + "### Instruction:\n{instruction}\n### Response: ",
+    ),
+    "flowertune_input": InstructionTemplate(
+        with_input=_FLOWERTUNE_HEAD + "### Instruction:\n{instruction} {input}\n### Response: ",
+        no_input=_FLOWERTUNE_HEAD + "### Instruction:\n{instruction} \n### Response: ",
     ),
 }
 

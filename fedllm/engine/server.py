@@ -57,7 +57,7 @@ from fedllm.privacy.secagg.settings import enabled as secure_aggregation
 from fedllm.recipe.schedule import derived_seed, steps_per_round
 from fedllm.recipe.schema import Recipe, dump_recipe
 from fedllm.runs import checkpoint as ckpt_io
-from fedllm.runs import rundir, runlock, strict_json
+from fedllm.runs import comm_budget, rundir, runlock, strict_json
 from fedllm.runs.client_store import ClientStore
 from fedllm.runs.resume_check import check_resume_recipe
 from fedllm.runs.rundir import RunDirError  # noqa: F401  (re-exported: raised by prepare_run_dir)
@@ -106,10 +106,18 @@ def sample_clients(seed: int, rnd: int, num_clients: int, k: int, attempt: int =
     return sorted(eligible[i] for i in torch.randperm(len(eligible), generator=gen)[:k].tolist())
 
 
+LR_PROGRESS = {
+    "first_to_last": lambda t, total: (t - 1) / (total - 1) if total > 1 else 0.0,
+    "openfedllm": lambda t, total: (t - 1) / total,  # OpenFedLLM's cosine_learning_rate(round from 0, num_rounds)
+    "flowertune": lambda t, total: t / total,  # FlowerTune's cosine_annealing(server_round from 1, num_rounds)
+}
+"""``train.lr_progress``: the position of round ``t`` of ``total`` (1-based) on the schedule, 0 (lr) to 1 (min_lr)."""
+
+
 def round_lr(recipe: Recipe, rnd: int) -> float:
     """Learning rate of round ``rnd`` (1-based): constant, or cosine/linear decay across rounds."""
     tr, total = recipe.train, recipe.federation.rounds
-    progress = (rnd - 1) / max(1, total - 1) if total > 1 else 0.0
+    progress = LR_PROGRESS[tr.lr_progress](rnd, total)
     if tr.lr_schedule == "cosine":
         return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * progress))
     if tr.lr_schedule == "linear":
@@ -550,6 +558,7 @@ class RoundLoop:
         if self.executor.is_main:
             summary = self.write_summary()
             write_run_plot(self.run_dir)
+            self.say(comm_budget.summary_line(summary["communication"]))
             if summary["initial_eval"] and summary["final_eval"]:
                 self.say("eval before -> after: " + "  ".join(
                     f"{k} {summary['initial_eval'][k]:.4g} -> {v:.4g}" for k, v in summary["final_eval"].items()
@@ -581,6 +590,10 @@ class RoundLoop:
             "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},
             **{k: rounds[-1][k] for k in ("epsilon", "client_epsilon", "privacy") if rounds and k in rounds[-1]},
         }
+        budget = self.recipe.federation.communication_budget_mb
+        summary["communication"] = comm_budget.usage(summary["bytes_up_total"] + summary["bytes_down_total"], budget)
+        if budget is not None and not summary["communication"]["within_budget"]:
+            log.warning(comm_budget.over_budget_warning(summary["communication"]["total_mb"], budget, projected=False))
         ckpt_io.atomic_write_text(self.run_dir / "summary.json", strict_json.dumps(summary, indent=2))
         return summary
 

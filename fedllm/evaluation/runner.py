@@ -104,11 +104,11 @@ def merge_summary(path: Path, metrics: dict[str, float], protocols: dict[str, Op
 def prompt_style_for_data(data_cfg: DataConfig) -> Optional[str]:
     """The prompt style matching how a run's training data was formatted.
 
-    ``alpaca`` for instruction data with the Alpaca template, ``chat`` for chat data,
-    None (the default rule) otherwise. A chat run trained with a FastChat template is prompted in
+    ``alpaca`` for instruction data with the Alpaca template (or OpenFedLLM's spelling of it, ``openfedllm``, whose
+    text the judged tasks' reference prompts use), ``chat`` for chat data, None (the default rule) otherwise. A chat run trained with a FastChat template is prompted in
     that template (:func:`eval_config_for_data`).
     """
-    if data_cfg.format == "instruction" and data_cfg.template == "alpaca":
+    if data_cfg.format == "instruction" and data_cfg.template in ("alpaca", "openfedllm"):
         return "alpaca"
     if data_cfg.format == "chat":
         return "chat"

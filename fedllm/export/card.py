@@ -101,7 +101,8 @@ def _prompt_format(source: Source, info: dict[str, Any]) -> str:
     if info.get("prompt_style") == "alpaca":
         from fedllm.data.templates import INSTRUCTION_TEMPLATES
 
-        template = INSTRUCTION_TEMPLATES["alpaca"].no_input.format(instruction="{instruction}")
+        name = data.template if data.template in INSTRUCTION_TEMPLATES else "alpaca"  # openfedllm: its spelling
+        template = INSTRUCTION_TEMPLATES[name].no_input.format(instruction="{instruction}")
         return ("Trained on instruction records with the Alpaca template: prompt it with the text below "
                 "(the `### Input:` variant when there is an input) and read the answer after `### Response:`. "
                 "`fedllm serve` renders chat requests this way by default (`--prompt-style chat` uses the "

@@ -119,6 +119,7 @@ class FederationConfig:
     min_clients_per_round: int = doc(1, "fewest valid updates a round aggregates; fewer: retry the round with a fresh sample")
     round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint); none under client-level DP")
     max_update_norm: Optional[float] = doc(None, "drop an update whose norm ||u - global|| is above this (null: no absolute bound)")
+    communication_budget_mb: Optional[float] = doc(None, "bytes up + down for the whole run, in MB of 1024**2 bytes (FlowerTune: 200000): --dry-run projects it, summary.json reports the share; over: a warning (null: no budget)")
     update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (under client-level DP: this times privacy.clipping_norm; null: off)")
 
 
@@ -140,6 +141,7 @@ class TrainConfig:
     lr: float = doc(2e-4, "peak learning rate")
     min_lr: float = doc(0.0, "final learning rate of the cosine/linear schedule")
     lr_schedule: Literal["constant", "cosine", "linear"] = doc("constant", "schedule across rounds (constant within a round)")
+    lr_progress: Literal["first_to_last", "openfedllm", "flowertune"] = doc("first_to_last", "where round t of T sits on the cosine/linear schedule: (t-1)/(T-1) (lr at round 1, min_lr at round T); openfedllm: (t-1)/T (OpenFedLLM / FedLLM-Bench cosine_learning_rate); flowertune: t/T (FlowerTune cosine_annealing)")
     optimizer: Literal["adamw", "sgd"] = doc("adamw", "local optimizer")
     weight_decay: float = doc(0.0, "weight decay")
     momentum: float = doc(0.0, "SGD momentum")
@@ -522,7 +524,7 @@ def value_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     if fed.min_clients_per_round < 1 or fed.min_clients_per_round > r.sampled_per_round():
         p.append(("federation.min_clients_per_round", fed.min_clients_per_round,
                   f"an integer in 1..clients sampled per round ({r.sampled_per_round()})"))
-    for key in ("max_update_norm", "update_outlier_factor"):
+    for key in ("max_update_norm", "update_outlier_factor", "communication_budget_mb"):
         if getattr(fed, key) is not None and not getattr(fed, key) > 0:
             p.append((f"federation.{key}", getattr(fed, key), "a positive number, or null"))
     if fed.round_retries < 0:

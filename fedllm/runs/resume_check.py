@@ -29,6 +29,7 @@ SAFE_KEYS = frozenset({
     # on_client_error=fail with skip)
     "federation.on_client_error", "federation.min_clients_per_round", "federation.round_retries",
     "federation.max_update_norm", "federation.update_outlier_factor",
+    "federation.communication_budget_mb",  # reported against, never acted on
 })
 """Single keys that may change on ``--resume``."""
 

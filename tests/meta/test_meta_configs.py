@@ -10,6 +10,7 @@ from fedllm.recipe.schema import LoraConfig, ModelConfig
 #: Published parameter counts (model cards / the models' papers; gemma3-270m: the GGUF loaded in transformers).
 PUBLISHED = {
     "meta-llama/Llama-2-7b-hf": 6_738_415_616,
+    "mistralai/Mistral-7B-v0.3": 7_248_023_552,
     "Qwen/Qwen2-0.5B": 494_032_768,
     "Qwen/Qwen2-1.5B": 1_543_714_304,
     "google/gemma-2b": 2_506_172_416,

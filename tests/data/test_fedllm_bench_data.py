@@ -1,0 +1,118 @@
+"""FedLLM-Bench's user-keyed JSON (client -> records) as a natural partition, for single-turn instruction and
+multi-turn chat data, and the recipes of recipes/fedllm_bench/.
+
+The fixtures are in FedLLM-Bench's layout (utils/benchmark_dataset.py: ``get_fed_datasets`` builds one client per
+value of ``json.load(f)``, each a list of ``{"instruction", "response", ...}``; ``get_multi_turn_dataset`` one per
+value, each a list of ``{"conversations": [{"from": "human"|"gpt", "value"}]}``). The expected texts are their
+``alpaca_template`` (utils/template.py) and FastChat's ``vicuna_v1.1`` conversation (their data_module.py), written out.
+"""
+
+import json
+
+import pytest
+
+from fedllm.data.federated import build_federated_data
+from fedllm.recipe.schema import DataConfig, PartitionConfig
+
+HEAD = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+VICUNA = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+          "detailed, and polite answers to the user's questions.")
+
+SINGLE = {
+    "u_17": [{"instruction": "the cat sat", "response": "on the mat", "language": "en"},
+             {"instruction": "hello", "response": "world", "language": "en"}],
+    "u_03": [{"instruction": "the dog", "response": "is good", "language": "en"}],
+    "u_42": [{"instruction": "the movie", "response": "was bad", "language": "en"}] * 3,
+}
+MULTI = {
+    "ip_9": [{"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "world"},
+                                {"from": "human", "value": "the cat"}, {"from": "gpt", "value": "sat"}]}],
+    "ip_1": [{"conversations": [{"from": "human", "value": "the dog"}, {"from": "gpt", "value": "is good"}]}] * 2,
+}
+
+
+def _federate(tmp_path, users, tokenizer, **data):
+    path = tmp_path / "by_client.json"
+    path.write_text(json.dumps(users, indent=4))
+    cfg = DataConfig(path=str(path), cache=False, **data)
+    fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), len(users), tokenizer, 256, 0)
+    return {user: [fed.examples[i] for i in members] for user, members in zip(sorted(users), fed.clients, strict=True)}
+
+
+def _supervised(tokenizer, example):
+    return tokenizer.decode([t for t, label in zip(example["input_ids"], example["labels"], strict=True)
+                             if label != -100])
+
+
+def test_fedllm_bench_single_turn_user_keyed_json(tokenizer, tmp_path):
+    by_user = _federate(tmp_path, SINGLE, tokenizer, format="instruction", template="openfedllm",
+                        fields={"output": "response"})
+    assert {u: len(ex) for u, ex in by_user.items()} == {"u_03": 1, "u_17": 2, "u_42": 3}   # one client per user
+    first = by_user["u_17"][0]
+    text = tokenizer.decode(first["input_ids"])
+    assert text == f"<s>{HEAD}\n\n### Instruction:\nthe cat sat \n\n### Response: on the mat</s>"
+    assert _supervised(tokenizer, first) == "on the mat</s>"
+
+
+def test_fedllm_bench_multi_turn_user_keyed_json(tokenizer, tmp_path):
+    pytest.importorskip("fastchat")
+    by_user = _federate(tmp_path, MULTI, tokenizer, format="chat", template="vicuna_v1.1")
+    assert {u: len(ex) for u, ex in by_user.items()} == {"ip_1": 2, "ip_9": 1}
+    convo = by_user["ip_9"][0]
+    assert tokenizer.decode(convo["input_ids"]) == (f"<s>{VICUNA} USER: hello ASSISTANT: world</s>USER: the cat "
+                                                    "ASSISTANT: sat</s>")
+    # loss on the assistant turns only; fedllm's chat encoder cuts where FastChat's generation prompt ends
+    # ("ASSISTANT:"), so the space before each reply is supervised too (FedLLM-Bench masks "ASSISTANT: " with it)
+    assert _supervised(tokenizer, convo) == " world</s> sat</s>"
+
+
+def test_fedllm_bench_user_count_must_match_num_clients(tokenizer, tmp_path):
+    from fedllm.data.partition import PartitionError
+
+    path = tmp_path / "by_client.json"
+    path.write_text(json.dumps(SINGLE))
+    cfg = DataConfig(path=str(path), format="instruction", template="openfedllm", fields={"output": "response"},
+                     cache=False)
+    with pytest.raises(PartitionError, match="gives 3 clients .* set federation.num_clients: 3"):
+        build_federated_data(cfg, PartitionConfig(method="natural", column="user"), 4, tokenizer, 256, 0)
+
+
+#: recipe -> (clients, clients per round, rounds, local steps, max length): FedLLM-Bench's training_scripts/*.sh
+RECIPES = {
+    "llama2-7b-fedaya-fedavg": (38, 4, 200, 10, 1024),
+    "llama2-7b-fedchatbotit-fedavg": (237, 10, 100, 5, 1024),
+    "llama2-7b-fedwildchat-fedavg": (100, 5, 100, 10, 1024),
+    "llama2-7b-fedwildchat-multiturn-fedavg": (50, 3, 100, 10, 2048),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_fedllm_bench_recipe_settings(name):
+    from fedllm.recipe.checks import load_recipe
+
+    r = load_recipe(f"recipes/fedllm_bench/{name}.yaml", check_files=False)
+    clients, per_round, rounds, steps, length = RECIPES[name]
+    assert (r.federation.num_clients, r.sampled_per_round(), r.federation.rounds) == (clients, per_round, rounds)
+    assert (r.train.local_steps, r.train.max_length, r.train.batch_size, r.train.grad_accum) == (steps, length, 4, 4)
+    assert (r.lora.r, r.lora.alpha, r.lora.dropout, r.train.lr, r.train.min_lr) == (16, 32, 0.05, 2e-5, 1e-6)
+    assert (r.model.name, r.model.quantization, r.federation.strategy) == ("meta-llama/Llama-2-7b-hf", "8bit", "fedavg")
+    assert (r.federation.partition.method, r.federation.partition.column) == ("natural", "user")
+    assert (r.data.format, r.data.template) == (("chat", "vicuna_v1.1") if "multiturn" in name else
+                                                ("instruction", "openfedllm"))
+
+
+@pytest.mark.parametrize("pairs", [1, 7, 8, 9, 25, 100])
+def test_fedllm_bench_chatbotpa_dpo_recipe_and_dynamic_local_steps(pairs):
+    """FedChatbotPA/dpo_all.sh: 747 users, 10 per round, 200 rounds, batch 8 x 1, length 512, lr 1e-4 -> 1e-5;
+    --dynamic_local_step is utils.get_dynamic_local_step: ceil(n x 3 / (200 x 10 / 747) / (8 x 1))."""
+    import math
+
+    from fedllm.recipe.checks import load_recipe
+    from fedllm.recipe.schedule import steps_per_round
+
+    r = load_recipe("recipes/fedllm_bench/llama2-7b-fedchatbotpa-dpo.yaml", check_files=False)
+    assert (r.federation.num_clients, r.sampled_per_round(), r.federation.rounds) == (747, 10, 200)
+    assert (r.train.batch_size, r.train.grad_accum, r.train.max_length, r.train.lr, r.train.min_lr) == (8, 1, 512, 1e-4, 1e-5)
+    assert (r.lora.r, r.lora.alpha, r.train.objective, r.train.preference.beta) == (8, 16, "dpo", 0.1)
+    sample_num = 200 * 10 / 747
+    assert steps_per_round(r.train, pairs) == math.ceil(pairs * 3 / sample_num / (8 * 1))
