@@ -72,6 +72,6 @@ def program_of(prompt: str, continuation: str, stop_words: list[str]) -> str:
     return prompt + cut_at_stop(continuation, stop_words)
 
 
-def test_program(solution: str, test: str) -> str:
+def checked_program(solution: str, test: str) -> str:
     """What runs: the solution, a newline, the test."""
     return f"{solution}\n{test}"

@@ -18,7 +18,7 @@ from fedllm.data.errors import DataError
 from fedllm.evaluation import flowertune_generation as gen
 from fedllm.evaluation.code_sandbox import CodeSandbox, SandboxUnavailable, tool_missing
 from fedllm.evaluation.context import EvalContext
-from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, program_of, test_program
+from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, program_of, checked_program
 from fedllm.evaluation.flowertune_data import data_key
 from fedllm.evaluation.flowertune_scoring import mean_pass_at_k
 from fedllm.evaluation.sources import DataSourceError, read_hub, read_records
@@ -113,7 +113,7 @@ class FlowerTuneCode(Task):
     @staticmethod
     def _score(sandbox: CodeSandbox, cs: CodeSet, entry: dict, row: dict, order: list[str], results: Any) -> list[bool]:
         if "passed" not in entry:
-            outcomes = [sandbox.run(cs.language, test_program(s, cs.test(row))) for s in entry["solutions"]]
+            outcomes = [sandbox.run(cs.language, checked_program(s, cs.test(row))) for s in entry["solutions"]]
             entry["passed"] = [o.passed for o in outcomes]
             entry["status"] = [o.status for o in outcomes]
             results.save(order)
