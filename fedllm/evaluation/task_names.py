@@ -65,9 +65,9 @@ def code_execution_problems(eval_cfg: Any) -> list[tuple[str, Any, str]]:
     running = [t for t in eval_cfg.tasks if t in CODE_EXECUTING_TASKS]
     if running and not eval_cfg.allow_code_execution:
         return [("eval.allow_code_execution", False,
-                 f"true (--allow-code-execution) to score {', '.join(running)}: it runs model-written programs, "
-                 "each in fedllm's sandbox (no network; time, memory and process limits; a scratch directory "
-                 "deleted afterwards)")]
+                 (f"true (--allow-code-execution) to score {', '.join(running)}: it runs model-written programs, "
+                  "each in fedllm's sandbox (no network; time, memory and process limits; a scratch directory "
+                  "deleted afterwards)"))]
     return []
 
 

@@ -35,7 +35,7 @@ def recipe_of(ck: ckpt_io.Checkpoint, where: Path) -> Recipe:
 
 def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,
                           client: Optional[int] = None,
-                          quantization: Optional[str] = None) -> tuple[Any, Any, Strategy, Recipe]:
+                          quantization: str | None = None) -> tuple[Any, Any, Strategy, Recipe]:
     """``(peft_model, tokenizer, strategy, recipe)`` holding a checkpoint's global (or personal) model
     (``quantization``: load the base in 4/8 bit whatever the run used; None: as the run did)."""
     where = ckpt_io.resolve_checkpoint(Path(path))

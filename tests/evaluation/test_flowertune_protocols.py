@@ -12,9 +12,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from sandboxkit import code_sandbox  # noqa: F401 (fixture)
+import sandboxkit
 
-from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, program_of, checked_program
+from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, checked_program, program_of
 from fedllm.evaluation.flowertune_data import question_rows
 from fedllm.evaluation.flowertune_generation import choice_token_limits
 from fedllm.evaluation.flowertune_prompts import FINANCE_SETS, MEDICAL_SETS, mmlu_set
@@ -31,6 +31,7 @@ ASSETS = Path(__file__).parent.parent / "assets" / "eval" / "flowertune"
 RECORDS = json.loads((ASSETS / "records.json").read_text())
 REFERENCE = json.loads((ASSETS / "reference.json").read_text())
 EOS = "<|im_end|>"  # the tokenizer the reference run used (SmolLM2-135M-Instruct)
+code_sandbox = sandboxkit.code_sandbox
 CODE_KEYS = {"humaneval": "humaneval", "mbpp": "mbpp", "multiple_js": "multiple-js", "multiple_cpp": "multiple-cpp"}
 
 
