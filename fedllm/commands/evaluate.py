@@ -209,7 +209,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if recipe is not None and any(t in tasks and tasks.get(t).uses_records and t not in cfg.data
                                 for t in cfg.tasks):
         records = heldout_records(recipe)
-    model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype, quantization=cfg.quantization)
+    quantized = {"quantization": cfg.quantization} if cfg.quantization != "none" else {}
+    model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype, **quantized)
     examples, preference = None, None
     if recipe is not None and recipe.data.format == "preference":  # pref_accuracy: the run's held-out pairs
         examples, preference = heldout_pairs(recipe, tokenizer, args.checkpoint), recipe.train.preference

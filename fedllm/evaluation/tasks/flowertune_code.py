@@ -112,9 +112,10 @@ class FlowerTuneCode(Task):
 
     @staticmethod
     def _score(sandbox: CodeSandbox, cs: CodeSet, entry: dict, row: dict, order: list[str], results: Any) -> list[bool]:
-        if "passed" not in entry:
-            outcomes = [sandbox.run(cs.language, checked_program(s, cs.test(row))) for s in entry["solutions"]]
-            entry["passed"] = [o.passed for o in outcomes]
-            entry["status"] = [o.status for o in outcomes]
+        if "passed" not in entry:  # identical programs run once (as MultiPL-E's evaluator caches them)
+            programs = [checked_program(s, cs.test(row)) for s in entry["solutions"]]
+            outcomes = {p: sandbox.run(cs.language, p) for p in dict.fromkeys(programs)}
+            entry["passed"] = [outcomes[p].passed for p in programs]
+            entry["status"] = [outcomes[p].status for p in programs]
             results.save(order)
         return entry["passed"]
