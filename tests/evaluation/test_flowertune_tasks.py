@@ -168,3 +168,22 @@ def test_flowertune_mmlu_file_without_subjects_is_refused(tiny_lm, tokenizer, tm
     cfg = EvalConfig(tasks=["flowertune_general_nlp"], data={"flowertune_general_nlp.stem": str(path)})
     with pytest.raises(DataSourceError, match="'subset'"):
         evaluate(ScriptedGenerator(tiny_lm, tokenizer, {}), tokenizer, cfg, None, progress=False)
+
+
+def test_flowertune_cli_loads_the_model_as_eval_quantization_says(monkeypatch, tiny_lm, tokenizer, tmp_path, capsys):
+    seen = {}
+
+    def load_for_inference(path, dtype="fp32", client=None, **kwargs):
+        seen.update(kwargs)
+        return ScriptedGenerator(tiny_lm, tokenizer, {}, default="A"), tokenizer
+
+    monkeypatch.setattr(fedllm.export.inference, "load_for_inference", load_for_inference)
+    data = _data(tmp_path, "flowertune_medical", MEDICAL)
+    args = ["eval", "some/model", "--tasks", "flowertune_medical", "--out", str(tmp_path / "out"), "--no-progress",
+            *[f"--data={k}={v}" for k, v in data.items()]]
+    assert main([*args, "--quantization", "4bit"]) == 0
+    assert seen == {"quantization": "4bit"}
+    assert "| flowertune_medical | average |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--quantization", "3bit"])
+    assert exited.value.code == 2
