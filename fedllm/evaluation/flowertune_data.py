@@ -15,6 +15,8 @@ from fedllm.data.errors import DataError
 from fedllm.evaluation.flowertune_prompts import MMLU_CATEGORIES, QuestionSet
 from fedllm.evaluation.sources import DataSourceError, HubSource, read_hub, read_records
 
+MMLU_HUB = "lukaemon/mmlu"
+
 
 def data_key(task: str, key: str) -> str:
     """``eval.data`` key of one data set of a challenge: ``flowertune_medical.pubmedqa``."""
@@ -22,7 +24,7 @@ def data_key(task: str, key: str) -> str:
 
 
 def _hub_rows(qs: QuestionSet) -> list[dict]:
-    if qs.hub.path == "lukaemon/mmlu":
+    if qs.hub.path == MMLU_HUB:
         return [{**row, "subset": subject} for subject in MMLU_CATEGORIES[qs.key]
                 for row in read_hub(HubSource(qs.hub.path, subject, "test"))]
     splits = qs.hub_splits or (qs.hub.split,)
@@ -47,6 +49,9 @@ def question_rows(ctx: Any, task: str, qs: QuestionSet) -> list[dict]:
     """
     key = data_key(task, qs.key)
     spec = ctx.data_spec(key)
+    if not spec and qs.hub.path == MMLU_HUB:  # one MMLU file may serve the three categories
+        spec = ctx.data_spec(data_key(task, "mmlu"))
+        key = data_key(task, "mmlu") if spec else key
     try:
         rows = read_records(spec, qs.hub.split) if spec else _hub_rows(qs)
     except DataError as e:
@@ -54,7 +59,7 @@ def question_rows(ctx: Any, task: str, qs: QuestionSet) -> list[dict]:
         raise DataSourceError(
             f"{task}: {qs.key} could not be read from {source} ({e}); give a local copy of {qs.hub.spec()} with "
             f"eval.data.{key} (--data {key}=PATH; eval/README.md says which rows)") from e
-    if qs.hub.path == "lukaemon/mmlu":
+    if qs.hub.path == MMLU_HUB:
         subjects = MMLU_CATEGORIES[qs.key]
         if rows and "subset" not in rows[0]:
             raise DataSourceError(f"eval.data.{key}: MMLU rows need a 'subset' field (the subject), got keys "

@@ -187,3 +187,24 @@ def test_flowertune_cli_loads_the_model_as_eval_quantization_says(monkeypatch, t
     with pytest.raises(SystemExit) as exited:
         main([*args, "--quantization", "3bit"])
     assert exited.value.code == 2
+
+
+def test_flowertune_medical_on_a_4bit_model_on_cpu(tokenizer, tmp_path):
+    """``--quantization 4bit`` loads a model directory through bitsandbytes (on CPU too); the result records it."""
+    from evalkit import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    from fedllm.export.inference import load_for_inference
+
+    config = tiny_llama_config(tokenizer)
+    config.update({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+                   "num_key_value_heads": 2, "head_dim": 64})  # bitsandbytes' CPU kernels pack 64-wide blocks
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    model, tok = load_for_inference(str(tmp_path / "model"), quantization="4bit")
+    cfg = EvalConfig(tasks=["flowertune_medical"], data=_data(tmp_path, "flowertune_medical", MEDICAL), limit=1)
+    metrics = evaluate(model, tok, cfg, tmp_path / "out", progress=False)
+    assert set(metrics) == {f"flowertune_medical/{k}" for k in [*MEDICAL, "average"]}
+    stored = json.loads((tmp_path / "out" / "flowertune_medical.json").read_text())
+    assert stored["settings"]["quantization"] == "4bit" and len(stored["examples"]) == 4
