@@ -208,3 +208,13 @@ def test_flowertune_medical_on_a_4bit_model_on_cpu(tokenizer, tmp_path):
     assert set(metrics) == {f"flowertune_medical/{k}" for k in [*MEDICAL, "average"]}
     stored = json.loads((tmp_path / "out" / "flowertune_medical.json").read_text())
     assert stored["settings"]["quantization"] == "4bit" and len(stored["examples"]) == 4
+
+
+def test_flowertune_code_recipe_without_allow_code_execution_is_refused_at_load():
+    from fedllm.evaluation.task_names import task_data_problems
+    from fedllm.recipe.schema import DataConfig
+
+    problems = task_data_problems(EvalConfig(tasks=["flowertune_code"]), DataConfig())
+    assert [(key, given) for key, given, _ in problems] == [("eval.allow_code_execution", False)]
+    assert "--allow-code-execution" in problems[0][2]
+    assert task_data_problems(EvalConfig(tasks=["flowertune_code"], allow_code_execution=True), DataConfig()) == []
