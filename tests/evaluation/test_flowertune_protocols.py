@@ -71,24 +71,17 @@ def test_flowertune_general_nlp_prompts_equal_flowertunes(tmp_path, category):
     assert [qs.gold(r) for r in rows] == [e["gold"] for e in expected]
 
 
-@pytest.mark.parametrize("qs", MEDICAL_SETS, ids=lambda q: q.key)
-def test_flowertune_medical_prompts_equal_flowertunes(tmp_path, qs):
-    ctx = _Ctx({f"flowertune_medical.{qs.key}": _write(tmp_path, qs.key, RECORDS[qs.key])})
-    rows = question_rows(ctx, "flowertune_medical", qs)
-    expected = REFERENCE["medical"]["prompts"][qs.key]
+@pytest.mark.parametrize("challenge,qs", [("medical", q) for q in MEDICAL_SETS] + [("finance", q) for q in FINANCE_SETS],
+                         ids=lambda v: v if isinstance(v, str) else v.key)
+def test_flowertune_medical_and_finance_rows_and_prompts_equal_flowertunes(tmp_path, challenge, qs):
+    """Finance's FPB and FiQA: the same 25 % test rows (seed 42) of the loaded rows, in the same order."""
+    task = f"flowertune_{challenge}"
+    rows = question_rows(_Ctx({f"{task}.{qs.key}": _write(tmp_path, qs.key, RECORDS[qs.key])}), task, qs)
+    expected = REFERENCE[challenge]["prompts"][qs.key]
     assert [qs.prompt(r) for r in rows] == [e["prompt"] for e in expected]
     assert [qs.gold(r) for r in rows] == [e["gold"] for e in expected]
-
-
-@pytest.mark.parametrize("qs", FINANCE_SETS, ids=lambda q: q.key)
-def test_flowertune_finance_rows_and_prompts_equal_flowertunes(tmp_path, qs):
-    """FPB and FiQA: the same 25 % test rows (seed 42) of the loaded rows, in the same order."""
-    ctx = _Ctx({f"flowertune_finance.{qs.key}": _write(tmp_path, qs.key, RECORDS[qs.key])})
-    rows = question_rows(ctx, "flowertune_finance", qs)
-    expected = REFERENCE["finance"]["prompts"][qs.key]
-    assert [qs.prompt(r) for r in rows] == [e["prompt"] for e in expected]
-    assert [qs.gold(r) for r in rows] == [e["gold"] for e in expected]
-    assert {e["max_length"] for e in expected} == {512}
+    if challenge == "finance":
+        assert {e["max_length"] for e in expected} == {512}
 
 
 def test_flowertune_prompt_fixture_covers_five_records_per_challenge():

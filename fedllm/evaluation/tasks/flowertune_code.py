@@ -77,7 +77,7 @@ class FlowerTuneCode(Task):
         sandbox = self.sandbox(ctx)
         eos = ctx.tokenizer.eos_token
         settings = {"model": ctx.fingerprint, "protocol": "flowertune", "quantization": quantization_of(ctx.model),
-                    "samples": gen.CODE_SAMPLES, "eos": eos}
+                    "samples": gen.CODE_SAMPLES, "eos": eos, "python": sandbox.python}
         results = ctx.result_file(self.name, settings)
         metrics: dict[str, float] = {}
         order: list[str] = []
