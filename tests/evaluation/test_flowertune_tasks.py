@@ -218,3 +218,18 @@ def test_flowertune_code_recipe_without_allow_code_execution_is_refused_at_load(
     assert [(key, given) for key, given, _ in problems] == [("eval.allow_code_execution", False)]
     assert "--allow-code-execution" in problems[0][2]
     assert task_data_problems(EvalConfig(tasks=["flowertune_code"], allow_code_execution=True), DataConfig()) == []
+
+
+def test_flowertune_generation_calls_run_on_a_real_model_and_repeat(tiny_lm, tokenizer):
+    """The three ways FlowerTune calls ``generate`` run on a real (tiny) model; the seeded ones repeat exactly."""
+    from fedllm.evaluation import flowertune_generation as gen
+
+    samples = gen.code_samples(tiny_lm, tokenizer, ["def add(a, b):", "The answer is"], ["\ndef"], max_length=24)
+    assert [len(s) for s in samples] == [gen.CODE_SAMPLES] * 2
+    assert gen.code_samples(tiny_lm, tokenizer, ["def add(a, b):", "The answer is"], ["\ndef"], max_length=24) \
+        == samples
+    prompts = ["Instruction: What is it?\nAnswer: ", "Instruction: x\nInput: Tom has 3 apples\nAnswer: "]
+    rows = gen.finance_decoded(tiny_lm, tokenizer, prompts)
+    assert all(r.startswith(p) for r, p in zip(rows, prompts, strict=True))  # whole rows, padding dropped
+    one = gen.greedy_each(tiny_lm, tokenizer, "Question: Tom has 3 apples", 2)
+    assert len(tokenizer(one, add_special_tokens=False)["input_ids"]) <= 2
