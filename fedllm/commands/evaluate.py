@@ -55,6 +55,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokenizer has a chat template, else plain)")
     parser.add_argument("--chat-template", default=None, help="FastChat conversation template name (needs fschat)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype")
+    parser.add_argument("--quantization", choices=["none", "4bit", "8bit"], default=None,
+                        help="load the model through bitsandbytes (FlowerTune's board: 4bit for General NLP, Medical, "
+                             "Finance; default: the run's eval.quantization, else none)")
+    parser.add_argument("--allow-code-execution", action="store_true", default=None,
+                        help="run model-written programs (flowertune_code) in fedllm's sandbox")
     parser.add_argument("--client", type=client_choice, default=None,
                         help="personalized runs: evaluate this client's personal model, or 'all' of them, each on "
                              "its own held-out split (per client and mean/min/max)")
@@ -169,12 +174,19 @@ def build_eval_config(args: argparse.Namespace, base: EvalConfig) -> EvalConfig:
     judge = dataclasses.replace(judge, **{k: v for k, v in judge_flags.items() if v is not None})
     flags = {"limit": args.limit, "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
              "shots": args.shots, "chat_template": args.chat_template, "decoding": args.decoding, "seed": args.seed,
-             "seeding": args.seeding, "answer_protocol": args.answer_protocol, "judged_prompts": args.judged_prompts}
+             "seeding": args.seeding, "answer_protocol": args.answer_protocol, "judged_prompts": args.judged_prompts,
+             "quantization": getattr(args, "quantization", None),
+             "allow_code_execution": getattr(args, "allow_code_execution", None)}
     for key in ("limit", "batch_size", "max_new_tokens"):
         if flags[key] is not None and flags[key] < 1:
             raise InputError(f"--{key.replace('_', '-')}: expected a positive integer, got {flags[key]}")
-    return dataclasses.replace(base, tasks=names, data={**base.data, **parse_data_specs(args.data)}, judge=judge,
-                               **{k: v for k, v in flags.items() if v is not None})
+    cfg = dataclasses.replace(base, tasks=names, data={**base.data, **parse_data_specs(args.data)}, judge=judge,
+                              **{k: v for k, v in flags.items() if v is not None})
+    from fedllm.evaluation.task_names import code_execution_problems
+
+    for key, given, expected in code_execution_problems(cfg):
+        raise InputError(f"{key}: got {given}, expected {expected}")
+    return cfg
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
@@ -203,7 +215,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if recipe is not None and any(t in tasks and tasks.get(t).uses_records and t not in cfg.data
                                 for t in cfg.tasks):
         records = heldout_records(recipe)
-    model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype)
+    quantized = {"quantization": cfg.quantization} if cfg.quantization != "none" else {}
+    model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype, **quantized)
     examples, preference = None, None
     if recipe is not None and any(t in HELD_OUT_TASKS for t in cfg.tasks):  # the run's held-out records, tokenized
         examples = heldout_examples(recipe, tokenizer, args.checkpoint, records or heldout_records(recipe))

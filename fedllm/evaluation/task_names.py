@@ -47,12 +47,28 @@ def task_data_problems(eval_cfg: Any, data_cfg: Any) -> list[tuple[str, Any, str
     if eval_cfg.answer_protocol == "metamath" and eval_cfg.shots and "gsm8k" in eval_cfg.tasks:
         problems.append(("eval.shots", eval_cfg.shots, "0 under eval.answer_protocol: metamath (MetaMath's "
                                                        "evaluation is zero-shot), or answer_protocol: fedllm"))
+    problems += code_execution_problems(eval_cfg)
     for task in eval_cfg.tasks:
         if task in NEEDS_DATA and not eval_cfg.data.get(task):
             problems.append((f"eval.data.{task}", None, NEEDS_DATA[task]))
         if task in NEEDS_DATA_OR_HELD_OUT and not eval_cfg.data.get(task) and not held_out:
             problems.append((f"eval.data.{task}", None, NEEDS_DATA_OR_HELD_OUT[task]))
     return problems
+
+
+CODE_EXECUTING_TASKS = ("flowertune_code",)
+"""Tasks scored by running model-written programs (only with ``eval.allow_code_execution``)."""
+
+
+def code_execution_problems(eval_cfg: Any) -> list[tuple[str, Any, str]]:
+    """``(key, given, expected)`` when ``eval_cfg.tasks`` run model-written code that the config does not allow."""
+    running = [t for t in eval_cfg.tasks if t in CODE_EXECUTING_TASKS]
+    if running and not eval_cfg.allow_code_execution:
+        return [("eval.allow_code_execution", False,
+                 (f"true (--allow-code-execution) to score {', '.join(running)}: it runs model-written programs, "
+                  "each in fedllm's sandbox (no network; time, memory and process limits; a scratch directory "
+                  "deleted afterwards)"))]
+    return []
 
 
 FASTCHAT_FILES = {

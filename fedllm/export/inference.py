@@ -34,13 +34,17 @@ def recipe_of(ck: ckpt_io.Checkpoint, where: Path) -> Recipe:
 
 
 def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,
-                          client: Optional[int] = None) -> tuple[Any, Any, Strategy, Recipe]:
-    """``(peft_model, tokenizer, strategy, recipe)`` holding a checkpoint's global (or personal) model."""
+                          client: Optional[int] = None,
+                          quantization: str | None = None) -> tuple[Any, Any, Strategy, Recipe]:
+    """``(peft_model, tokenizer, strategy, recipe)`` holding a checkpoint's global (or personal) model
+    (``quantization``: load the base in 4/8 bit whatever the run used; None: as the run did)."""
     where = ckpt_io.resolve_checkpoint(Path(path))
     ck = ckpt_io.load_checkpoint(where)
     recipe = recipe_of(ck, where)
     if dtype is not None:
         recipe.model.dtype = dtype
+    if quantization is not None:
+        recipe.model.quantization = quantization
     tok = load_tokenizer(recipe.model)
     labels = ck.meta.get("label_names") or []
     loaded = load_model(recipe.model, recipe.lora, num_labels=len(labels) or 2, seed=recipe.seed,
@@ -63,15 +67,23 @@ def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,
     return loaded.model, tok, strategy, recipe
 
 
-def load_for_inference(path: str, dtype: str = "fp32", client: Optional[int] = None) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for a run dir / checkpoint, a PEFT adapter dir, a model dir, a preset or hub id."""
+def load_for_inference(path: str, dtype: str = "fp32", client: Optional[int] = None,
+                       quantization: str = "none") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for a run dir / checkpoint, a PEFT adapter dir, a model dir, a preset or hub id.
+
+    ``quantization`` (``none``, ``4bit``, ``8bit``): load the base model through bitsandbytes (``fedllm eval
+    --quantization``; ``none`` keeps a checkpoint's own setting). Not for exported adapter directories.
+    """
     p = Path(path)
     if p.is_dir() and (ckpt_io.looks_like_checkpoint(p) or (p / "final").is_dir() or (p / "checkpoints").is_dir()):
-        model, tok, _, _ = model_from_checkpoint(p, dtype, client)
+        model, tok, _, _ = model_from_checkpoint(p, dtype, client, None if quantization == "none" else quantization)
         return model, tok
     if p.is_dir() and (p / "adapter_config.json").is_file():
+        if quantization != "none":
+            raise InputError(f"--quantization {quantization}: {p} is an exported adapter; evaluate its run directory "
+                             f"or checkpoint (or a model exported --merged) to load the base in {quantization}")
         return load_adapter(p, dtype)
-    cfg = ModelConfig(name=str(path), dtype=dtype)
+    cfg = ModelConfig(name=str(path), dtype=dtype, quantization=quantization)
     from fedllm.models.loading import load_base_model
 
     tok = load_tokenizer(cfg)

@@ -1,0 +1,70 @@
+"""The records a FlowerTune challenge evaluates: ``eval.data.<task>.<set>`` (a local file or hub spec), else the
+hub data set FlowerTune's code loads; the same selection of rows as FlowerTune.
+
+A local file holds the rows FlowerTune loads *before* its own selection: MMLU rows with their ``subset`` (the
+subject; FlowerTune's ``lukaemon/mmlu`` per-subject configs), FPB's ``train`` split and FiQA's
+``train``+``validation``+``test`` splits concatenated in that order (both then split 75/25 with seed 42 as
+FlowerTune's ``train_test_split(0.25, seed=42)``), the evaluated split of the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedllm.data.errors import DataError
+from fedllm.evaluation.flowertune_prompts import MMLU_CATEGORIES, QuestionSet
+from fedllm.evaluation.sources import DataSourceError, HubSource, read_hub, read_records
+
+MMLU_HUB = "lukaemon/mmlu"
+
+
+def data_key(task: str, key: str) -> str:
+    """``eval.data`` key of one data set of a challenge: ``flowertune_medical.pubmedqa``."""
+    return f"{task}.{key}"
+
+
+def _hub_rows(qs: QuestionSet) -> list[dict]:
+    if qs.hub.path == MMLU_HUB:
+        return [{**row, "subset": subject} for subject in MMLU_CATEGORIES[qs.key]
+                for row in read_hub(HubSource(qs.hub.path, subject, "test"))]
+    splits = qs.hub_splits or (qs.hub.split,)
+    return [row for split in splits for row in read_hub(HubSource(qs.hub.path, qs.hub.name, split))]
+
+
+def test_part(rows: list[dict], fraction: float, seed: int = 42) -> list[dict]:
+    """``datasets``' ``train_test_split(fraction, seed=seed)["test"]`` of ``rows``, in its order."""
+    from datasets import Dataset
+
+    return Dataset.from_list(rows).train_test_split(fraction, seed=seed)["test"].to_list()
+
+
+def question_rows(ctx: Any, task: str, qs: QuestionSet) -> list[dict]:
+    """The rows of ``qs`` that FlowerTune evaluates (all of them: FlowerTune takes no sample; ``eval.limit``
+    keeps the first N).
+
+    Raises:
+        DataSourceError: the data are neither given nor loadable (offline, or a hub data set that needs a
+            loading script, which ``datasets`` >= 4 no longer runs); the message names the task, the hub id
+            and the key to set.
+    """
+    key = data_key(task, qs.key)
+    spec = ctx.data_spec(key)
+    if not spec and qs.hub.path == MMLU_HUB:  # one MMLU file may serve the three categories
+        spec = ctx.data_spec(data_key(task, "mmlu"))
+        key = data_key(task, "mmlu") if spec else key
+    try:
+        rows = read_records(spec, qs.hub.split) if spec else _hub_rows(qs)
+    except DataError as e:
+        source = f"--data {key}={spec}" if spec else f"the hub data set {qs.hub.spec()}"
+        raise DataSourceError(
+            f"{task}: {qs.key} could not be read from {source} ({e}); give a local copy of {qs.hub.spec()} with "
+            f"eval.data.{key} (--data {key}=PATH; eval/README.md says which rows)") from e
+    if qs.hub.path == MMLU_HUB:
+        subjects = MMLU_CATEGORIES[qs.key]
+        if rows and "subset" not in rows[0]:
+            raise DataSourceError(f"eval.data.{key}: MMLU rows need a 'subset' field (the subject), got keys "
+                                  f"{sorted(rows[0])}")
+        rows = [row for subject in subjects for row in rows if row["subset"] == subject]
+    if qs.test_fraction:
+        rows = test_part(rows, qs.test_fraction)
+    return ctx.limited(rows)
