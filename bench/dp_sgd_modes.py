@@ -36,7 +36,7 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:  # pin it before 
 
 import torch  # noqa: E402
 
-from fedllm.data import collate  # noqa: E402
+from fedllm.data.collate import collate  # noqa: E402
 from fedllm.engine.server import build_federation  # noqa: E402
 from fedllm.models.loading import resolve_task  # noqa: E402
 from fedllm.privacy.dp_sgd import LocalDPSGD, ghost_fallback_layers  # noqa: E402

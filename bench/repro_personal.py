@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from fedllm.data import collate
+from fedllm.data.collate import collate
 from fedllm.data.label_groups import permute_label_groups
 from fedllm.data.synthetic import arith_splits
 from fedllm.engine.server import RoundLoop, build_federation

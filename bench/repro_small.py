@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from fedllm.common.registry import strategies
-from fedllm.data import collate
+from fedllm.data.collate import collate
 from fedllm.data.synthetic import arith_splits
 from fedllm.engine.server import RoundLoop, build_federation
 from fedllm.models.loading import lora_layers

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from fedllm.data import collate
+from fedllm.data.collate import collate
 from fedllm.data.synthetic import generate_arith
 from fedllm.engine.client import BatchStream
 from fedllm.engine.server import RoundLoop, build_federation, round_lr, sample_clients

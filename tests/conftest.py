@@ -106,6 +106,10 @@ SHARED_GROUPS = {
     "tests/test_preference_quickstart.py": "smollm2",
     "tests/test_gguf_cache.py": "smollm2",
     "tests/reliability/test_offline_presets.py": "smollm2",
+    # the sandbox tests check that no sandboxed process or scratch directory is left: no other sandbox beside them
+    "tests/evaluation/test_flowertune_sandbox.py": "flowertune-sandbox",
+    "tests/evaluation/test_flowertune_protocols.py": "flowertune-sandbox",
+    "tests/evaluation/test_flowertune_tasks.py": "flowertune-sandbox",
 }
 SHARED_PREFIXES = {"tests/export/": "export"}  # the exported runs of tests/export/conftest.py (`cases`)
 LONG_GROUPS_FIRST = ("flower-deployment", "smollm2", "tests/test_flower_readme.py", "tests/meta/test_meta_gemma3.py",

@@ -220,7 +220,7 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
     from functools import partial
 
     from fedllm.commands.cost_report import cost_report, upload_bytes
-    from fedllm.data import collate
+    from fedllm.data.collate import collate
     from fedllm.engine.client import run_client
     from fedllm.engine.server import sample_clients
     from fedllm.evaluation.runner import eval_due

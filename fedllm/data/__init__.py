@@ -5,10 +5,12 @@ Typical use (the server does this)::
     data = build_federated_data(recipe.data, recipe.federation.partition,
                                 recipe.federation.num_clients, tokenizer,
                                 recipe.train.max_length, recipe.seed, task)
-    batch = collate(data.client_examples(0)[:4], tokenizer.pad_token_id, task)
+    batch = collate(data.client_examples(0)[:4], tokenizer.pad_token_id, task)  # fedllm.data.collate.collate
+
+(``fedllm.data.collate`` is the module: import the function from it, which also keeps torch out of
+``import fedllm.data``.)
 """
 
-from fedllm.common.lazy import lazy_attributes
 from fedllm.data.errors import DataError, PartitionError
 from fedllm.data.federated import FederatedData, build_federated_data, partition_to_disk
 from fedllm.data.formats import FORMATS, encode_records, make_encoder, resolve_label_names
@@ -18,8 +20,6 @@ from fedllm.data.partition import partition_records
 from fedllm.data.templates import INSTRUCTION_TEMPLATES, format_prompt, format_response, record_field
 from fedllm.data.tokens import IGNORE_INDEX
 
-__getattr__ = lazy_attributes(__name__, {"collate": "fedllm.data.collate"})  # torch only when batching
-
 __all__ = [
     "FORMATS",
     "IGNORE_INDEX",
@@ -28,7 +28,6 @@ __all__ = [
     "FederatedData",
     "PartitionError",
     "build_federated_data",
-    "collate",
     "encode_records",
     "format_prompt",
     "format_response",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedllm.data import collate
+from fedllm.data.collate import collate
 
 
 def test_causal_padding():

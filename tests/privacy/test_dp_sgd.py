@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedllm.common.errors import InputError
-from fedllm.data import collate
+from fedllm.data.collate import collate
 from fedllm.engine.server import build_federation, run
 from fedllm.privacy import accounting, with_privacy
 from fedllm.privacy.dp_sgd import LocalDPSGD, ghost_fallback_layers, per_example_losses

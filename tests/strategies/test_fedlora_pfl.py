@@ -6,7 +6,7 @@ import pytest
 import torch
 from strategy_helpers import make_raw, make_strategy, tiny
 
-from fedllm.data import collate
+from fedllm.data.collate import collate
 from fedllm.engine.client import BatchStream
 from fedllm.engine.server import build_federation, run
 from fedllm.models.loading import read_state

@@ -6,7 +6,7 @@ import pytest
 import torch
 from strategy_helpers import make_raw, tiny
 
-from fedllm.data import collate
+from fedllm.data.collate import collate
 from fedllm.engine.client import BatchStream, run_client
 from fedllm.engine.server import build_federation
 from fedllm.models.loading import read_state, write_state

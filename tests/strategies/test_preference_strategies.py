@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from strategy_helpers import write_jsonl
 from test_e2e import CASES
 
-from fedllm.data import collate
+from fedllm.data.collate import collate
 from fedllm.engine.reference import REFERENCE_KEY
 from fedllm.engine.server import run
 from fedllm.models.preference_loss import adapter_disabled, sequence_logps

@@ -4,7 +4,7 @@ import pytest
 import torch
 from strategy_helpers import make_raw, record_updates
 
-from fedllm.data import collate
+from fedllm.data.collate import collate
 from fedllm.engine.server import build_federation, run
 from fedllm.models.loading import read_state, write_state
 from fedllm.recipe.checks import parse_recipe

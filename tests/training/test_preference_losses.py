@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from fedllm.data import collate
+from fedllm.data.collate import collate
 from fedllm.data.formats import make_encoder
 from fedllm.models.loading import load_model, load_tokenizer
 from fedllm.models.preference_loss import pair_loss, sequence_logps
