@@ -118,3 +118,19 @@ def record_updates(monkeypatch, strategy_cls) -> list:
 
     monkeypatch.setattr(strategy_cls, "aggregate", spy)
     return seen
+
+
+def record_rounds(monkeypatch, strategy_cls) -> list:
+    """Patch ``strategy_cls.aggregate`` to record ``(rnd, global_state, updates, new_state)`` of every round it
+    aggregates (copies, so an independent replay can recompute the round from what the server received)."""
+    seen: list = []
+    original = strategy_cls.aggregate
+
+    def spy(self, rnd, global_state, updates):
+        before = {k: v.clone() for k, v in global_state.items()}
+        out = original(self, rnd, global_state, updates)
+        seen.append((rnd, before, list(updates), {k: v.clone() for k, v in out.items()}))
+        return out
+
+    monkeypatch.setattr(strategy_cls, "aggregate", spy)
+    return seen
