@@ -115,6 +115,10 @@ CASES = {
     # heterogeneous ranks (lora.r = 4): each node trains and keeps a rank-r_k slice of the shared adapter
     "flora-ranks": ("flora", {"client_ranks": [2, 4, 3]}, {}),
     "flexlora-ranks": ("flexlora", {"client_ranks": [2, 4, 3]}, {}),
+    # the node decides its pruning from the plan alone (its rank travels in the plan); the server learns it
+    "hetlora-ranks": ("hetlora", {"client_ranks": [2, 4, 3], "gamma": 0.5, "prune_lambda": 5.0}, {}),
+    "rolora": ("rolora", {}, {"train": {"optimizer_state": "per_client"}}),  # one factor per round, moments kept
+    "lora_fair": ("lora_fair", {}, {}),
 }
 
 
