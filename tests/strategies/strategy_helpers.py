@@ -134,3 +134,18 @@ def record_rounds(monkeypatch, strategy_cls) -> list:
 
     monkeypatch.setattr(strategy_cls, "aggregate", spy)
     return seen
+
+
+def assert_recipe_refuses(data_files, tmp_path, strategy, bad_args, dp_reason):
+    """Every key of ``bad_args`` is named in the recipe error, and client-level DP is refused with ``dp_reason``."""
+    import pytest
+
+    from fedllm.recipe.schema import RecipeError
+
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(make_raw(data_files, tmp_path / "args", strategy, bad_args))
+    for key in bad_args:
+        assert f"federation.strategy_args.{key}" in str(err.value)
+    privacy = {"mechanism": "central", "noise_multiplier": 0.5, "clipping_norm": 0.05}
+    with pytest.raises(RecipeError, match=f"privacy.mechanism.*{strategy}.*{dp_reason}"):
+        parse_recipe(make_raw(data_files, tmp_path / "dp", strategy, privacy=privacy))

@@ -11,7 +11,6 @@ from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies.rolora import RoLoRA
 
 
-
 def test_rolora_replay_of_each_round_from_the_recorded_uploads(data_files, tmp_path, monkeypatch):
     frozen_ok = []
     original_run = server.run_client
