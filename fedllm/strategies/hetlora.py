@@ -105,12 +105,13 @@ class HetLoRA(RankedClients, FedAvg):
         """The rank of ``update`` (its own, or one pruning step below); ValueError for any other shape."""
         rank = self.current[update.client_id]
         allowed = {rank, pruned_rank(rank, self.gamma)}
-        got = {(update.state[layer.a_key].shape[0], update.state[layer.b_key].shape[1])
-               for layer in self.layers.values()}
-        if len(got) != 1 or next(iter(got))[0] != next(iter(got))[1] or next(iter(got))[0] not in allowed:
-            raise ValueError(f"hetlora: client {update.client_id} uploaded factors of ranks {sorted(got)}; expected "
+        shapes = {(update.state[layer.a_key].shape[0], update.state[layer.b_key].shape[1])
+                  for layer in self.layers.values()}
+        (got_a, got_b), *others = shapes
+        if others or got_a != got_b or got_a not in allowed:
+            raise ValueError(f"hetlora: client {update.client_id} uploaded factors of ranks {sorted(shapes)}; expected "
                              f"one rank in {sorted(allowed)} for every layer (its rank {rank} or one pruning step)")
-        return next(iter(got))[0]
+        return got_a
 
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         ranks = [self.upload_rank(u) for u in updates]

@@ -24,7 +24,6 @@ overshoot small adapters and stall on large ones; the step is therefore ``refine
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fedllm.common.registry import register_strategy
 from fedllm.models.state import StateDict
@@ -33,20 +32,34 @@ from fedllm.strategies.fedavg import FedAvg
 from fedllm.strategies.residual import adapter_layers
 
 
-def refine_b(ideal: torch.Tensor, b_bar: torch.Tensor, a_bar: torch.Tensor, lam: float, steps: int,
-             lr: float) -> torch.Tensor:
-    """``ΔB`` after ``steps`` SGD steps on ``1 − cos(ideal, (b_bar + ΔB)·a_bar) + lam·||ΔB||_F`` from ``ΔB = 0``
-    (float64; LoRA-FAIR Eq. 8), of size ``lr · ||B̄Ā||²_F / ||Ā||²_F`` (the cosine's natural scale, see the module)."""
-    target = ideal.double().flatten()
+def refine_b(bs: list[torch.Tensor], as_: list[torch.Tensor], p: list[float], b_bar: torch.Tensor,
+             a_bar: torch.Tensor, lam: float, steps: int, lr: float) -> torch.Tensor:
+    """``ΔB`` after ``steps`` SGD steps on ``1 − cos(W, (B̄ + ΔB)Ā) + lam·||ΔB||_F`` from ``ΔB = 0``, with
+    ``W = Σ_k p_k B_k A_k`` (LoRA-FAIR Eq. 8), each step of size ``lr · ||B̄Ā||²_F / ||Ā||²_F`` (see the module).
+
+    Float64, and no ``out × in`` matrix is formed: with ``B' = B̄ + ΔB``, ``<W, B'Ā> = <B', M>`` for
+    ``M = Σ_k p_k B_k (A_k Āᵀ)``, ``||B'Ā||² = <B'ᵀB', ĀĀᵀ>`` and ``||W||² = Σ_kl p_k p_l <B_kᵀB_l, A_k A_lᵀ>``, so a
+    step costs ``O((out + in)·r²)``. Returns zeros when ``W`` or ``B̄Ā`` is zero (no direction to align).
+    """
+    bs, as_ = [b.double() for b in bs], [a.double() for a in as_]
     b_bar, a_bar = b_bar.double(), a_bar.double()
-    delta = torch.zeros_like(b_bar, requires_grad=True)
-    scale = float((b_bar @ a_bar).square().sum() / a_bar.square().sum().clamp_min(1e-300))
-    opt = torch.optim.SGD([delta], lr=lr * scale)
+    gram_a = a_bar @ a_bar.mT
+    m = sum(pk * b @ (a @ a_bar.mT) for pk, b, a in zip(p, bs, as_, strict=True))
+    w_sq = sum(pk * pl * ((bk.mT @ bl) * (ak @ al.mT)).sum()
+               for pk, bk, ak in zip(p, bs, as_, strict=True) for pl, bl, al in zip(p, bs, as_, strict=True))
+    x_sq = ((b_bar.mT @ b_bar) * gram_a).sum()
+    delta = torch.zeros_like(b_bar)
+    if steps == 0 or w_sq <= 0 or x_sq <= 0:
+        return delta
+    w_norm = torch.sqrt(w_sq)
+    delta.requires_grad_(True)
+    opt = torch.optim.SGD([delta], lr=lr * float(x_sq / torch.trace(gram_a)))
     with torch.enable_grad():
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            product = ((b_bar + delta) @ a_bar).flatten()
-            loss = 1.0 - F.cosine_similarity(product, target, dim=0) + lam * torch.linalg.vector_norm(delta)
+            b = b_bar + delta
+            cosine = (b * m).sum() / (w_norm * torch.sqrt(((b.mT @ b) * gram_a).sum()))
+            loss = 1.0 - cosine + lam * torch.linalg.vector_norm(delta)
             loss.backward()
             opt.step()
     return delta.detach()
@@ -90,10 +103,10 @@ class LoRAFAIR(FedAvg):
         out = super().aggregate(rnd, global_state, updates)
         weights = self.weights(updates)
         total = sum(weights)
+        p = [w / total for w in weights]
         for layer in self.layers.values():
-            ideal = sum((w / total) * (u.state[layer.b_key].double() @ u.state[layer.a_key].double())
-                        for u, w in zip(updates, weights, strict=True))
             b_bar = out[layer.b_key]
-            delta = refine_b(ideal, b_bar, out[layer.a_key], self.lam, self.refine_steps, self.refine_lr)
+            delta = refine_b([u.state[layer.b_key] for u in updates], [u.state[layer.a_key] for u in updates], p,
+                             b_bar, out[layer.a_key], self.lam, self.refine_steps, self.refine_lr)
             out[layer.b_key] = (b_bar.double() + delta).to(b_bar.dtype)
         return out
