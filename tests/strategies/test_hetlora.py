@@ -127,3 +127,21 @@ def test_hetlora_rejects_an_upload_of_another_rank():
 def test_hetlora_bad_arguments_and_dp_are_recipe_errors(data_files, tmp_path):
     assert_recipe_refuses(data_files, tmp_path, "hetlora", {"gamma": 1.5, "prune_lambda": -1, "client_ranks": "x"},
                           "own norm")
+
+
+def test_hetlora_resume_after_a_pruning_round_is_bit_exact(data_files, tmp_path, crash_at_round):
+    from safetensors.torch import load_file
+
+    args = {"client_ranks": RANKS, "gamma": GAMMA, "prune_lambda": LAM}
+    sections = {"federation": {"clients_per_round": 3, "rounds": 3}, "checkpoint": {"every": 1}}
+    full = run(parse_recipe(make_raw(data_files, tmp_path / "full", "hetlora", args, **sections)))
+    ranks_after_2 = load_file(str(tmp_path / "full" / "checkpoints" / "round-0002" / "strategy.safetensors"))
+    assert ranks_after_2["ranks"].tolist() != RANKS  # the checkpoint the resume starts from holds pruned ranks
+    recipe = parse_recipe(make_raw(data_files, tmp_path / "cut", "hetlora", args, **sections))
+    crash_at_round(3)
+    with pytest.raises(RuntimeError, match="power cut"):
+        run(recipe)
+    crash_at_round(None)
+    resumed = run(recipe, resume=True)
+    assert resumed.strategy.current == full.strategy.current
+    assert all(torch.equal(full.global_state[k], resumed.global_state[k]) for k in full.global_state)
