@@ -159,19 +159,17 @@ class HetLoRA(RankedClients, FedAvg):
 
     def client_optimizer_state(self, rnd: int, client_id: int, state):
         """Zero the stored moments beyond the client's current rank (ranks it pruned), so they stay at zero."""
-        if not state:
-            return state
         rank = getattr(self, "client_rank", None)
-        if rank is None:
+        if not state or rank is None:
             return state
+        rank_dim = {**{layer.a_key: 0 for layer in self.layers.values()},
+                    **{layer.b_key: 1 for layer in self.layers.values()}}
         out = dict(state)
-        for layer in self.layers.values():
-            for key, moment in state.items():
-                name = key.split("::", 1)[0]
-                if moment.dim() == 2 and name == layer.a_key:
-                    out[key] = torch.cat([moment[:rank], torch.zeros_like(moment[rank:])], 0)
-                elif moment.dim() == 2 and name == layer.b_key:
-                    out[key] = torch.cat([moment[:, :rank], torch.zeros_like(moment[:, rank:])], 1)
+        for key, moment in state.items():
+            dim = rank_dim.get(key.split("::", 1)[0])
+            if dim is not None and moment.dim() == 2:
+                out[key] = moment.clone()
+                out[key].narrow(dim, rank, moment.shape[dim] - rank).zero_()
         return out
 
     def client_upload(self, plan: ClientPlan, trained: StateDict, steps: int) -> StateDict:

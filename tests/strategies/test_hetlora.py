@@ -145,3 +145,19 @@ def test_hetlora_resume_after_a_pruning_round_is_bit_exact(data_files, tmp_path,
     resumed = run(recipe, resume=True)
     assert resumed.strategy.current == full.strategy.current
     assert all(torch.equal(full.global_state[k], resumed.global_state[k]) for k in full.global_state)
+
+
+def test_hetlora_kept_moments_of_pruned_ranks_are_zeroed():
+    """Per-client AdamW moments of ranks a client pruned would move its zero padding: they restart at zero."""
+    model = tiny(r=R, alpha=8).model
+    strategy = make_strategy("hetlora", model, client_ranks=[4, 2, 3])
+    layer = next(iter(strategy.layers.values()))
+    plan = strategy.configure_client(1, 1, {k: v.detach() for k, v in model.named_parameters() if v.requires_grad})
+    strategy.open_client(plan)  # client 1 now trains at rank 2
+    a_moment, b_moment = torch.ones(R, layer.shape[1]), torch.ones(layer.shape[0], R)
+    kept = strategy.client_optimizer_state(1, 1, {f"{layer.a_key}::exp_avg": a_moment,
+                                                  f"{layer.b_key}::exp_avg_sq": b_moment,
+                                                  f"{layer.a_key}::step": torch.tensor(3.0)})
+    assert kept[f"{layer.a_key}::exp_avg"].sum(1).tolist() == [layer.shape[1]] * 2 + [0.0] * 2
+    assert kept[f"{layer.b_key}::exp_avg_sq"].sum(0).tolist() == [layer.shape[0]] * 2 + [0.0] * 2
+    assert float(kept[f"{layer.a_key}::step"]) == 3.0 and float(a_moment.sum()) == a_moment.numel()  # input kept
