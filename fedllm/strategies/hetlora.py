@@ -72,6 +72,7 @@ class HetLoRA(RankedClients, FedAvg):
     """
 
     name = "hetlora"
+    client_batching = False  # a per-client rank, regulariser and upload
     aggregates_by_sum = False
     needs_individual_updates = "weights each client's upload by its own norm ||B_k·A_k||_F"
 
