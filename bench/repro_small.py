@@ -262,6 +262,8 @@ def main() -> None:
     parser.add_argument("--all", action="store_true",
                         help="every registered strategy with a global model, side by side (see the docstring)")
     parser.add_argument("--plot", default=None, help="default: docs/repro_small.png (docs/baselines_small.png with --all)")
+    parser.add_argument("--strategy-args", type=json.loads, default={},
+                        help='JSON merged into every method\'s strategy_args, e.g. \'{"client_ranks": "uniform"}\'')
     add_task_arguments(parser, 400, 200)
     opts = parser.parse_args()
     if opts.threads:
@@ -279,6 +281,7 @@ def main() -> None:
         write_splits(data_dir, opts.train, opts.test)
         for name in opts.methods:
             strategy, args = methods[name]
+            args = {**args, **opts.strategy_args}
             results[name] = []
             for seed in opts.seeds:
                 t = time.perf_counter()

@@ -56,6 +56,11 @@ STATEFUL = {
     "fedsa_lora": ("fedsa_lora", {}, {"train": {"optimizer_state": "per_client"}}),
     "flora": ("flora", {"client_ranks": [4, 1, 2, 4]}, {}),
     "flexlora": ("flexlora", {"client_ranks": [4, 1, 2, 4]}, {}),
+    # the server's per-client ranks (pruned on the clients) and the round's trained factor agree on every rank
+    "hetlora": ("hetlora", {"client_ranks": [4, 1, 2, 4], "gamma": 0.5, "prune_lambda": 5.0},
+                {"train": {"optimizer_state": "per_client"}}),
+    "rolora": ("rolora", {}, {"train": {"optimizer_state": "per_client"}}),
+    "lora_fair": ("lora_fair", {}, {}),
 }
 RESUMED = ["frlora-moments", "scaffold"]  # checkpointed by 1 process and resumed by 2, and the reverse
 

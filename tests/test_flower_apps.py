@@ -115,6 +115,10 @@ CASES = {
     # heterogeneous ranks (lora.r = 4): each node trains and keeps a rank-r_k slice of the shared adapter
     "flora-ranks": ("flora", {"client_ranks": [2, 4, 3]}, {}),
     "flexlora-ranks": ("flexlora", {"client_ranks": [2, 4, 3]}, {}),
+    # the node decides its pruning from the plan alone (its rank travels in the plan); the server learns it
+    "hetlora-ranks": ("hetlora", {"client_ranks": [2, 4, 3], "gamma": 0.5, "prune_lambda": 5.0}, {}),
+    "rolora": ("rolora", {}, {"train": {"optimizer_state": "per_client"}}),  # one factor per round, moments kept
+    "lora_fair": ("lora_fair", {}, {}),
 }
 
 
@@ -180,6 +184,26 @@ def test_flower_server_resumes_after_a_crash(rounds, every, tiny_recipe, tmp_pat
     assert_close(sim["adapter"], got["adapter"], "global adapter")
     assert_close(sim["base"], got["base"], "base")
     assert [h["round"] for h in resumed.history] == list(range(1, rounds + 1))
+
+
+def test_flower_hetlora_server_resumes_with_the_ranks_its_clients_pruned(tiny_recipe, tmp_path, flower_identity,
+                                                                        crash_at_round):
+    """HetLoRA's server keeps every client's current rank (learned from the uploads' shapes): a server that dies
+    in round 3 resumes from round 2's checkpoint with the pruned ranks and ends as the simulation does."""
+    fed = {"num_clients": 3, "clients_per_round": 3, "rounds": 3, "strategy": "hetlora",
+           "strategy_args": {"client_ranks": [4, 2, 3], "gamma": 0.5, "prune_lambda": 5.0}}
+    raw = tiny_recipe(federation=fed)
+    sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")}))
+    recipe = parse_recipe({**raw, "output_dir": str(tmp_path / "flower"), "checkpoint": {"every": 1}})
+    crash_at_round(3)
+    with pytest.raises(RuntimeError, match="power cut"):
+        run(recipe, executor=FlowerExecutor(LoopbackGrid(nodes(tmp_path, 3))))
+    assert load_file(str(tmp_path / "flower" / "checkpoints" / "round-0002" / "strategy.safetensors"))[
+        "ranks"].tolist() != [4, 2, 3]  # some client pruned before the checkpoint the server resumes from
+    crash_at_round(None)
+    resumed = run(recipe, resume=True, executor=FlowerExecutor(LoopbackGrid(nodes(tmp_path, 3))))
+    assert resumed.strategy.current == sim.strategy.current
+    assert_close(parts(sim.run_dir)["adapter"], parts(resumed.run_dir)["adapter"], "global adapter")
 
 
 def test_records_carry_the_wire_dtype_exactly():

@@ -13,7 +13,7 @@ from typing import Any
 
 SUMMED_DELTA_STRATEGIES = frozenset({
     "fedavg", "fedprox", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedsa_lora", "frlora",
-    "frlora_v1", "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "fedlora_pfl"})
+    "frlora_v1", "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "fedlora_pfl", "rolora"})
 """Strategies whose aggregate is a mean of uploads that are ``sent state + change`` (then post-processing)."""
 
 _ROBUST = ("selects or ranks individual uploads (median, trimmed mean, Krum scores), so the aggregate is not a "
@@ -27,6 +27,10 @@ REFUSED = {
     "mfedloru": "rebuilds each client's factors from nested products before averaging: not a sum of clipped uploads",
     "pflmf": "uploads gradients taken at each client's private vector, not a change of the sent state",
     "local": "aggregates nothing",
+    "hetlora": "weights each client's upload by its own norm ||B_k·A_k||_F, a nonlinear function of that upload, "
+               "and clients prune their ranks on their data: not a fixed-weight sum of clipped uploads",
+    "lora_fair": "refines B̄ toward Σ_k p_k·B_k·A_k, the mean of each client's own product (nonlinear in one "
+                 "client's upload): not a sum of clipped uploads",
     "fedmedian": _ROBUST, "fedtrimmedavg": _ROBUST, "krum": _ROBUST, "multikrum": _ROBUST, "bulyan": _ROBUST,
     "bulyan_multikrum": _ROBUST,
 }

@@ -16,10 +16,13 @@ from fedllm.strategies import (  # noqa: F401
     flexlora,
     flora,
     frlora,
+    hetlora,
     local,
+    lora_fair,
     mfedloru,
     pfedloru,
     pflmf,
+    rolora,
     scaffold,
 )
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate, Phase, Strategy

@@ -118,3 +118,34 @@ def record_updates(monkeypatch, strategy_cls) -> list:
 
     monkeypatch.setattr(strategy_cls, "aggregate", spy)
     return seen
+
+
+def record_rounds(monkeypatch, strategy_cls) -> list:
+    """Patch ``strategy_cls.aggregate`` to record ``(rnd, global_state, updates, new_state)`` of every round it
+    aggregates (copies, so an independent replay can recompute the round from what the server received)."""
+    seen: list = []
+    original = strategy_cls.aggregate
+
+    def spy(self, rnd, global_state, updates):
+        before = {k: v.clone() for k, v in global_state.items()}
+        out = original(self, rnd, global_state, updates)
+        seen.append((rnd, before, list(updates), {k: v.clone() for k, v in out.items()}))
+        return out
+
+    monkeypatch.setattr(strategy_cls, "aggregate", spy)
+    return seen
+
+
+def assert_recipe_refuses(data_files, tmp_path, strategy, bad_args, dp_reason):
+    """Every key of ``bad_args`` is named in the recipe error, and client-level DP is refused with ``dp_reason``."""
+    import pytest
+
+    from fedllm.recipe.schema import RecipeError
+
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(make_raw(data_files, tmp_path / "args", strategy, bad_args))
+    for key in bad_args:
+        assert f"federation.strategy_args.{key}" in str(err.value)
+    privacy = {"mechanism": "central", "noise_multiplier": 0.5, "clipping_norm": 0.05}
+    with pytest.raises(RecipeError, match=f"privacy.mechanism.*{strategy}.*{dp_reason}"):
+        parse_recipe(make_raw(data_files, tmp_path / "dp", strategy, privacy=privacy))

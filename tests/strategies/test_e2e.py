@@ -40,6 +40,11 @@ CASES = {
     "flora": ("flora", {"client_ranks": [2, 4, 1]}, {"train": {"optimizer_state": "per_client"}}),
     "fedex_lora": ("fedex_lora", {}, {}),
     "fedsa_lora": ("fedsa_lora", {}, {"train": {"optimizer_state": "per_client"}}),
+    # heterogeneous ranks with self-pruning (strong λ so some client prunes) and per-client moments
+    "hetlora": ("hetlora", {"client_ranks": [4, 2, 3], "gamma": 0.5, "prune_lambda": 5.0},
+                {"train": {"optimizer_state": "per_client"}}),
+    "rolora": ("rolora", {}, {"train": {"optimizer_state": "per_client"}}),
+    "lora_fair": ("lora_fair", {}, {}),
 }
 FULL: dict = {}
 
@@ -169,7 +174,8 @@ def test_mfedloru_training_keeps_the_nested_padding_at_zero(data_files, tmp_path
 
 @pytest.mark.parametrize("case", ["frlora", "frlora_v3", "fedloru", "fedloru_keep", "pfedloru", "mfedloru",
                                   "fedlora_pfl", "fedlora_pfl_lora_sim", "pflmf", "local", "scaffold", "fedadam",
-                                  "ffa_lora", "flexlora", "flora", "fedex_lora", "fedsa_lora"])
+                                  "ffa_lora", "flexlora", "flora", "fedex_lora", "fedsa_lora",
+                                  "hetlora", "rolora", "lora_fair"])
 def test_a_checkpoint_rebuilds_the_trained_model_for_inference(case, data_files, tmp_path_factory):
     from fedllm.export.inference import model_from_checkpoint
     from fedllm.models.loading import read_state, write_state

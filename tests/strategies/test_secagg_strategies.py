@@ -40,6 +40,7 @@ def test_secagg_classification_of_the_built_in_strategies():
         "pfedloru",
         "fedsa_lora",
         "fedlora_pfl",
+        "rolora",
     }
     assert set(REFUSED) == {
         "fedmedian",
@@ -54,6 +55,8 @@ def test_secagg_classification_of_the_built_in_strategies():
         "mfedloru",
         "pflmf",
         "local",
+        "hetlora",
+        "lora_fair",
     }
 
 
