@@ -152,3 +152,18 @@ def relative_error(approx: torch.Tensor, target: torch.Tensor) -> float:
     """``‖approx − target‖_F / ‖target‖_F`` in fp64."""
     t = target.detach().double()
     return float(torch.linalg.norm(approx.detach().double() - t) / torch.linalg.norm(t))
+
+
+def orthogonal_refactor(b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B', A')`` with ``B'·A' = B·A``, ``A'`` = the top right singular vectors of ``B·A`` (orthonormal rows) and
+    ``B' = U·diag(S)`` (FedSVD's server step, Lee et al., NeurIPS 2025, §3).
+
+    Computed from QR factors, never from the dense ``out × in`` product: ``B = Q_B R_B``, ``Aᵀ = Q_A R_A``, so
+    ``B·A = Q_B (R_B R_Aᵀ) Q_Aᵀ`` and the SVD of the ``r × r`` core ``R_B R_Aᵀ = u·diag(S)·vh`` gives ``U = Q_B u``,
+    ``Vh = vh Q_Aᵀ``: the same singular triplets as ``torch.linalg.svd(B·A)`` (up to the sign of each pair), in
+    fp32. When ``B·A`` has rank below ``r`` the extra rows of ``A'`` are still orthonormal, with ``S = 0``.
+    """
+    q_b, r_b = torch.linalg.qr(b.detach().float())
+    q_a, r_a = torch.linalg.qr(a.detach().float().mT)
+    u, s, vh = torch.linalg.svd(r_b @ r_a.mT)
+    return ((q_b @ u) * s).contiguous(), (vh @ q_a.mT).contiguous()

@@ -13,7 +13,7 @@ from typing import Any
 
 SUMMED_DELTA_STRATEGIES = frozenset({
     "fedavg", "fedprox", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedsa_lora", "frlora",
-    "frlora_v1", "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "fedlora_pfl"})
+    "fedsvd", "frlora_v1", "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "fedlora_pfl"})
 """Strategies whose aggregate is a mean of uploads that are ``sent state + change`` (then post-processing)."""
 
 _ROBUST = ("selects or ranks individual uploads (median, trimmed mean, Krum scores), so the aggregate is not a "

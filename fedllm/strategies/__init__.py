@@ -11,6 +11,7 @@ from fedllm.strategies import (  # noqa: F401
     fedloru,
     fedprox,
     fedsa_lora,
+    fedsvd,
     fedyogi,
     ffa_lora,
     flexlora,
