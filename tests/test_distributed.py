@@ -56,6 +56,9 @@ STATEFUL = {
     "fedsa_lora": ("fedsa_lora", {}, {"train": {"optimizer_state": "per_client"}}),
     "flora": ("flora", {"client_ranks": [4, 1, 2, 4]}, {}),
     "flexlora": ("flexlora", {"client_ranks": [4, 1, 2, 4]}, {}),
+    # DP-SGD on B only; the server's SVD of B̄·A gives every rank the same orthonormal A
+    "fedsvd-dp-sgd": ("fedsvd", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8,
+                                                 "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5}}),
 }
 RESUMED = ["frlora-moments", "scaffold"]  # checkpointed by 1 process and resumed by 2, and the reverse
 

@@ -115,6 +115,7 @@ CASES = {
     # heterogeneous ranks (lora.r = 4): each node trains and keeps a rank-r_k slice of the shared adapter
     "flora-ranks": ("flora", {"client_ranks": [2, 4, 3]}, {}),
     "flexlora-ranks": ("flexlora", {"client_ranks": [2, 4, 3]}, {}),
+    "fedsvd": ("fedsvd", {}, {"train": {"optimizer_state": "per_client"}}),  # A refactorised on the server, sent down
 }
 
 

@@ -40,6 +40,7 @@ CASES = {
     "flora": ("flora", {"client_ranks": [2, 4, 1]}, {"train": {"optimizer_state": "per_client"}}),
     "fedex_lora": ("fedex_lora", {}, {}),
     "fedsa_lora": ("fedsa_lora", {}, {"train": {"optimizer_state": "per_client"}}),
+    "fedsvd": ("fedsvd", {}, {"train": {"optimizer_state": "per_client"}}),
 }
 FULL: dict = {}
 
