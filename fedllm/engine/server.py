@@ -131,6 +131,7 @@ def build_federation(recipe: Recipe) -> Federation:
                         source=recipe.source, tokenizer=tokenizer)
     strategy = with_privacy(get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args), recipe)
     strategy.recipe = recipe
+    strategy.training_data = (data.examples, partial(collate, pad_id=loaded.tokenizer.pad_token_id, task=loaded.task))
     torch.manual_seed(derived_seed(recipe.seed, 0x57A7))
     strategy.setup(loaded.model, [ClientInfo(c, len(ix)) for c, ix in enumerate(data.clients)])
     timings = {"tokenizer_seconds": t1 - t0, "data_seconds": t2 - t1, "model_seconds": time.perf_counter() - t2}

@@ -167,3 +167,13 @@ def orthogonal_refactor(b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor,
     q_a, r_a = torch.linalg.qr(a.detach().float().mT)
     u, s, vh = torch.linalg.svd(r_b @ r_a.mT)
     return ((q_b @ u) * s).contiguous(), (vh @ q_a.mT).contiguous()
+
+
+def latent_factors(delta: torch.Tensor, rank: int, method: SvdMethod = "randomized", niter: int = 10,
+                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LoRA-SB's factors of an update (Ponkshe et al. 2024, §4; the Fed-SB authors' ``find_and_initialize_grad``):
+    ``(B, R, A) = (U_r, diag(S_r), Vh_r)`` of ``delta``, so ``B·R·A`` is its best rank-``r`` approximation (exactly so
+    for ``method="exact"``; the authors use ``torch.svd_lowrank`` with ``q = r`` and ``niter = 10``: ``randomized``
+    here with no oversampling). fp32."""
+    u, s, vh = truncated_svd(delta, rank, method, niter=niter, oversample=0, seed=seed)
+    return u.contiguous(), torch.diag(s), vh.contiguous()

@@ -5,6 +5,7 @@ from fedllm.strategies import (  # noqa: F401
     fedadagrad,
     fedadam,
     fedavg,  # noqa: F401
+    fed_sb,
     fedavgm,
     fedex_lora,
     fedlora_pfl,
