@@ -1,0 +1,163 @@
+"""Fed-SB: W + s·B·R·A with B, A fixed (LoRA-SB's init) and only R trained, sent and averaged (exactly)."""
+
+import json
+
+import pytest
+import torch
+from strategy_helpers import effective_weights, make_raw, tiny
+
+from fedllm.common.errors import InputError
+from fedllm.engine import server
+from fedllm.engine.server import build_federation, run
+from fedllm.models.loading import read_state
+from fedllm.privacy import accounting
+from fedllm.recipe.checks import parse_recipe
+from fedllm.strategies.fed_sb import FedSB
+
+R, ALPHA = 4, 8
+S = ALPHA / R
+
+
+def record_rounds(monkeypatch) -> list:
+    """Every ``(rnd, global_state before, updates, global_state after)`` Fed-SB's aggregate sees."""
+    seen: list = []
+    original = FedSB.aggregate
+
+    def spy(self, rnd, global_state, updates):
+        out = original(self, rnd, global_state, updates)
+        seen.append((rnd, {k: v.clone() for k, v in global_state.items()}, updates, out))
+        return out
+
+    monkeypatch.setattr(FedSB, "aggregate", spy)
+    return seen
+
+
+def layer_keys(state):
+    """``(b_key, r_key, a_key)`` of every LoRA layer in ``state``."""
+    return [(k.replace(".lora_A.", ".lora_B."), k.replace(".lora_A.default.", ".fed_sb."), k)
+            for k in state if ".lora_A." in k]
+
+
+def test_fed_sb_replay_of_a_round_from_the_recorded_uploads(data_files, tmp_path, monkeypatch):
+    """R̄ = Σ n_k R_k / n from the uploads; the model then computes W + s·B·R̄·A, which is exactly the
+    example-weighted mean of the clients' own W + s·B·R_k·A; A and B never move."""
+    rounds = record_rounds(monkeypatch)
+    skewed = {"method": "dirichlet", "column": "category", "beta": 1.0, "min_size": 4}  # unequal client sizes
+    result = run(parse_recipe(make_raw(data_files, tmp_path / "run", "fed_sb",
+                                       federation={"rounds": 2, "partition": skewed})))
+    keys = layer_keys(result.global_state)
+    assert keys and [r[0] for r in rounds] == [1, 2]
+    for rnd, before, updates, out in rounds:
+        total = sum(u.num_examples for u in updates)
+        assert len(updates) == 2 and len({u.num_examples for u in updates}) == 2  # the weights matter
+        for b_key, r_key, a_key in keys:
+            assert all(set(u.state) == {k for _, k, _ in keys} for u in updates)  # R only travels up
+            r_bar = sum(u.num_examples / total * u.state[r_key].double() for u in updates)
+            assert (out[r_key].double() - r_bar).abs().max() <= 1e-6, (rnd, r_key)
+            assert torch.equal(out[b_key], before[b_key]) and torch.equal(out[a_key], before[a_key])
+            b, a = before[b_key].double(), before[a_key].double()
+            mean_update = sum(u.num_examples / total * S * b @ u.state[r_key].double() @ a for u in updates)
+            assert (S * b @ out[r_key].double() @ a - mean_update).abs().max() <= 1e-6  # exact aggregation
+    # the model holds it: each layer computes W + s·B·R̄·A
+    base = effective_weights(tiny().model)  # B = 0 at PEFT's init: the pretrained weights
+    got = effective_weights(result.model)
+    final = result.global_state
+    for b_key, r_key, a_key in keys:
+        name = a_key.split(".lora_A.")[0]
+        want = base[name].double() + S * final[b_key].double() @ final[r_key].double() @ final[a_key].double()
+        assert (got[name].double() - want).abs().max() <= 1e-6, name
+
+
+def test_fed_sb_gradient_init_is_the_svd_of_the_sign_of_the_full_gradient(data_files, tmp_path):
+    """Independently of fedllm's loss code: plain transformers' loss of every example (batch size 1, so the sum
+    does not depend on how examples are grouped), its gradient with respect to each wrapped pretrained weight,
+    ΔW = −η·sign(Σ ∇W), and the exact rank-r SVD of ΔW in fp64: the model starts at W + s·ΔW_r."""
+    lr = 1e-3
+    raw = make_raw(data_files, tmp_path / "run", "fed_sb", {"svd": "exact", "init_samples": 1000, "init_lr": lr},
+                   train={"batch_size": 1})
+    fed = build_federation(parse_recipe(raw))
+    plain = tiny().model.merge_and_unload()  # B = 0: the pretrained model, no PEFT, no hooks
+    plain.eval()
+    names = list(fed.strategy.layers)
+    weights = {n: plain.get_submodule(n.removeprefix("base_model.model.")).weight for n in names}
+    for w in weights.values():
+        w.requires_grad_(True)
+    examples, collate = fed.strategy.training_data
+    assert len(examples) < 1000  # every example is read
+    for example in examples:
+        batch = collate([example])
+        plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss.backward()
+    got = effective_weights(fed.loaded.model)
+    for n in names:
+        delta = -lr * torch.sign(weights[n].grad.double())
+        u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+        want = weights[n].detach().double() + S * (u[:, :R] * s[:R]) @ vh[:R]
+        assert (got[n].double() - want).abs().max() <= 1e-6, n
+        layer = fed.strategy.layers[n]
+        b, a = layer.module.lora_B["default"].weight.double(), layer.module.lora_A["default"].weight.double()
+        eye = torch.eye(R, dtype=torch.float64)
+        assert (b.T @ b - eye).abs().max() <= 1e-5 and (a @ a.T - eye).abs().max() <= 1e-5  # fp32 U_r, Vh_r
+        latent = fed.strategy.latents[n].weight.double()
+        assert torch.allclose(latent, torch.diag(s[:R]), atol=1e-6, rtol=1e-6)  # R = diag(S_r)
+
+
+def test_fed_sb_sends_a_and_b_once_per_client_then_r_only(data_files, tmp_path):
+    raw = make_raw(data_files, tmp_path / "run", "fed_sb", {"init": "weights"}, federation={"rounds": 3})
+    result = run(parse_recipe(raw))
+    state = result.global_state
+    r_bytes = sum(4 * v.numel() for k, v in state.items() if ".fed_sb." in k)
+    all_bytes = sum(4 * v.numel() for v in state.values())
+    assert r_bytes == 4 * R * R * len(layer_keys(state)) and all_bytes > 10 * r_bytes
+    seen: set = set()
+    for h in result.history:
+        assert set(h["bytes_up"].values()) == {r_bytes}
+        for c in h["clients"]:
+            assert h["bytes_down"][str(c)] == (r_bytes if c in seen else all_bytes), (h["round"], c)
+        seen |= set(h["clients"])
+    assert result.strategy.has_factors.tolist() == [int(c in seen) for c in range(3)]
+
+
+@pytest.mark.parametrize("args,sections,message", [
+    ({"init": "svd"}, {}, "strategy_args.init: got 'svd'"),
+    ({"init_samples": 0}, {}, "strategy_args.init_samples: got 0"),
+    ({"svd": "fast"}, {}, "strategy_args.svd: got 'fast'"),
+    ({"init_lr": -1.0}, {}, "strategy_args.init_lr: got -1.0"),
+    ({}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 1.0}}, "strategy_args.init: got 'gradient'"),
+])
+def test_fed_sb_bad_arguments_are_refused_at_load(args, sections, message, data_files, tmp_path):
+    with pytest.raises(InputError, match=message):
+        parse_recipe(make_raw(data_files, tmp_path / "run", "fed_sb", args, **sections))
+
+
+def test_fed_sb_under_dp_sgd_noises_r_only_and_accounts_epsilon(data_files, tmp_path, monkeypatch):
+    """DP-SGD (Fed-SB's private setting): opacus clips and noises the per-example gradients of R (an nn.Linear
+    applied by the hook); A and B stay bit-identical on every client; each client's ε is the accountant's."""
+    rounds = record_rounds(monkeypatch)
+    fixed = []
+    original_run = server.run_client
+
+    def run_spy(model, plan, *args, **kwargs):
+        update = original_run(model, plan, *args, **kwargs)
+        keys = [k for k in {**plan.state, **plan.local} if ".lora_" in k]
+        held = {**plan.state, **plan.local}
+        fixed.append(len(keys) > 0 and all(torch.equal(v, held[k]) for k, v in read_state(model, keys).items()))
+        return update
+
+    monkeypatch.setattr(server, "run_client", run_spy)
+    privacy = {"mechanism": "dp_sgd", "noise_multiplier": 1.0, "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 2}
+    raw = make_raw(data_files, tmp_path / "run", "fed_sb", {"init": "weights"}, privacy=privacy,
+                   federation={"rounds": 2})
+    result = run(parse_recipe(raw))
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps: dict[str, int] = {}
+    for line in lines:
+        for cid, s in line["client_steps"].items():
+            steps[cid] = steps.get(cid, 0) + s
+        want = {cid: accounting.dp_sgd_epsilon(1.0, 4 / result.strategy.sizes[int(cid)], s, 1e-3)
+                for cid, s in steps.items()}
+        assert line["client_epsilon"] == pytest.approx(want, rel=1e-9) and line["epsilon"] == max(want.values())
+    assert len(fixed) == 4 and all(fixed)
+    (_, before, updates, out), _ = rounds
+    r_keys = [k for k in before if ".fed_sb." in k]
+    assert all(set(u.state) == set(r_keys) and u.loss is None for u in updates)
+    assert all(not torch.equal(out[k], before[k]) for k in r_keys)  # R trained (noisily)
