@@ -116,6 +116,7 @@ CASES = {
     "flora-ranks": ("flora", {"client_ranks": [2, 4, 3]}, {}),
     "flexlora-ranks": ("flexlora", {"client_ranks": [2, 4, 3]}, {}),
     "fedsvd": ("fedsvd", {}, {"train": {"optimizer_state": "per_client"}}),  # A refactorised on the server, sent down
+    "fed_sb": ("fed_sb", {}, {}),  # A and B reach a node once and stay in its client's state; R travels
 }
 
 

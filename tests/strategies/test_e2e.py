@@ -41,6 +41,7 @@ CASES = {
     "fedex_lora": ("fedex_lora", {}, {}),
     "fedsa_lora": ("fedsa_lora", {}, {"train": {"optimizer_state": "per_client"}}),
     "fedsvd": ("fedsvd", {}, {"train": {"optimizer_state": "per_client"}}),
+    "fed_sb": ("fed_sb", {}, {"train": {"optimizer_state": "per_client"}}),
 }
 FULL: dict = {}
 

@@ -40,6 +40,8 @@ def test_secagg_classification_of_the_built_in_strategies():
         "pfedloru",
         "fedsa_lora",
         "fedlora_pfl",
+        "fedsvd",
+        "fed_sb",
     }
     assert set(REFUSED) == {
         "fedmedian",
