@@ -104,8 +104,9 @@ def privacy_problems(r: Any) -> list[tuple[str, Any, str]]:
         p.append(("privacy.mechanism", pv.mechanism, f"none with federation.strategy {r.federation.strategy!r}: "
                                                      f"it {why}"))
     if r.federation.strategy == "fed_sb" and r.federation.strategy_args.get("init", "gradient") == "gradient":
-        p.append(("federation.strategy_args.init", "gradient", f"weights with privacy.mechanism {pv.mechanism}: the "
-                  "gradient init reads training examples once outside the DP mechanism (its ε would not cover them)"))
+        p.append(("federation.strategy_args.init", "gradient", (
+            f"weights with privacy.mechanism {pv.mechanism}: the gradient init reads training examples once outside "
+            "the DP mechanism (its ε would not cover them)")))
     if pv.mechanism != "dp_sgd" and r.federation.min_clients_per_round > 1:
         p.append(("federation.min_clients_per_round", r.federation.min_clients_per_round,
                   f"1 with privacy.mechanism {pv.mechanism}: whether a round is released would depend on how many of "
