@@ -118,3 +118,18 @@ def record_updates(monkeypatch, strategy_cls) -> list:
 
     monkeypatch.setattr(strategy_cls, "aggregate", spy)
     return seen
+
+
+def record_aggregates(monkeypatch, strategy_cls) -> list:
+    """Patch ``strategy_cls.aggregate`` to record ``(rnd, global_state before, updates, global_state after)`` of
+    every call (returned list)."""
+    seen: list = []
+    original = strategy_cls.aggregate
+
+    def spy(self, rnd, global_state, updates):
+        out = original(self, rnd, global_state, updates)
+        seen.append((rnd, {k: v.clone() for k, v in global_state.items()}, updates, out))
+        return out
+
+    monkeypatch.setattr(strategy_cls, "aggregate", spy)
+    return seen

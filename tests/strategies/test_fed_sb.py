@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from strategy_helpers import effective_weights, make_raw, tiny
+from strategy_helpers import effective_weights, make_raw, record_aggregates, tiny
 
 from fedllm.common.errors import InputError
 from fedllm.engine import server
@@ -20,16 +20,7 @@ S = ALPHA / R
 
 def record_rounds(monkeypatch) -> list:
     """Every ``(rnd, global_state before, updates, global_state after)`` Fed-SB's aggregate sees."""
-    seen: list = []
-    original = FedSB.aggregate
-
-    def spy(self, rnd, global_state, updates):
-        out = original(self, rnd, global_state, updates)
-        seen.append((rnd, {k: v.clone() for k, v in global_state.items()}, updates, out))
-        return out
-
-    monkeypatch.setattr(FedSB, "aggregate", spy)
-    return seen
+    return record_aggregates(monkeypatch, FedSB)
 
 
 def layer_keys(state):

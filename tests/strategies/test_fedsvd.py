@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from strategy_helpers import make_raw, tiny
+from strategy_helpers import make_raw, record_aggregates, tiny
 
 from fedllm.common.errors import InputError
 from fedllm.engine import server
@@ -19,16 +19,7 @@ R, ALPHA = 4, 8
 
 def record_rounds(monkeypatch) -> list:
     """Every ``(rnd, global_state before, updates, global_state after)`` FedSVD's aggregate sees."""
-    seen: list = []
-    original = FedSVD.aggregate
-
-    def spy(self, rnd, global_state, updates):
-        out = original(self, rnd, global_state, updates)
-        seen.append((rnd, {k: v.clone() for k, v in global_state.items()}, updates, out))
-        return out
-
-    monkeypatch.setattr(FedSVD, "aggregate", spy)
-    return seen
+    return record_aggregates(monkeypatch, FedSVD)
 
 
 def replay(before, updates, b_key, a_key):
