@@ -152,3 +152,38 @@ def test_fed_sb_under_dp_sgd_noises_r_only_and_accounts_epsilon(data_files, tmp_
     r_keys = [k for k in before if ".fed_sb." in k]
     assert all(set(u.state) == set(r_keys) and u.loss is None for u in updates)
     assert all(not torch.equal(out[k], before[k]) for k in r_keys)  # R trained (noisily)
+
+
+def test_fed_sb_under_client_level_dp_clips_and_noises_r_only(data_files, tmp_path, monkeypatch):
+    """Client-level DP (clients clip, the server noises the sum): each upload is R only and its change is within
+    the clipping norm; the released R̄ is the mean of the clipped uploads plus N(0, (zC/m)²) noise per coordinate;
+    A and B are never noised; ε is the accountant's for the rounds released."""
+    rounds = record_rounds(monkeypatch)
+    uploads: dict = {}
+    original_run = server.run_client
+
+    def run_spy(model, plan, *args, **kwargs):
+        update = original_run(model, plan, *args, **kwargs)
+        uploads[(plan.rnd, plan.client_id)] = ({k: v.clone() for k, v in update.state.items()}, plan.state)
+        return update
+
+    monkeypatch.setattr(server, "run_client", run_spy)
+    z, norm, m = 0.5, 0.01, 2
+    privacy = {"mechanism": "central_client_clipping", "noise_multiplier": z, "clipping_norm": norm, "noise_seed": 3,
+               "delta": 1e-3}
+    raw = make_raw(data_files, tmp_path / "run", "fed_sb", {"init": "weights"}, privacy=privacy)
+    result = run(parse_recipe(raw))
+    assert len(uploads) == 4
+    for up, sent in uploads.values():
+        assert set(up) == {k for k in sent if ".fed_sb." in k}
+        change = sum(float((up[k].double() - sent[k].double()).pow(2).sum()) for k in up) ** 0.5
+        assert norm / 2 < change <= norm * (1 + 1e-5)  # clipped (the raw change is larger)
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    mode = accounting.resolved("auto", 3, m)
+    for rnd, line in enumerate(lines, start=1):
+        assert line["epsilon"] == pytest.approx(accounting.central_epsilon(mode, z, 3, m, rnd, 1e-3), rel=1e-9)
+    for rnd, before, updates, out in rounds:
+        assert all(torch.equal(out[k], before[k]) for k in before if ".lora_" in k)  # A, B: never noised
+        clipped = [uploads[(rnd, u.client_id)][0] for u in updates]
+        noise = torch.cat([(out[k].double() - sum(c[k].double() for c in clipped) / m).flatten() for k in clipped[0]])
+        assert 0.7 < float(noise.std()) / (z * norm / m) < 1.3, rnd  # the Gaussian mechanism's std zC/m
