@@ -9,8 +9,10 @@ Initialisation (the authors' ``estimate_and_process_grads_torch`` + ``find_and_i
 ``init: gradient`` approximates the first step of full fine-tuning, ``ΔW = −η·sign(Σ_b ∇_W L_b / n_b)`` over
 ``init_samples`` training examples (the authors' 50; a seeded draw from all clients' examples, batches of
 ``train.batch_size``, dropout off), and sets ``(B, R, A) = (U_r, diag(S_r), Vh_r)`` of ``ΔW`` (:func:`latent_factors`),
-so the model starts at ``W + s·ΔW_r``. ``η`` is ``init_lr`` (0: the recipe's ``train.lr``; the authors use
-``lr / (warmup_ratio · total steps)``). This reads raw training examples once, outside any DP mechanism, as the
+so the model starts at ``W + s·ΔW_r``. ``η`` is ``init_lr``, by default the authors' ``lr / (warmup_ratio · T)`` — the
+first step's learning rate under a linear warmup — with ``train.lr``, ``warmup_ratio`` 0.02 and ``T`` the optimizer
+steps one client takes in the run (at least one warmup step: ``η ≤ train.lr``; the authors' ``T`` is the steps of
+their one training pass, and they set ``lora.alpha = r``, i.e. ``s = 1``). This reads raw training examples once, outside any DP mechanism, as the
 authors' code does: it is refused with ``privacy``. ``init: weights`` is the authors' data-free option
 (``find_and_initialize``, LoRA-XS): ``(B, A) = (U_r, diag(S_r)·Vh_r)`` of the pretrained weight, ``R ~ N(0, 1e-5²)``.
 
@@ -32,7 +34,7 @@ from fedllm.common.errors import InputError
 from fedllm.common.registry import register_strategy
 from fedllm.models.lowrank import SVD_METHODS, dense_weight, is_quantized, latent_factors
 from fedllm.models.state import StateDict
-from fedllm.recipe.schedule import derived_seed
+from fedllm.recipe.schedule import derived_seed, steps_per_round
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate, Phase
 from fedllm.strategies.fedavg import FedAvg
 from fedllm.strategies.residual import adapter_layers, layer_seed
@@ -60,7 +62,8 @@ class FedSB(FedAvg):
         weighting: ``examples`` or ``uniform``, as FedAvg (the authors average uniformly).
         init: ``gradient`` (LoRA-SB: SVD of an approximate first full fine-tuning step) or ``weights`` (LoRA-XS).
         init_samples: training examples the gradient init reads (the authors' 50).
-        init_lr: step size ``η`` of the approximated update; 0: ``train.lr``.
+        init_lr: step size ``η`` of the approximated update; 0: ``train.lr / max(1, warmup_ratio · T)`` (authors').
+        warmup_ratio: the authors' ``warmup_ratio`` in that default (0.02).
         svd: ``randomized`` (the authors' ``torch.svd_lowrank``, ``niter`` iterations) or ``exact``.
         niter: subspace iterations of the randomized SVD (the authors' 10).
     """
@@ -70,9 +73,10 @@ class FedSB(FedAvg):
     aggregates_by_sum = True  # a weighted mean of R (and the head)
 
     def __init__(self, weighting: str = "examples", init: str = "gradient", init_samples: int = 50,
-                 init_lr: float = 0.0, svd: str = "randomized", niter: int = 10, **kwargs):
+                 init_lr: float = 0.0, warmup_ratio: float = 0.02, svd: str = "randomized", niter: int = 10, **kwargs):
         super().__init__(weighting=weighting, **kwargs)
         self.init, self.init_samples, self.init_lr, self.svd, self.niter = init, init_samples, init_lr, svd, niter
+        self.warmup_ratio = warmup_ratio
 
     @classmethod
     def check_values(cls, args):
@@ -87,7 +91,10 @@ class FedSB(FedAvg):
                 problems.append((key, value, f"an integer >= {least}"))
         lr = args.get("init_lr", 0.0)
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr < 0:
-            problems.append(("init_lr", lr, "a number >= 0 (0: train.lr)"))
+            problems.append(("init_lr", lr, "a number >= 0 (0: train.lr / (warmup_ratio · steps of a client's run))"))
+        ratio = args.get("warmup_ratio", 0.02)
+        if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and not 0 < ratio <= 1:
+            problems.append(("warmup_ratio", ratio, "a number in (0, 1]"))
         return problems
 
     # ----- set-up: the latent matrices, the fixed factors
@@ -162,10 +169,16 @@ class FedSB(FedAvg):
             for name, w in weights.items():
                 w.requires_grad_(flags[name])
             model.train(was_training)
-        lr = self.init_lr or self.recipe.train.lr
+        lr = self.init_lr or self.default_init_lr(len(examples) / max(1, len(self.has_factors)))
         return {name: latent_factors(-lr * torch.sign(g).cpu(), self.layers[name].rank, self.svd, self.niter,
                                      layer_seed(self.seed, name, 0xF5B))
                 for name, g in sums.items()}
+
+    def default_init_lr(self, client_examples: float) -> float:
+        """The authors' ``η = lr / (warmup_ratio · T)`` (at least one warmup step), ``T`` = the optimizer steps a client
+        of ``client_examples`` examples takes over the run's rounds."""
+        steps = steps_per_round(self.recipe.train, round(client_examples)) * self.recipe.federation.rounds
+        return self.recipe.train.lr / max(1.0, self.warmup_ratio * steps)
 
     # ----- rounds
     def global_keys(self, model: torch.nn.Module) -> list[str]:

@@ -113,6 +113,7 @@ def test_fed_sb_sends_a_and_b_once_per_client_then_r_only(data_files, tmp_path):
     ({"init_samples": 0}, {}, "strategy_args.init_samples: got 0"),
     ({"svd": "fast"}, {}, "strategy_args.svd: got 'fast'"),
     ({"init_lr": -1.0}, {}, "strategy_args.init_lr: got -1.0"),
+    ({"warmup_ratio": 0}, {}, "strategy_args.warmup_ratio: got 0"),
     ({}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 1.0}}, "strategy_args.init: got 'gradient'"),
 ])
 def test_fed_sb_bad_arguments_are_refused_at_load(args, sections, message, data_files, tmp_path):
@@ -187,3 +188,14 @@ def test_fed_sb_under_client_level_dp_clips_and_noises_r_only(data_files, tmp_pa
         clipped = [uploads[(rnd, u.client_id)][0] for u in updates]
         noise = torch.cat([(out[k].double() - sum(c[k].double() for c in clipped) / m).flatten() for k in clipped[0]])
         assert 0.7 < float(noise.std()) / (z * norm / m) < 1.3, rnd  # the Gaussian mechanism's std zC/m
+
+
+def test_fed_sb_default_init_step_is_the_first_warmup_step_of_the_run():
+    """η = lr / (warmup_ratio · T), T = a client's steps over the run (the authors' eff_lr), at most train.lr."""
+    strategy = FedSB(warmup_ratio=0.02)
+    strategy.recipe = parse_recipe({"data": {"path": "unused.jsonl"}, "train": {"local_steps": 50, "lr": 1e-3},
+                                    "federation": {"num_clients": 3, "rounds": 20}})
+    assert strategy.default_init_lr(100) == pytest.approx(1e-3 / (0.02 * 50 * 20))
+    strategy.recipe.federation.rounds = 1
+    strategy.recipe.train.local_steps = 10
+    assert strategy.default_init_lr(100) == 1e-3  # fewer than 1 / warmup_ratio steps: one warmup step
