@@ -27,7 +27,7 @@ from fedllm.models.lowrank import orthogonal_refactor
 from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate, Phase
 from fedllm.strategies.ffa_lora import FFALoRA, is_lora_a
-from fedllm.strategies.residual import adapter_layers, drop_moments
+from fedllm.strategies.residual import adapter_layers, drop_moments, to_wire
 
 
 @register_strategy("fedsvd")
@@ -83,6 +83,7 @@ class FedSVD(FFALoRA):
         if self.refactorises(rnd):
             for layer in self.layers.values():
                 b, a = orthogonal_refactor(out[layer.b_key], out[layer.a_key])
-                out[layer.b_key] = b.to(out[layer.b_key].dtype)
-                out[layer.a_key] = a.to(out[layer.a_key].dtype)
+                # kept as every client receives them (rounded through federation.comm_dtype)
+                out[layer.b_key] = to_wire(b, self.comm_dtype, out[layer.b_key])
+                out[layer.a_key] = to_wire(a, self.comm_dtype, out[layer.a_key])
         return out
