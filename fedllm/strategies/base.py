@@ -272,9 +272,9 @@ class Strategy(abc.ABC):
         """
         return {}
 
-    training_data: Optional[tuple[list[dict], Any]] = None
-    """``(examples, collate)`` — every client's tokenized training examples and the function that batches them —
-    set by :func:`fedllm.engine.server.build_federation` before :meth:`setup` in a job that trains; None where
+    training_data: Optional[tuple[list[dict], Any, Any]] = None
+    """``(examples, collate, loss)`` — every client's tokenized training examples, the function that batches them and
+    ``loss(model, batch)``, the training loss of a batch (``train.objective``) — set by :func:`fedllm.engine.server.build_federation` before :meth:`setup` in a job that trains; None where
     setup runs without the data (export, dry run). Read only by a setup that needs examples (Fed-SB's init)."""
 
     resample_on_drops = True

@@ -138,11 +138,9 @@ class FedSB(FedAvg):
             out[name] = (u, torch.randn(layer.rank, layer.rank, generator=gen) * WEIGHTS_INIT_STD, s @ vh)
         return out
 
-    def _gradient_init(self, model: torch.nn.Module, examples: list[dict],
-                       collate: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _gradient_init(self, model: torch.nn.Module, examples: list[dict], collate: Any,
+                       batch_loss: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """LoRA-SB: ``(U_r, diag(S_r), Vh_r)`` of ``ΔW = −η·sign(Σ_b ∇_W L_b / n_b)`` of every wrapped weight."""
-        from fedllm.engine.client import micro_batch_loss
-
         quantized = [name for name, layer in self.layers.items() if is_quantized(layer.base)]
         if quantized:
             raise InputError(f"federation.strategy_args.init: got 'gradient' on the quantized layer {quantized[0]}; "
@@ -162,7 +160,7 @@ class FedSB(FedAvg):
             for start in range(0, len(drawn), size):
                 chunk = drawn[start:start + size]
                 batch = {k: v.to(device) for k, v in collate([examples[i] for i in chunk]).items()}
-                loss = micro_batch_loss(model, batch, self.recipe.train) / len(chunk)
+                loss = batch_loss(model, batch) / len(chunk)
                 for name, grad in zip(weights, torch.autograd.grad(loss, list(weights.values())), strict=True):
                     sums[name] += grad.float()
         finally:

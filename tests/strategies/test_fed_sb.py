@@ -73,7 +73,7 @@ def test_fed_sb_gradient_init_is_the_svd_of_the_sign_of_the_full_gradient(data_f
     weights = {n: plain.get_submodule(n.removeprefix("base_model.model.")).weight for n in names}
     for w in weights.values():
         w.requires_grad_(True)
-    examples, collate = fed.strategy.training_data
+    examples, collate, _ = fed.strategy.training_data
     assert len(examples) < 1000  # every example is read
     for example in examples:
         batch = collate([example])
