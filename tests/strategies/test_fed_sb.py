@@ -199,3 +199,19 @@ def test_fed_sb_default_init_step_is_the_first_warmup_step_of_the_run():
     strategy.recipe.federation.rounds = 1
     strategy.recipe.train.local_steps = 10
     assert strategy.default_init_lr(100) == 1e-3  # fewer than 1 / warmup_ratio steps: one warmup step
+
+
+def test_fed_sb_adapter_export_is_exact_at_rank_2r_and_at_rank_r(data_files, tmp_path):
+    """B·R·A has rank r: the plain PEFT adapter stacks (B, B·R − B) at rank 2r, and `--rank r` gives an exact rank-r
+    adapter too (its SVD loses nothing); both reproduce the run's logits (the reloads in plain transformers / peft
+    are in tests/export)."""
+    from fedllm.export.api import export
+
+    result = run(parse_recipe(make_raw(data_files, tmp_path / "run", "fed_sb")))
+    for rank, want in ((None, 2 * R), (R, R)):
+        out = tmp_path / f"adapter-{rank}"
+        export(result.run_dir, "adapter", out, rank=rank)
+        report = json.loads((out / "export.json").read_text())
+        assert report["exact"] and not report["truncated_layers"] and report["rel_error_max"] < 1e-6
+        assert report["max_logit_diff"] < 1e-5
+        assert json.loads((out / "adapter_config.json").read_text())["r"] == want
