@@ -20,7 +20,8 @@ How it runs: ``R`` is an ``nn.Linear(r, r)`` named ``<layer>.fed_sb`` attached t
 by a forward hook to ``lora_A``'s output (the authors' ``default_lora_latent_mapping``), so opacus sees an ordinary
 linear layer for DP-SGD. The global state holds ``A``, ``B`` and ``R`` (checkpoints and exports are self-contained);
 ``A`` and ``B`` go to a client the first time it trains and stay in its per-client state, later plans carry ``R``
-(and a classifier head) only. Export: the merged form is exact; the adapter form is a plain PEFT LoRA of rank ``2r``
+(and a classifier head) only. That entry holds ``r·(in + out)`` numbers per layer per client (checkpointed in
+``clients.safetensors``): the price of a gradient init that a node with other data could not recompute. Export: the merged form is exact; the adapter form is a plain PEFT LoRA of rank ``2r``
 (``B`` and ``B·R − B`` stacked with ``A``, :meth:`FedSB.kept_factors`), or of rank ``r`` with ``export --rank r``.
 """
 
@@ -199,8 +200,10 @@ class FedSB(FedAvg):
         plan.local = {**plan.local, **{k: plan.client_state[k] for k in missing}}
 
     def close_client(self, plan: ClientPlan, trained: StateDict, steps: int) -> StateDict:
-        return {k: (plan.state[k] if k in plan.state else plan.client_state[k]).detach().clone()
-                for k in self.factor_keys}
+        """The ``A`` and ``B`` the client was sent (its first round), else its entry unchanged."""
+        if all(k in plan.client_state for k in self.factor_keys):
+            return plan.client_state
+        return {k: plan.state[k].detach().clone() for k in self.factor_keys}
 
     def client_upload(self, plan: ClientPlan, trained: StateDict, steps: int) -> StateDict:
         return {k: trained[k] for k in self.shared_keys()}
