@@ -156,7 +156,8 @@ def relative_error(approx: torch.Tensor, target: torch.Tensor) -> float:
 
 def orthogonal_refactor(b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B', A')`` with ``B'·A' = B·A``, ``A'`` = the top right singular vectors of ``B·A`` (orthonormal rows) and
-    ``B' = U·diag(S)`` (FedSVD's server step, Lee et al., NeurIPS 2025, §3).
+    ``B' = U·diag(S)`` (FedSVD's server step, Lee et al., NeurIPS 2025; the authors'
+    ``reinit_lora``).
 
     Computed from QR factors, never from the dense ``out × in`` product: ``B = Q_B R_B``, ``Aᵀ = Q_A R_A``, so
     ``B·A = Q_B (R_B R_Aᵀ) Q_Aᵀ`` and the SVD of the ``r × r`` core ``R_B R_Aᵀ = u·diag(S)·vh`` gives ``U = Q_B u``,
@@ -171,7 +172,7 @@ def orthogonal_refactor(b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor,
 
 def latent_factors(delta: torch.Tensor, rank: int, method: SvdMethod = "randomized", niter: int = 10,
                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LoRA-SB's factors of an update (Ponkshe et al. 2024, §4; the Fed-SB authors' ``find_and_initialize_grad``):
+    """LoRA-SB's factors of an update (Ponkshe et al. 2024, arXiv 2411.19557; the Fed-SB authors' ``find_and_initialize_grad``):
     ``(B, R, A) = (U_r, diag(S_r), Vh_r)`` of ``delta``, so ``B·R·A`` is its best rank-``r`` approximation (exactly so
     for ``method="exact"``; the authors use ``torch.svd_lowrank`` with ``q = r`` and ``niter = 10``: ``randomized``
     here with no oversampling). fp32."""

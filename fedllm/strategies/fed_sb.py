@@ -2,10 +2,12 @@
 
 Each LoRA-wrapped weight computes ``W + s·B·R·A`` (LoRA-SB, Ponkshe et al. 2024): ``B`` (out × r) and ``A`` (r × in)
 are fixed after initialisation, only ``R`` trains. Because the update is linear in ``R``, averaging the clients'
-``R_k`` averages their updates exactly, ``s·B·(Σ_k p_k R_k)·A = Σ_k p_k s·B R_k A`` (Fed-SB §3), and a client sends
+``R_k`` averages their updates exactly: the paper's ``R^agg = (1/c)·Σ_i R_i``, ``ΔW^agg = B·R^agg·A`` (uniform, as the
+authors' ``aggregate_models_fed_sb``; ``weighting: examples`` is exact too), and a client sends
 ``r²`` numbers per layer; under DP the noise is added to ``R`` alone, in ``r²`` dimensions.
 
-Initialisation (the authors' ``estimate_and_process_grads_torch`` + ``find_and_initialize_grad``; LoRA-SB §4):
+Initialisation (the authors' ``estimate_and_process_grads_torch`` + ``find_and_initialize_grad``; LoRA-SB,
+arXiv 2411.19557):
 ``init: gradient`` approximates the first step of full fine-tuning, ``ΔW = −η·sign(Σ_b ∇_W L_b / n_b)`` over
 ``init_samples`` training examples (the authors' 50; a seeded draw from all clients' examples, batches of
 ``train.batch_size``, dropout off), and sets ``(B, R, A) = (U_r, diag(S_r), Vh_r)`` of ``ΔW`` (:func:`latent_factors`),
@@ -60,7 +62,7 @@ class FedSB(FedAvg):
     """Fed-SB: clients train ``R`` of ``W + s·B·R·A`` (``A``, ``B`` fixed); ``R ← Σ_k p_k R_k`` (exact).
 
     Args:
-        weighting: ``examples`` or ``uniform``, as FedAvg (the authors average uniformly).
+        weighting: ``uniform`` (the paper's and the authors' mean, the default) or ``examples``.
         init: ``gradient`` (LoRA-SB: SVD of an approximate first full fine-tuning step) or ``weights`` (LoRA-XS).
         init_samples: training examples the gradient init reads (the authors' 50).
         init_lr: step size ``η`` of the approximated update; 0: ``train.lr / max(1, warmup_ratio · T)`` (authors').
@@ -73,7 +75,7 @@ class FedSB(FedAvg):
     client_batching = False  # plans name the keys that train and carry A, B on a client's first round
     aggregates_by_sum = True  # a weighted mean of R (and the head)
 
-    def __init__(self, weighting: str = "examples", init: str = "gradient", init_samples: int = 50,
+    def __init__(self, weighting: str = "uniform", init: str = "gradient", init_samples: int = 50,
                  init_lr: float = 0.0, warmup_ratio: float = 0.02, svd: str = "randomized", niter: int = 10, **kwargs):
         super().__init__(weighting=weighting, **kwargs)
         self.init, self.init_samples, self.init_lr, self.svd, self.niter = init, init_samples, init_lr, svd, niter

@@ -2,7 +2,7 @@
 
 Clients train only ``B`` with ``A`` frozen (FFA-LoRA's client side, so DP-SGD's per-example clipping and noise act on
 ``B``'s gradients alone and are never multiplied by a noisy ``A``) and upload ``B``. The server averages them,
-``B̄ = Σ_k p_k B_k``, and refactorises the product with the round's ``A`` by SVD (§3; the authors' ``reinit_lora``,
+``B̄ = Σ_k p_k B_k``, and refactorises the product with the round's ``A`` by SVD (the authors' ``reinit_lora``,
 ``fed-svd/misc/utils.py``): ``B̄·A = U·diag(S)·Vh``, ``A ← Vh[:r]`` (orthonormal rows, the principal directions of the
 aggregate update) and ``B ← U[:, :r]·diag(S[:r])``. The product, hence the model, is unchanged by the refactorisation;
 ``A`` changes, so both factors are sent to every sampled client (the upload is ``B`` only).

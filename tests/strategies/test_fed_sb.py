@@ -30,8 +30,8 @@ def layer_keys(state):
 
 
 def test_fed_sb_replay_of_a_round_from_the_recorded_uploads(data_files, tmp_path, monkeypatch):
-    """R̄ = Σ n_k R_k / n from the uploads; the model then computes W + s·B·R̄·A, which is exactly the
-    example-weighted mean of the clients' own W + s·B·R_k·A; A and B never move."""
+    """R̄ = (1/c)·Σ_k R_k from the uploads (the paper's uniform mean, on clients of unequal sizes); the model then
+    computes W + s·B·R̄·A, which is exactly the mean of the clients' own W + s·B·R_k·A; A and B never move."""
     rounds = record_rounds(monkeypatch)
     skewed = {"method": "dirichlet", "column": "category", "beta": 1.0, "min_size": 4}  # unequal client sizes
     result = run(parse_recipe(make_raw(data_files, tmp_path / "run", "fed_sb",
@@ -39,15 +39,14 @@ def test_fed_sb_replay_of_a_round_from_the_recorded_uploads(data_files, tmp_path
     keys = layer_keys(result.global_state)
     assert keys and [r[0] for r in rounds] == [1, 2]
     for rnd, before, updates, out in rounds:
-        total = sum(u.num_examples for u in updates)
-        assert len(updates) == 2 and len({u.num_examples for u in updates}) == 2  # the weights matter
+        assert len(updates) == 2 and len({u.num_examples for u in updates}) == 2  # uniform ≠ example-weighted
         for b_key, r_key, a_key in keys:
             assert all(set(u.state) == {k for _, k, _ in keys} for u in updates)  # R only travels up
-            r_bar = sum(u.num_examples / total * u.state[r_key].double() for u in updates)
+            r_bar = sum(u.state[r_key].double() for u in updates) / len(updates)
             assert (out[r_key].double() - r_bar).abs().max() <= 1e-6, (rnd, r_key)
             assert torch.equal(out[b_key], before[b_key]) and torch.equal(out[a_key], before[a_key])
             b, a = before[b_key].double(), before[a_key].double()
-            mean_update = sum(u.num_examples / total * S * b @ u.state[r_key].double() @ a for u in updates)
+            mean_update = sum(S * b @ u.state[r_key].double() @ a for u in updates) / len(updates)
             assert (S * b @ out[r_key].double() @ a - mean_update).abs().max() <= 1e-6  # exact aggregation
     # the model holds it: each layer computes W + s·B·R̄·A
     base = effective_weights(tiny().model)  # B = 0 at PEFT's init: the pretrained weights
