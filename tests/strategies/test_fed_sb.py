@@ -214,3 +214,20 @@ def test_fed_sb_adapter_export_is_exact_at_rank_2r_and_at_rank_r(data_files, tmp
         assert report["exact"] and not report["truncated_layers"] and report["rel_error_max"] < 1e-6
         assert report["max_logit_diff"] < 1e-5
         assert json.loads((out / "adapter_config.json").read_text())["r"] == want
+
+
+def test_fed_sb_weights_init_is_lora_xs_from_the_pretrained_svd(data_files, tmp_path):
+    """init: weights (the authors' data-free find_and_initialize): B = U_r and A = diag(S_r)·Vh_r of the pretrained
+    weight (compared through B·A against an fp64 SVD), R ~ N(0, 1e-5²)."""
+    raw = make_raw(data_files, tmp_path / "run", "fed_sb", {"init": "weights", "svd": "exact"})
+    fed = build_federation(parse_recipe(raw))
+    latents = []
+    for layer in fed.strategy.layers.values():
+        u, s, vh = torch.linalg.svd(layer.base.weight.detach().double(), full_matrices=False)
+        b, a = layer.module.lora_B["default"].weight.double(), layer.module.lora_A["default"].weight.double()
+        # B·A is the best rank-r approximation U_r·diag(S_r)·Vh_r, with B's columns orthonormal (B = U_r)
+        assert (b @ a - (u[:, :R] * s[:R]) @ vh[:R]).abs().max() <= 1e-5 * float(s[0])
+        assert (b.T @ b - torch.eye(R, dtype=torch.float64)).abs().max() <= 1e-5
+        latents.append(fed.strategy.latents[layer.name].weight.detach().flatten())
+    drawn = torch.cat(latents)
+    assert abs(float(drawn.std()) / 1e-5 - 1) < 0.3 and float(drawn.abs().max()) < 1e-4
