@@ -61,6 +61,11 @@ STATEFUL = {
                 {"train": {"optimizer_state": "per_client"}}),
     "rolora": ("rolora", {}, {"train": {"optimizer_state": "per_client"}}),
     "lora_fair": ("lora_fair", {}, {}),
+    # DP-SGD on B only; the server's SVD of B̄·A gives every rank the same orthonormal A
+    "fedsvd-dp-sgd": ("fedsvd", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8,
+                                                 "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5}}),
+    # A and B go to a client once and stay in its per-client state, whichever rank trains it later
+    "fed_sb": ("fed_sb", {}, {"train": {"optimizer_state": "per_client"}}),
 }
 RESUMED = ["frlora-moments", "scaffold"]  # checkpointed by 1 process and resumed by 2, and the reverse
 

@@ -119,6 +119,8 @@ CASES = {
     "hetlora-ranks": ("hetlora", {"client_ranks": [2, 4, 3], "gamma": 0.5, "prune_lambda": 5.0}, {}),
     "rolora": ("rolora", {}, {"train": {"optimizer_state": "per_client"}}),  # one factor per round, moments kept
     "lora_fair": ("lora_fair", {}, {}),
+    "fedsvd": ("fedsvd", {}, {"train": {"optimizer_state": "per_client"}}),  # A refactorised on the server, sent down
+    "fed_sb": ("fed_sb", {}, {}),  # A and B reach a node once and stay in its client's state; R travels
 }
 
 

@@ -30,7 +30,7 @@ from fedllm.data import FederatedData, build_federated_data
 from fedllm.data.collate import collate
 from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
-from fedllm.engine.client import run_client
+from fedllm.engine.client import micro_batch_loss, run_client
 from fedllm.engine.distributed import Dispatch
 from fedllm.engine.reference import (
     EVAL_REFERENCE_KEY,
@@ -140,6 +140,8 @@ def build_federation(recipe: Recipe) -> Federation:
                         source=recipe.source, tokenizer=tokenizer)
     strategy = with_privacy(get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args), recipe)
     strategy.recipe = recipe
+    strategy.training_data = (data.examples, partial(collate, pad_id=loaded.tokenizer.pad_token_id, task=loaded.task),
+                              partial(micro_batch_loss, cfg=recipe.train))
     torch.manual_seed(derived_seed(recipe.seed, 0x57A7))
     strategy.setup(loaded.model, [ClientInfo(c, len(ix)) for c, ix in enumerate(data.clients)])
     timings = {"tokenizer_seconds": t1 - t0, "data_seconds": t2 - t1, "model_seconds": time.perf_counter() - t2}

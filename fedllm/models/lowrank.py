@@ -152,3 +152,29 @@ def relative_error(approx: torch.Tensor, target: torch.Tensor) -> float:
     """``‖approx − target‖_F / ‖target‖_F`` in fp64."""
     t = target.detach().double()
     return float(torch.linalg.norm(approx.detach().double() - t) / torch.linalg.norm(t))
+
+
+def orthogonal_refactor(b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B', A')`` with ``B'·A' = B·A``, ``A'`` = the top right singular vectors of ``B·A`` (orthonormal rows) and
+    ``B' = U·diag(S)`` (FedSVD's server step, Lee et al., NeurIPS 2025; the authors'
+    ``reinit_lora``).
+
+    Computed from QR factors, never from the dense ``out × in`` product: ``B = Q_B R_B``, ``Aᵀ = Q_A R_A``, so
+    ``B·A = Q_B (R_B R_Aᵀ) Q_Aᵀ`` and the SVD of the ``r × r`` core ``R_B R_Aᵀ = u·diag(S)·vh`` gives ``U = Q_B u``,
+    ``Vh = vh Q_Aᵀ``: the same singular triplets as ``torch.linalg.svd(B·A)`` (up to the sign of each pair), in
+    fp32. When ``B·A`` has rank below ``r`` the extra rows of ``A'`` are still orthonormal, with ``S = 0``.
+    """
+    q_b, r_b = torch.linalg.qr(b.detach().float())
+    q_a, r_a = torch.linalg.qr(a.detach().float().mT)
+    u, s, vh = torch.linalg.svd(r_b @ r_a.mT)
+    return ((q_b @ u) * s).contiguous(), (vh @ q_a.mT).contiguous()
+
+
+def latent_factors(delta: torch.Tensor, rank: int, method: SvdMethod = "randomized", niter: int = 10,
+                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LoRA-SB's factors of an update (Ponkshe et al. 2024, arXiv 2411.19557; the Fed-SB authors' ``find_and_initialize_grad``):
+    ``(B, R, A) = (U_r, diag(S_r), Vh_r)`` of ``delta``, so ``B·R·A`` is its best rank-``r`` approximation (exactly so
+    for ``method="exact"``; the authors use ``torch.svd_lowrank`` with ``q = r`` and ``niter = 10``: ``randomized``
+    here with no oversampling). fp32."""
+    u, s, vh = truncated_svd(delta, rank, method, niter=niter, oversample=0, seed=seed)
+    return u.contiguous(), torch.diag(s), vh.contiguous()

@@ -13,7 +13,7 @@ from typing import Any
 
 SUMMED_DELTA_STRATEGIES = frozenset({
     "fedavg", "fedprox", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedsa_lora", "frlora",
-    "frlora_v1", "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "fedlora_pfl", "rolora"})
+    "fedsvd", "fed_sb", "frlora_v1", "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "fedlora_pfl", "rolora"})
 """Strategies whose aggregate is a mean of uploads that are ``sent state + change`` (then post-processing)."""
 
 _ROBUST = ("selects or ranks individual uploads (median, trimmed mean, Krum scores), so the aggregate is not a "
@@ -107,6 +107,10 @@ def privacy_problems(r: Any) -> list[tuple[str, Any, str]]:
     if why:
         p.append(("privacy.mechanism", pv.mechanism, f"none with federation.strategy {r.federation.strategy!r}: "
                                                      f"it {why}"))
+    if r.federation.strategy == "fed_sb" and r.federation.strategy_args.get("init", "gradient") == "gradient":
+        p.append(("federation.strategy_args.init", "gradient", (
+            f"weights with privacy.mechanism {pv.mechanism}: the gradient init reads training examples once outside "
+            "the DP mechanism (its ε would not cover them)")))
     if pv.mechanism != "dp_sgd" and r.federation.min_clients_per_round > 1:
         p.append(("federation.min_clients_per_round", r.federation.min_clients_per_round,
                   f"1 with privacy.mechanism {pv.mechanism}: whether a round is released would depend on how many of "

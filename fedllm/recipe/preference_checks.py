@@ -29,6 +29,7 @@ ADAPTER_DISABLED_STRATEGIES = frozenset(
         "fedyogi",
         "fedadam",
         "ffa_lora",
+        "fedsvd",
         "fedsa_lora",
         "local",
         "krum",

@@ -272,6 +272,11 @@ class Strategy(abc.ABC):
         """
         return {}
 
+    training_data: Optional[tuple[list[dict], Any, Any]] = None
+    """``(examples, collate, loss)`` — every client's tokenized training examples, the function that batches them and
+    ``loss(model, batch)``, the training loss of a batch (``train.objective``) — set by :func:`fedllm.engine.server.build_federation` before :meth:`setup` in a job that trains; None where
+    setup runs without the data (export, dry run). Read only by a setup that needs examples (Fed-SB's init)."""
+
     resample_on_drops = True
     """Whether a round with too few valid updates may be tried again with a fresh sample
     (``federation.round_retries``); not under client-level DP, where which clients failed would pick the second

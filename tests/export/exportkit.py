@@ -50,6 +50,8 @@ CASES: dict[str, dict[str, Any]] = {
     "scaffold": {"strategy": "scaffold"},
     "fedadam": {"strategy": "fedadam", "args": {"eta": 1e-2}},
     "ffa_lora": {"strategy": "ffa_lora"},
+    "fedsvd": {"strategy": "fedsvd"},
+    "fed_sb": {"strategy": "fed_sb", "truncate": True},  # W + s·B·R·A: a plain LoRA of rank 2r (B, B·R − B)
 }
 R, ALPHA = 4, 8.0
 TRUNCATED_RANK = 2

@@ -45,6 +45,8 @@ CASES = {
                 {"train": {"optimizer_state": "per_client"}}),
     "rolora": ("rolora", {}, {"train": {"optimizer_state": "per_client"}}),
     "lora_fair": ("lora_fair", {}, {}),
+    "fedsvd": ("fedsvd", {}, {"train": {"optimizer_state": "per_client"}}),
+    "fed_sb": ("fed_sb", {}, {"train": {"optimizer_state": "per_client"}}),
 }
 FULL: dict = {}
 

@@ -31,6 +31,8 @@ PINNED = {
     "recipes/baselines/tiny-llama-arith-hetlora.yaml": [6.315545, 6.202011, 6.064313],
     "recipes/baselines/tiny-llama-arith-rolora.yaml": [6.311687, 6.184796, 6.053103],
     "recipes/baselines/tiny-llama-arith-lora-fair.yaml": [6.311687, 6.135231, 6.044257],
+    "recipes/baselines/tiny-llama-arith-fedsvd.yaml": [6.311687, 6.168723, 6.04607],
+    "recipes/baselines/tiny-llama-arith-fed-sb.yaml": [6.080865, 6.110788, 6.071296],
     "recipes/personal/tiny-llama-arith-fedlora-pfl.yaml": [6.244783, 6.176367, 6.129053],
     "recipes/personal/tiny-llama-arith-local.yaml": [6.323935, 6.200778, 6.211506],
     "recipes/personal/tiny-llama-arith-pflmf.yaml": [6.369068, 6.252893, 6.142917],

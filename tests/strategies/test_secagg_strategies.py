@@ -41,6 +41,8 @@ def test_secagg_classification_of_the_built_in_strategies():
         "fedsa_lora",
         "fedlora_pfl",
         "rolora",
+        "fedsvd",
+        "fed_sb",
     }
     assert set(REFUSED) == {
         "fedmedian",
