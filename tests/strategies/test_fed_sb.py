@@ -18,7 +18,7 @@ R, ALPHA = 4, 8
 S = ALPHA / R
 
 
-def record_rounds(monkeypatch) -> list:
+def recorded(monkeypatch) -> list:
     """Every ``(rnd, global_state before, updates, global_state after)`` Fed-SB's aggregate sees."""
     return record_rounds(monkeypatch, FedSB)
 
@@ -32,7 +32,7 @@ def layer_keys(state):
 def test_fed_sb_replay_of_a_round_from_the_recorded_uploads(data_files, tmp_path, monkeypatch):
     """R̄ = (1/c)·Σ_k R_k from the uploads (the paper's uniform mean, on clients of unequal sizes); the model then
     computes W + s·B·R̄·A, which is exactly the mean of the clients' own W + s·B·R_k·A; A and B never move."""
-    rounds = record_rounds(monkeypatch)
+    rounds = recorded(monkeypatch)
     skewed = {"method": "dirichlet", "column": "category", "beta": 1.0, "min_size": 4}  # unequal client sizes
     result = run(parse_recipe(make_raw(data_files, tmp_path / "run", "fed_sb",
                                        federation={"rounds": 2, "partition": skewed})))
@@ -123,7 +123,7 @@ def test_fed_sb_bad_arguments_are_refused_at_load(args, sections, message, data_
 def test_fed_sb_under_dp_sgd_noises_r_only_and_accounts_epsilon(data_files, tmp_path, monkeypatch):
     """DP-SGD (Fed-SB's private setting): opacus clips and noises the per-example gradients of R (an nn.Linear
     applied by the hook); A and B stay bit-identical on every client; each client's ε is the accountant's."""
-    rounds = record_rounds(monkeypatch)
+    rounds = recorded(monkeypatch)
     fixed = []
     original_run = server.run_client
 
@@ -158,7 +158,7 @@ def test_fed_sb_under_client_level_dp_clips_and_noises_r_only(data_files, tmp_pa
     """Client-level DP (clients clip, the server noises the sum): each upload is R only and its change is within
     the clipping norm; the released R̄ is the mean of the clipped uploads plus N(0, (zC/m)²) noise per coordinate;
     A and B are never noised; ε is the accountant's for the rounds released."""
-    rounds = record_rounds(monkeypatch)
+    rounds = recorded(monkeypatch)
     uploads: dict = {}
     original_run = server.run_client
 

@@ -17,7 +17,7 @@ from fedllm.strategies.fedsvd import FedSVD
 R, ALPHA = 4, 8
 
 
-def record_rounds(monkeypatch) -> list:
+def recorded(monkeypatch) -> list:
     """Every ``(rnd, global_state before, updates, global_state after)`` FedSVD's aggregate sees."""
     return record_rounds(monkeypatch, FedSVD)
 
@@ -32,7 +32,7 @@ def replay(before, updates, b_key, a_key):
 
 
 def test_fedsvd_replay_of_a_round_from_the_recorded_uploads(data_files, tmp_path, monkeypatch):
-    rounds = record_rounds(monkeypatch)
+    rounds = recorded(monkeypatch)
     result = run(parse_recipe(make_raw(data_files, tmp_path / "run", "fedsvd", federation={"rounds": 2})))
     assert [r[0] for r in rounds] == [1, 2]
     a_keys = [k for k in result.global_state if ".lora_A." in k]
@@ -57,7 +57,7 @@ def test_fedsvd_replay_of_a_round_from_the_recorded_uploads(data_files, tmp_path
 
 
 def test_fedsvd_clients_train_and_send_b_only(data_files, tmp_path, monkeypatch):
-    rounds = record_rounds(monkeypatch)
+    rounds = recorded(monkeypatch)
     result = run(parse_recipe(make_raw(data_files, tmp_path / "run", "fedsvd")))
     b_keys = {k for k in result.global_state if ".lora_B." in k}
     a_keys = {k for k in result.global_state if ".lora_A." in k}
@@ -73,7 +73,7 @@ def test_fedsvd_clients_train_and_send_b_only(data_files, tmp_path, monkeypatch)
 
 
 def test_fedsvd_warmup_and_period_skip_the_refactorisation(data_files, tmp_path, monkeypatch):
-    rounds = record_rounds(monkeypatch)
+    rounds = recorded(monkeypatch)
     run(parse_recipe(make_raw(data_files, tmp_path / "run", "fedsvd", {"warmup_rounds": 1, "period": 1},
                               federation={"rounds": 2})))
     (_, before1, _, out1), (_, before2, _, out2) = rounds
@@ -97,7 +97,7 @@ def test_fedsvd_bad_arguments_are_refused_at_load(args, message, data_files, tmp
 def test_fedsvd_under_dp_sgd_noises_b_only_and_accounts_epsilon(data_files, tmp_path, monkeypatch):
     """DP-SGD (the paper's setting): A is bit-identical after every client's noisy steps (the noise and clipping
     touch B's gradients only) and each client's ε is the accountant's for the steps it took."""
-    rounds = record_rounds(monkeypatch)
+    rounds = recorded(monkeypatch)
     a_unchanged = []
     original_run = server.run_client
 
