@@ -287,7 +287,8 @@ def evaluate_clients(checkpoint: str, client: "int | str", eval_cfg: Any, out_di
         raise InputError(f"--client {client}: the run has clients 0..{n - 1}")
     ids = list(range(n)) if client == "all" else [int(client)]
     store = ckpt_io.client_store(ckpt_io.load_checkpoint(ckpt_io.resolve_checkpoint(Path(checkpoint))))
-    records, examples = _client_splits(recipe, tokenizer, model)
+    records, examples = _client_splits(recipe, tokenizer, checkpoint, store)
+    dpo = recipe.train.preference if recipe.train.objective == "dpo" else None
     out: dict[str, dict[str, float]] = {}
     for cid in ids:
         personal = strategy.personal_state(cid, store.get(cid))
@@ -296,21 +297,27 @@ def evaluate_clients(checkpoint: str, client: "int | str", eval_cfg: Any, out_di
         try:
             out[str(cid)] = evaluate(model, tokenizer, eval_cfg, out_dir, records=records(cid),
                                      eval_examples=examples(cid), tag=f"client-{cid}", prompt_style=prompt_style,
-                                     progress=progress)
+                                     progress=progress, preference=dpo)
         finally:
             write_state(model, saved)
     return out
 
 
-def _client_splits(recipe: Any, tokenizer: Any, model: Any):
-    """``(records(cid), examples(cid))``: a client's held-out raw records and tokenized examples."""
+def _client_splits(recipe: Any, tokenizer: Any, checkpoint: str, store: Any):
+    """``(records(cid), examples(cid))``: a client's held-out raw records and tokenized examples; a preference
+    run's pairs carry the reference log-probabilities the run stored for that client's split (its
+    ``pref_accuracy`` then equals the run's own evaluation of the personal model)."""
     if recipe.data.client_eval_fraction > 0:
         from fedllm.data import build_federated_data
+        from fedllm.engine.reference import EVAL_REFERENCE_KEY, with_reference
         from fedllm.models.loading import resolve_task
 
         data = build_federated_data(recipe.data, recipe.federation.partition, recipe.federation.num_clients,
                                     tokenizer, recipe.train.max_length, recipe.seed, resolve_task(recipe.model))
-        return (lambda c: data.client_eval_records[c]), (lambda c: data.client_eval[c])
+        return (lambda c: data.client_eval_records[c]), (
+            lambda c: with_reference(data.client_eval[c], range(len(data.client_eval[c])), store.reference(c),
+                                     EVAL_REFERENCE_KEY))
 
     held = heldout_records(recipe)
-    return (lambda c: held), (lambda c: None)
+    examples = heldout_examples(recipe, tokenizer, checkpoint, held)
+    return (lambda c: held), (lambda c: examples)

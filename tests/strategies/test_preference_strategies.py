@@ -214,3 +214,23 @@ def test_preference_dpo_with_client_level_dp(mechanism, pref_file, tmp_path):
     a = load_file(str(plain.run_dir / "final" / "adapter.safetensors"))
     b = load_file(str(private.run_dir / "final" / "adapter.safetensors"))
     assert any(not torch.allclose(a[k], b[k]) for k in a)  # the aggregate is clipped and noised
+
+
+def test_preference_eval_client_uses_the_references_the_run_stored(pref_file, tmp_path):
+    """``fedllm eval RUN --client all`` of a personalized DPO run: each client's pairs carry the reference
+    log-probabilities the run stored for its split, so every client's pref_accuracy equals the run's own
+    evaluation of that personal model."""
+    from fedllm.commands.cli import main
+
+    raw = dpo_raw(tmp_path / "personal", pref_file, strategy="fedsa_lora",
+                  data={"client_eval_fraction": 0.34, "eval_fraction": 0.2},
+                  eval={"tasks": ["pref_accuracy"], "personal": True})
+    result = run(parse_recipe(raw))
+    in_run = result.history[-1]["personal_eval"]
+    assert len(in_run) == 3
+    out = tmp_path / "ev"
+    assert main(["eval", str(result.run_dir), "--client", "all", "--out", str(out), "--no-progress"]) == 0
+    again = json.loads((out / "personal_summary.json").read_text())["clients"]
+    assert again.keys() == in_run.keys()
+    for cid, metrics in in_run.items():
+        assert again[cid] == pytest.approx(metrics, abs=1e-6), cid
