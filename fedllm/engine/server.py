@@ -30,6 +30,7 @@ from fedllm.data import FederatedData, build_federated_data, collate
 from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
 from fedllm.engine.client import run_client
+from fedllm.engine.compressed_rounds import Downlink
 from fedllm.engine.distributed import Dispatch
 from fedllm.engine.reference import (
     EVAL_REFERENCE_KEY,
@@ -192,8 +193,13 @@ class LocalExecutor:
                 plan = strategy.configure_client(rnd, cid, loop.global_state)
                 plan.lr = lr
                 plan.state = cast(plan.state, comm)
-                sent[cid] = plan.state
                 down[cid] = strategy.download_bytes(plan, comm)
+                if loop.downlink.enabled:  # the plan's global tensors travel compressed
+                    loop.downlink.prepare(rnd, loop.global_state)
+                    plain = num_bytes(plan.state, comm)
+                    plan.state, wire, _ = loop.downlink.plan_state(plan.state, loop.global_state)
+                    down[cid] += wire - plain
+                sent[cid] = plan.state
                 planned.append((plan, client_faults.expected_upload(strategy, plan, loop.model), loop.store.get(cid)))
             batched = self.train_batched(loop, rnd, planned, bar) if len(planned) > 1 else None
             updates += batched if batched is not None else [self.train_one(loop, rnd, *e, bar) for e in planned]
@@ -298,6 +304,7 @@ class RoundLoop:
         self.collate = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
         self.global_state = read_state(self.model, fed.global_keys)
         self.store = ClientStore()  # per-client state of every client (DESIGN.md §3)
+        self.downlink = Downlink(self.recipe)  # the server's compressed download and its residual
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
         self.tracking = Tracking([])  # logging.report_to back-ends, started by run() on rank 0
@@ -322,7 +329,8 @@ class RoundLoop:
         if not self.executor.is_main:
             return
         ckpt = ckpt_io.Checkpoint(
-            round=rnd, adapter=self.global_state, strategy=self.fed.strategy.state_dict(), clients=self.store.flat(),
+            round=rnd, adapter=self.global_state, strategy={**self.fed.strategy.state_dict(), **self.downlink.state_dict()},
+            clients=self.store.flat(),
             **base_fields(self.model, self.fed.strategy, snapshot),
             meta={"strategy": self.recipe.federation.strategy, "task": self.fed.loaded.task,
                   "model_type": self.fed.loaded.model_type, "label_names": self.fed.data.label_names,
@@ -334,6 +342,7 @@ class RoundLoop:
         """Continue from a checkpoint: global state, strategy, base weights, per-client state, metrics."""
         ck = ckpt_io.load_checkpoint(directory)
         ckpt_io.restore_into(self.model, self.fed.strategy, ck)
+        self.downlink.load_state_dict(ck.strategy)
         order = [k for k in self.fed.global_keys if k in ck.adapter]  # the model's order, as a fresh run reads it:
         self.global_state = {**{k: ck.adapter[k] for k in order}, **ck.adapter}  # DP noise is drawn key by key
         self.store = ckpt_io.client_store(ck)
@@ -476,7 +485,7 @@ class RoundLoop:
         aggregated = self.aggregate(rnd, updates)
         for cid, extra in self.executor.sync(self, rnd, sampled, aggregated).items():
             down[cid] = down.get(cid, 0) + extra
-        up = {u.client_id: u.wire_bytes if isinstance(u, SummedUpdate) else num_bytes(u.state, comm) for u in updates}
+        up = {u.client_id: u.wire_bytes if u.wire_bytes is not None else num_bytes(u.state, comm) for u in updates}
         record = {
             "round": rnd, "clients": sampled, "lr": lr,
             "client_loss": {str(u.client_id): u.loss for u in updates},
