@@ -1,0 +1,132 @@
+"""Compressed updates (``federation.compression``): bitsandbytes' own round trip, exact wire bytes, error feedback
+kept per client and on the server, resume bit-exact, and what is refused at recipe load."""
+
+import json
+import math
+
+import bitsandbytes.functional as bnbf
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedllm.engine.server import RoundLoop, run
+from fedllm.models.compression import compress_state, pack, packed_bytes, read_packed, unpack
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schema import RecipeError
+from tests.conftest import crashing_round, tiny_raw
+
+
+def bnb_round_trip(x: torch.Tensor, kind: str, block: int) -> torch.Tensor:
+    """bitsandbytes' quantise -> dequantise, called directly (the reference)."""
+    if kind == "int8":
+        return bnbf.dequantize_blockwise(*bnbf.quantize_blockwise(x.reshape(-1), blocksize=block)).reshape(x.shape)
+    codes, state = bnbf.quantize_4bit(x.reshape(-1), blocksize=block, quant_type=kind)
+    return bnbf.dequantize_4bit(codes, state).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4", "fp4"])
+@pytest.mark.parametrize("shape,block", [((33, 17), 64), ((8, 1000), 128), ((7,), 64)])
+def test_compression_round_trip_is_bitsandbytes_bit_for_bit(kind, shape, block):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape) + block))
+    packed = pack(x, kind, block)
+    assert torch.equal(unpack(packed), bnb_round_trip(x, kind, block))
+    n = math.prod(shape)
+    # codes (one a byte for int8, two a byte for 4-bit) + one fp32 absmax per block, counted by hand
+    codes = n if kind == "int8" else (n + 1) // 2
+    assert packed.num_bytes == packed_bytes(n, kind, block) == codes + 4 * -(-n // block)
+    assert packed.codes.dtype == torch.uint8 and packed.codes.numel() == codes
+
+
+def test_compression_ratios_of_fp32_at_block_64():
+    """The issue's targets: int8 ~0.27x, nf4/fp4 ~0.14x of fp32, exactly (1 + 4/64)/4 and (1/2 + 4/64)/4."""
+    n = 64 * 1000
+    assert packed_bytes(n, "int8", 64) / (4 * n) == pytest.approx(0.265625, abs=0)
+    assert packed_bytes(n, "nf4", 64) / (4 * n) == packed_bytes(n, "fp4", 64) / (4 * n) == pytest.approx(0.140625, abs=0)
+
+
+def test_compression_error_feedback_residual_and_receiver_read_back():
+    """A change travels as Q(v - ref + e); the residual is what was not sent; the receiver's read-back of the packed
+    form equals the sender's values bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    ref = {"w": torch.randn(40, 30, generator=g), "n": torch.tensor([3, 4])}
+    value = {"w": ref["w"] + 0.01 * torch.randn(40, 30, generator=g), "n": torch.tensor([3, 4])}
+    old = {"w": 1e-3 * torch.randn(40, 30, generator=g)}
+    out, kept, packed, nbytes = compress_state(value, ref, old, "nf4", 64, True)
+    x = value["w"] - ref["w"] + old["w"]
+    sent = bnb_round_trip(x, "nf4", 64)
+    assert torch.equal(kept["w"], x - sent)
+    assert torch.equal(out["w"], sent + ref["w"])
+    assert torch.equal(out["n"], value["n"])  # integer tensors travel as they are
+    assert nbytes == packed_bytes(1200, "nf4", 64) + 2 * 8
+    assert torch.equal(read_packed(packed, {"n": value["n"]}, ref)["w"], out["w"])
+    _, none_kept, _, _ = compress_state(value, ref, old, "nf4", 64, False)
+    assert none_kept == {}
+
+
+def test_compression_error_feedback_sends_what_one_round_drops():
+    """Sent twice with error feedback, a constant change arrives with at most one round's error; without it the error
+    doubles (Seide et al.: the residual carries the dropped part forward)."""
+    v = {"w": torch.linspace(-1, 1, 640).reshape(10, 64) ** 3}
+    total_ef, total_plain, residual = torch.zeros(10, 64), torch.zeros(10, 64), {}
+    for _ in range(2):
+        out, residual, _, _ = compress_state(v, {}, residual, "fp4", 64, True)
+        total_ef += out["w"]
+        total_plain += compress_state(v, {}, {}, "fp4", 64, False)[0]["w"]
+    assert torch.allclose(total_ef + residual["w"], 2 * v["w"], atol=1e-6)
+    assert (total_ef - 2 * v["w"]).norm() < (total_plain - 2 * v["w"]).norm()
+
+
+def compressed_raw(tmp_path, arith_file, name="run", **federation):
+    return tiny_raw(tmp_path / name, arith_file, federation={
+        "compression": {"upload": "int8", "download": "nf4"}, **federation})
+
+
+def test_compression_run_counts_wire_bytes_and_keeps_residuals(tmp_path, arith_file):
+    result = run(parse_recipe(compressed_raw(tmp_path, arith_file)))
+    numels = [v.numel() for v in result.global_state.values()]
+    up = sum(n + 4 * -(-n // 64) for n in numels)  # int8 codes + absmax, by hand
+    down = sum((n + 1) // 2 + 4 * -(-n // 64) for n in numels)  # nf4
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        assert set(line["bytes_up"].values()) == {up} and set(line["bytes_down"].values()) == {down}
+    assert up / (4 * sum(numels)) == pytest.approx(0.2656, abs=1e-3)
+    final = result.run_dir / "final"
+    clients = load_file(str(final / "clients.safetensors"))
+    trained = {c for line in lines for c in line["clients"]}
+    assert {k.split("/", 1)[0] for k in clients if "/compression/" in k} == {f"client{c}" for c in trained}
+    strategy = load_file(str(final / "strategy.safetensors"))
+    assert sorted(strategy) == sorted(f"compression/{k}" for k in result.global_state)
+    assert any(float(v.abs().max()) > 0 for v in strategy.values())
+
+
+def test_compression_resume_is_bit_exact(tmp_path, arith_file):
+    raw = compressed_raw(tmp_path, arith_file, "whole", rounds=3, num_clients=3, clients_per_round=2)
+    whole = run(parse_recipe(raw))
+    cut = {**raw, "output_dir": str(tmp_path / "cut"), "checkpoint": {"every": 1}}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RoundLoop, "run_round", crashing_round(RoundLoop.run_round, 3))
+        with pytest.raises(RuntimeError, match="power cut"):
+            run(parse_recipe(cut))
+    resumed = run(parse_recipe(cut), resume=True)
+    for part in ("adapter", "clients", "strategy"):
+        a = load_file(str(whole.run_dir / "final" / f"{part}.safetensors"))
+        b = load_file(str(resumed.run_dir / "final" / f"{part}.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+
+
+@pytest.mark.parametrize("sections,key,says", [
+    ({"privacy": {"secure_aggregation": "secagg_plus"}}, "federation.compression.upload", "SecAgg+"),
+    ({"privacy": {"mechanism": "central", "noise_multiplier": 1.0}}, "federation.compression.upload", "clipping_norm"),
+    ({"federation": {"comm_dtype": "bf16"}}, "federation.comm_dtype", "fp32"),
+    ({"federation": {"strategy": "fedadam", "compression": {"upload": "none", "download": "int8"}}},
+     "federation.compression.download", "fedadam"),
+    ({"federation": {"compression": {"upload": "nf4", "block_size": 100}}}, "federation.compression.block_size",
+     "4096"),
+])
+def test_compression_refusals_name_key_and_reason(tmp_path, arith_file, sections, key, says):
+    raw = tiny_raw(tmp_path / "r", arith_file, federation={"compression": {"upload": "nf4"}})
+    for name, section in sections.items():
+        raw[name] = {**raw.get(name, {}), **section}
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(raw)
+    assert any(k == key and says in expected for k, _, expected in err.value.problems), err.value.problems
