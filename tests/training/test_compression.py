@@ -164,3 +164,25 @@ def test_compression_on_flower_carries_codes_and_matches_the_simulation(tiny_rec
     for record in sent + back:
         dtypes = {name.rsplit("|", 1)[1]: str(a.dtype) for name, a in record.items()}
         assert dtypes == {"codes": "uint8", "absmax": "float32"}
+
+
+def test_compression_on_two_processes_matches_one(tmp_path):
+    """Two gloo processes (one torchrun launch): residuals follow each client across ranks (gathered with its
+    entry), the server's download residual is the same on every rank: the final state equals one process's."""
+    from tests.test_distributed import TwoProcessLaunch, assert_same, final_tensors
+
+    (tmp_path / "two").mkdir()
+    launch = TwoProcessLaunch(tmp_path / "two")
+    raw = tiny_raw("-", launch.data, federation={
+        "num_clients": 4, "clients_per_round": 3, "rounds": 3, "strategy": "fedavg",
+        "compression": {"upload": "fp4", "download": "nf4"}}, train={"optimizer_state": "per_client"})
+    launch.add("compression", raw)
+    launch.start()
+    try:
+        one = run(parse_recipe(launch.recipe("compression", tmp_path / "one")))
+        two = launch.run_dir("compression")
+    finally:
+        launch.stop()
+    single = final_tensors(one.run_dir)
+    assert any("/compression/" in k for k in single["clients"])
+    assert_same(single, final_tensors(two), tol=0)
