@@ -45,8 +45,8 @@ def write_dora_adapter(model: Any, tokenizer: Any, source: Source, out: Path, dt
         tokenizer.save_pretrained(str(out / "base"))
     to_fp32(original)
     config = copy.deepcopy(model.peft_config[model.active_adapter])
-    config.base_model_name_or_path = source.recipe.model.name
     exported = get_peft_model(original, config).eval()
+    exported.peft_config["default"].base_model_name_or_path = source.recipe.model.name
     params = dict(exported.named_parameters())
     marker = f".{model.active_adapter}."
     trained = {n.replace(marker, ".default."): p for n, p in model.named_parameters()
@@ -64,8 +64,9 @@ def write_dora_adapter(model: Any, tokenizer: Any, source: Source, out: Path, dt
     exported.save_pretrained(str(out), save_embedding_layers=False)
     tokenizer.save_pretrained(str(out))
     layers = sum(1 for n in trained if ".lora_magnitude_vector." in n)
-    return {"layers": layers, "rank_min": config.r, "rank_max": config.r, "exact": True, "truncated_layers": [],
-            "use_dora": True, "max_logit_diff": diff, "checked": True, "r": config.r, "alpha": config.lora_alpha}
+    return {"layers": layers, "rank_min": config.r, "rank_max": config.r, "exact_rank_max": config.r, "exact": True,
+            "truncated_layers": [], "rel_error_max": 0.0, "methods": {"dora": layers}, "use_dora": True,
+            "max_logit_diff": diff, "checked": True, "r": config.r, "alpha": config.lora_alpha}
 
 
 @torch.no_grad()
