@@ -15,7 +15,7 @@ that differs from the global state (a per-client one) travels uncompressed and i
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ SERVER_RESIDUAL = DOWNLOAD_RESIDUAL
 
 
 def compress_upload(recipe: Any, received: StateDict, upload: StateDict,
-                    residual: StateDict) -> Optional[tuple[StateDict, StateDict, dict[str, Packed], int]]:
+                    residual: StateDict) -> tuple[StateDict, StateDict, dict[str, Packed], int] | None:
     """``(read back, new residual, packed, bytes)`` of a client's upload, or None when uploads travel uncompressed
     (see :func:`fedllm.models.compression.compress_state`)."""
     c = recipe.federation.compression if recipe is not None else None
@@ -43,7 +43,7 @@ class Downlink:
         c = recipe.federation.compression
         self.kind, self.block_size, self.error_feedback = c.download, c.block_size, c.error_feedback
         self.residual: StateDict = {}
-        self.round: Optional[int] = None
+        self.round: int | None = None
         self.sent: StateDict = {}  # the round's read-back global state
         self.packed: dict[str, Packed] = {}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -30,7 +30,7 @@ def is_dora(model: Any) -> bool:
 
 
 @torch.no_grad()
-def write_dora_adapter(model: Any, tokenizer: Any, source: Source, out: Path, dtype: str, rank: Optional[int],
+def write_dora_adapter(model: Any, tokenizer: Any, source: Source, out: Path, dtype: str, rank: int | None,
                        check: Any, with_base: bool = False) -> dict[str, Any]:
     """Save the run's DoRA adapter on the original base to ``out`` (``check``: the probe check of
     :func:`fedllm.export.merged.check_probe`); see the module docstring."""

@@ -15,8 +15,8 @@ server the state it sends.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 import torch
 
@@ -126,7 +126,7 @@ def compress_state(values: Mapping[str, torch.Tensor], reference: Mapping[str, t
 
 
 def read_packed(packed: Mapping[str, Packed], plain: Mapping[str, torch.Tensor],
-                reference: Mapping[str, torch.Tensor], like: Optional[Mapping[str, torch.Tensor]] = None) -> StateDict:
+                reference: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor] | None = None) -> StateDict:
     """Receiver side of :func:`compress_state`: ``ref + unpack(p)`` for each packed tensor, ``plain`` as given.
 
     ``like``: the dtype each key is read back in (default fp32)."""

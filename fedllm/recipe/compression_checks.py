@@ -45,19 +45,19 @@ def compression_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     given = c.upload if c.upload != "none" else c.download
     p = []
     if pv.secure_aggregation == "secagg_plus":
-        p.append((key, given, "none with privacy.secure_aggregation: secagg_plus (SecAgg+ sums integer-masked "
-                              "uploads the clients quantise themselves; the server never holds one upload to decode)"))
+        p.append((key, given, ("none with privacy.secure_aggregation: secagg_plus (SecAgg+ sums integer-masked "
+                               "uploads the clients quantise themselves; the server never holds one upload to decode)")))
     if pv.mechanism in ("central", "central_client_clipping"):
-        p.append((key, given, f"none with privacy.mechanism: {pv.mechanism} (quantising a clipped update can raise "
-                              "its norm above privacy.clipping_norm, the bound the noise is calibrated to)"))
+        p.append((key, given, (f"none with privacy.mechanism: {pv.mechanism} (quantising a clipped update can raise "
+                               "its norm above privacy.clipping_norm, the bound the noise is calibrated to)")))
     if fed.comm_dtype != "fp32":
-        p.append(("federation.comm_dtype", fed.comm_dtype, "fp32 with federation.compression (the compressed "
-                                                           "direction sets its own wire format)"))
+        p.append(("federation.comm_dtype", fed.comm_dtype, ("fp32 with federation.compression (the compressed "
+                                                            "direction sets its own wire format)")))
     if c.download != "none" and fed.strategy not in DOWNLOAD_COMPRESSION_STRATEGIES:
         p.append(("federation.compression.download", c.download,
-                  f"none with federation.strategy: {fed.strategy} (its server maths reads what the clients received "
-                  f"as the state cast to comm_dtype; download compression works with "
-                  f"{', '.join(sorted(DOWNLOAD_COMPRESSION_STRATEGIES))})"))
+                  (f"none with federation.strategy: {fed.strategy} (its server maths reads what the clients received "
+                   f"as the state cast to comm_dtype; download compression works with "
+                   f"{', '.join(sorted(DOWNLOAD_COMPRESSION_STRATEGIES))})")))
     return p
 
 
@@ -67,10 +67,10 @@ def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
         return []
     p = []
     if r.federation.strategy not in DORA_STRATEGIES:
-        p.append(("lora.use_dora", True, f"false with federation.strategy: {r.federation.strategy} (it merges "
+        p.append(("lora.use_dora", True, (f"false with federation.strategy: {r.federation.strategy} (it merges "
                   "products into the base, rebuilds factors by SVD or stacking, or keeps factors beside the base; "
                   "DoRA's column norm of W + s*B*A makes that non-linear and fedllm does not implement it; DoRA "
-                  f"works with {', '.join(sorted(DORA_STRATEGIES))})"))
+                  f"works with {', '.join(sorted(DORA_STRATEGIES))})")))
     if r.model.quantization != "none":
         p.append(("lora.use_dora", True, f"false with model.quantization: {r.model.quantization} (not tested here)"))
     if r.train.clients_per_pass > 1:

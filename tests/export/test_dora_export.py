@@ -40,7 +40,7 @@ def dora_run(tmp_path_factory):
 
 def test_dora_fedavg_averages_the_magnitude_vector(dora_run):
     _, result, seen = dora_run
-    rnd, uploads = seen[-1]
+    _, uploads = seen[-1]
     keys = [k for k in result.global_state if MAGNITUDE in k]
     assert keys and len(keys) == sum(".lora_A." in k for k in result.global_state)
     total = sum(n for n, _ in uploads)
