@@ -55,6 +55,13 @@ def packed_bytes(numel: int, kind: str, block_size: int) -> int:
     return codes + math.ceil(numel / block_size) * ABSMAX_BYTES
 
 
+def wire_bytes(state: Mapping[str, torch.Tensor], kind: str, block_size: int) -> int:
+    """Bytes of ``state`` sent compressed as ``kind``, from the shapes alone (meta tensors too): what
+    :func:`compress_state` counts."""
+    return sum(packed_bytes(v.numel(), kind, block_size) if compressible(v) else v.numel() * v.element_size()
+               for v in state.values())
+
+
 def pack(t: torch.Tensor, kind: str, block_size: int) -> Packed:
     """``t`` quantised blockwise by bitsandbytes (on the CPU, in fp32)."""
     import bitsandbytes.functional as bnbf

@@ -186,3 +186,21 @@ def test_compression_on_two_processes_matches_one(tmp_path):
     single = final_tensors(one.run_dir)
     assert any("/compression/" in k for k in single["clients"])
     assert_same(single, final_tensors(two), tol=0)
+
+
+def test_compression_dry_run_and_cost_report_count_the_run_bytes(tmp_path, arith_file, capsys):
+    """``fedllm train --dry-run`` counts codes + absmax exactly as the run's metrics.jsonl does."""
+    import yaml
+
+    from fedllm.commands.cli import main
+    from fedllm.commands.dry_run import dry_run
+
+    raw = compressed_raw(tmp_path, arith_file)
+    report = dry_run(parse_recipe(raw))
+    first = run(parse_recipe(raw)).history[0]
+    assert (report.bytes_up, report.bytes_down) == (first["bytes_up_total"], first["bytes_down_total"])
+    assert report.costs.comm.round_up == first["bytes_up_total"]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({**raw, "output_dir": str(tmp_path / "dry")}))
+    assert main(["train", str(path), "--dry-run"]) == 0
+    assert "compressed: up int8, down nf4, blocks of 64, codes + fp32 absmax" in capsys.readouterr().out
