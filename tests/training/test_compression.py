@@ -166,16 +166,18 @@ def test_compression_on_flower_carries_codes_and_matches_the_simulation(tiny_rec
         assert dtypes == {"codes": "uint8", "absmax": "float32"}
 
 
-def test_compression_on_two_processes_matches_one(tmp_path):
-    """Two gloo processes (one torchrun launch): residuals follow each client across ranks (gathered with its
-    entry), the server's download residual is the same on every rank: the final state equals one process's."""
+def test_compression_and_dora_on_two_processes_match_one(tmp_path):
+    """Two gloo processes (one torchrun launch) of a DoRA run with compressed updates: residuals follow each client
+    across ranks (gathered with its entry), the server's download residual is the same on every rank, the magnitude
+    vectors are averaged alike: the final state equals one process's."""
     from tests.test_distributed import TwoProcessLaunch, assert_same, final_tensors
 
     (tmp_path / "two").mkdir()
     launch = TwoProcessLaunch(tmp_path / "two")
     raw = tiny_raw("-", launch.data, federation={
         "num_clients": 4, "clients_per_round": 3, "rounds": 3, "strategy": "fedavg",
-        "compression": {"upload": "fp4", "download": "nf4"}}, train={"optimizer_state": "per_client"})
+        "compression": {"upload": "fp4", "download": "nf4"}}, train={"optimizer_state": "per_client"},
+        lora={"use_dora": True})
     launch.add("compression", raw)
     launch.start()
     try:
@@ -185,6 +187,7 @@ def test_compression_on_two_processes_matches_one(tmp_path):
         launch.stop()
     single = final_tensors(one.run_dir)
     assert any("/compression/" in k for k in single["clients"])
+    assert any(".lora_magnitude_vector." in k for k in single["adapter"])
     assert_same(single, final_tensors(two), tol=0)
 
 
