@@ -234,6 +234,7 @@ class LocalExecutor:
             update = run_client(loop.model, plan, loop.fed.strategy, loop.store, data.examples, data.clients[cid],
                                 recipe.train, loop.collate, derived_seed(recipe.seed, rnd, cid), bar)
             update.state = cast(update.state, recipe.federation.comm_dtype)
+            update.packed = None  # in simulation the read-back upload is handed over (its bytes are counted)
             problem = client_faults.update_problem(update, expected)
         except Exception as e:  # noqa: BLE001 — a client fault: dropped or fatal per federation.on_client_error
             problem = client_faults.describe(e)
@@ -262,6 +263,7 @@ class LocalExecutor:
         out = []
         for update, (plan, expected, kept) in zip(updates, planned, strict=True):
             update.state = cast(update.state, recipe.federation.comm_dtype)
+            update.packed = None
             problem = client_faults.update_problem(update, expected)
             if problem is not None:
                 loop.store.put(plan.client_id, kept)

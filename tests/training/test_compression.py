@@ -132,9 +132,10 @@ def test_compression_refusals_name_key_and_reason(tmp_path, arith_file, sections
     assert any(k == key and says in expected for k, _, expected in err.value.problems), err.value.problems
 
 
-def test_compression_on_flower_carries_codes_and_matches_the_simulation(tiny_recipe, tmp_path, monkeypatch):
-    """Over the Flower apps (loopback grid, real ClientApp), the messages carry uint8 codes and fp32 absmax, the server
-    reads back the simulation's uploads bit for bit, and bytes, residuals and the model equal the simulation's."""
+def test_compression_and_dora_on_flower_carry_codes_and_match_the_simulation(tiny_recipe, tmp_path, monkeypatch):
+    """Over the Flower apps (loopback grid, real ClientApp), a DoRA run's messages carry uint8 codes and fp32 absmax,
+    the server reads back the simulation's uploads bit for bit, and bytes, residuals and the model (magnitude vectors
+    included) equal the simulation's."""
     from flwr.supercore.task_identity import TaskIdentity
 
     from fedllm.flower.executor import FlowerExecutor
@@ -143,11 +144,12 @@ def test_compression_on_flower_carries_codes_and_matches_the_simulation(tiny_rec
     for attr in ("_run_id", "_node_id", "_task_id"):
         monkeypatch.setattr(TaskIdentity, attr, 1)
     raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 2, "strategy": "scaffold",
-                                  "compression": {"upload": "nf4", "download": "int8"}})
+                                  "compression": {"upload": "nf4", "download": "int8"}}, lora={"use_dora": True})
     sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")}))
     grid = LoopbackGrid(nodes(tmp_path, 3))
     flower = run(parse_recipe({**raw, "output_dir": str(tmp_path / "flower")}), executor=FlowerExecutor(grid))
     expected, got = parts(sim.run_dir), parts(flower.run_dir)
+    assert any(".lora_magnitude_vector." in k for k in expected["adapter"])
     for part in ("adapter", "strategy"):  # the strategy part holds SCAFFOLD's c and the server's download residual
         assert expected[part].keys() == got[part].keys()
         assert all(torch.equal(expected[part][k], got[part][k]) for k in expected[part]), part
