@@ -209,3 +209,23 @@ def test_compression_dry_run_and_cost_report_count_the_run_bytes(tmp_path, arith
     path.write_text(yaml.safe_dump({**raw, "output_dir": str(tmp_path / "dry")}))
     assert main(["train", str(path), "--dry-run"]) == 0
     assert "compressed: up int8, down nf4, blocks of 64, codes + fp32 absmax" in capsys.readouterr().out
+
+
+def upload_strategies() -> list[str]:
+    import fedllm.strategies  # noqa: F401  (registers them)
+    from fedllm.common.registry import strategies
+
+    return [n for n in strategies.names() if n != "local"]  # local uploads nothing
+
+
+@pytest.mark.parametrize("strategy", upload_strategies())
+def test_compression_of_uploads_works_with_every_strategy(strategy, tmp_path, arith_file):
+    """Every strategy's upload is dense tensors: compressed, each client's bytes are the nf4 formula over the tensors
+    it uploaded (the residuals it keeps have their names and shapes)."""
+    raw = tiny_raw(tmp_path / "r", arith_file, federation={"strategy": strategy, "compression": {"upload": "nf4"}})
+    result = run(parse_recipe(raw))
+    clients = load_file(str(result.run_dir / "final" / "clients.safetensors"))
+    for line in result.history:
+        for cid, sent in line["bytes_up"].items():
+            kept = [v for k, v in clients.items() if k.startswith(f"client{cid}/compression/")]
+            assert kept and sent == sum((v.numel() + 1) // 2 + 4 * -(-v.numel() // 64) for v in kept)
