@@ -124,7 +124,7 @@ def write_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source, out
     from peft import get_peft_model
 
     if is_dora(model):  # the run's DoRA adapter as it is (fedllm.export.dora)
-        return write_dora_adapter(model, tokenizer, source, out, dtype, rank, check_probe, with_base)
+        return write_dora_adapter(model, tokenizer, strategy, source, out, dtype, rank, check_probe, with_base)
     check_rank(model, rank)
     original = load_original_base(source, tokenizer)
     if with_base:

@@ -2,10 +2,12 @@
 
 A DoRA layer computes ``W' = m ⊙ (W + s·B·A) / ‖W + s·B·A‖_c`` (the column norm of each output row, Eq. 5), so
 its change is no low-rank product and the SVD refactoring of :mod:`fedllm.export.adapter` does not apply. The
-strategies DoRA runs with never change the base and keep no factors outside the adapter
-(:data:`fedllm.recipe.compression_checks.DORA_STRATEGIES`), so the run's model is exactly the original base plus its
-PEFT DoRA adapter: the adapter export is that adapter (B, A, the magnitude vector ``m`` and the trained heads) on
-the original base, and the merged export is PEFT's own ``merge_and_unload``. Both are checked on the probe input.
+strategies DoRA runs with keep no factors or residuals outside the adapter and the base
+(:mod:`fedllm.recipe.compression_checks`), so the run's model is exactly its current base plus its PEFT DoRA adapter:
+the merged export is PEFT's own ``merge_and_unload`` of it; the adapter export, for a strategy that never changes
+the base, is that adapter (B, A, the magnitude vector ``m`` and the trained heads) on the original base (after a
+merging strategy the changed base under DoRA's norm is no adapter on the original: refused). Both are checked on
+the probe input.
 """
 
 from __future__ import annotations
@@ -30,12 +32,16 @@ def is_dora(model: Any) -> bool:
 
 
 @torch.no_grad()
-def write_dora_adapter(model: Any, tokenizer: Any, source: Source, out: Path, dtype: str, rank: int | None,
-                       check: Any, with_base: bool = False) -> dict[str, Any]:
+def write_dora_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source, out: Path, dtype: str,
+                       rank: int | None, check: Any, with_base: bool = False) -> dict[str, Any]:
     """Save the run's DoRA adapter on the original base to ``out`` (``check``: the probe check of
     :func:`fedllm.export.merged.check_probe`); see the module docstring."""
     from peft import get_peft_model
 
+    if getattr(strategy, "modifies_base", False):
+        raise ExportInputError(f"--format adapter: the run's strategy {strategy.name!r} merged its updates into the "
+                               "base; DoRA's column norm of the changed base is no adapter on the original base: "
+                               "export --format merged")
     if rank is not None:
         raise ExportInputError(f"--rank {rank}: a DoRA adapter is exported as trained (its change is no low-rank "
                                "product to truncate); leave --rank out")

@@ -10,9 +10,10 @@ What cannot hold is refused at recipe load, with the reason:
 * download compression with a strategy whose server maths reads what the clients received (FedOpt's
   pseudo-gradient, the merges of FRLoRA, FedLoRU, FedEx-LoRA, FLoRA ...): those assume the download is the
   server's state cast to ``comm_dtype``;
-* DoRA with a strategy outside :data:`DORA_STRATEGIES` (they merge products into the base, rebuild factors by SVD
-  or stacking, or keep factors beside the base: DoRA's column norm of ``W + s·B·A`` makes each of those
-  non-linear, and none is implemented for it).
+* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (the others rebuild
+  factors by SVD or stacking, add residual corrections, or keep factors or products beside the base: DoRA's column
+  norm of ``W + s·B·A`` makes each of those non-linear, and none is implemented for it); a merging one on a
+  half-precision base or with its merges kept beside the base.
 """
 
 from __future__ import annotations
@@ -61,16 +62,32 @@ def compression_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     return p
 
 
+#: Merge-and-reinit strategies that hold DoRA exactly on an fp32 base merged in place: the base becomes
+#: ``W + s·(B̄Ā − B_new A_new)`` while the averaged magnitude ``m`` stays, so ``m ⊙ (W + s·B·A) / ‖W + s·B·A‖_c`` is
+#: unchanged by the merge (and FRLoRA's init ``Ŵ0 = W0 − s·B0A0`` leaves ``W0``, whose norms PEFT's ``m`` starts from).
+DORA_MERGE_STRATEGIES = frozenset({"frlora", "frlora_v1", "frlora_v2", "frlora_v3", "fedloru"})
+
+
 def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     """Problems of ``lora.use_dora: true`` with the rest of the recipe."""
     if not r.lora.use_dora:
         return []
     p = []
-    if r.federation.strategy not in DORA_STRATEGIES:
+    args = r.federation.strategy_args
+    if r.federation.strategy in DORA_MERGE_STRATEGIES:
+        if r.model.dtype != "fp32":
+            p.append(("model.dtype", r.model.dtype, (f"fp32 with lora.use_dora and {r.federation.strategy} (its "
+                      "merges go into an fp32 base in place; a dense residual beside a half-precision base is left "
+                      "out of DoRA's column norm)")))
+        if args.get("residual", "auto") == "dense" or args.get("accumulate", "merge") != "merge":
+            key = "residual" if "residual" in args else "accumulate"
+            p.append((f"federation.strategy_args.{key}", args[key], ("the default (merge into the base) with "
+                      "lora.use_dora: factors or residuals kept beside the base are left out of DoRA's column norm")))
+    elif r.federation.strategy not in DORA_STRATEGIES:
         p.append(("lora.use_dora", True, (f"false with federation.strategy: {r.federation.strategy} (it merges "
                   "products into the base, rebuilds factors by SVD or stacking, or keeps factors beside the base; "
                   "DoRA's column norm of W + s*B*A makes that non-linear and fedllm does not implement it; DoRA "
-                  f"works with {', '.join(sorted(DORA_STRATEGIES))})")))
+                  f"works with {', '.join(sorted(DORA_STRATEGIES | DORA_MERGE_STRATEGIES))})")))
     if r.model.quantization != "none":
         p.append(("lora.use_dora", True, f"false with model.quantization: {r.model.quantization} (not tested here)"))
     if r.train.clients_per_pass > 1:

@@ -92,10 +92,68 @@ def test_dora_adapter_export_loads_with_peft_on_the_original_base(dora_run):
         export(result.run_dir, "adapter", root / "truncated", rank=2)
 
 
-@pytest.mark.parametrize("strategy", ["frlora", "fedloru", "fedex_lora", "flora", "flexlora"])
-def test_dora_refused_with_strategies_that_merge_or_refactor(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,args", [("fedloru", {"tau": 1}), ("frlora", {}), ("frlora_v3", {})])
+def test_dora_merges_into_the_base_exactly_as_peft_merges(tmp_path, strategy, args):
+    """A merge-and-reinit strategy on a DoRA model: at every merge the model computes what the averaged adapter on
+    the base computed before it, and what PEFT's merge_and_unload of that model computes; the merged export of the
+    run equals its model and PEFT's merge of it; the adapter export is refused with the reason."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from fedllm.common.registry import strategies
+    from fedllm.models.loading import read_state, write_state
+
     arith, _ = write_data(tmp_path)
-    raw = base_recipe(tmp_path, "r", arith, lora={"use_dora": True}, federation={"strategy": strategy})
+    ids = torch.tensor([[1, 60, 77, 267, 315, 303, 374, 278, 36]])
+    cls = strategies.get(strategy)
+    original = cls.after_aggregate
+    seen = []
+
+    @torch.no_grad()
+    def checking(self, rnd, model, global_state):
+        kept = read_state(model, list(global_state))
+        write_state(model, global_state)  # the averaged adapter on the base before the merge
+        before = model.eval()(input_ids=ids).logits
+        peft_merged = copy.deepcopy(model).merge_and_unload()(input_ids=ids).logits
+        write_state(model, kept)
+        out = original(self, rnd, model, global_state)
+        write_state(model, out)
+        seen.append((before, peft_merged, model(input_ids=ids).logits))
+        return out
+
+    raw = base_recipe(tmp_path, strategy, arith, lora={"use_dora": True},
+                      federation={"strategy": strategy, "strategy_args": args})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cls, "after_aggregate", checking)
+        result = run(parse_recipe(raw))
+    assert len(seen) == 2
+    for before, peft_merged, after in seen:
+        assert (after - before).abs().max() <= 1e-5 and (peft_merged - before).abs().max() <= 1e-5
+    model, tok, _, _ = model_from_checkpoint(result.run_dir)
+    with torch.no_grad():
+        run_logits = model.eval()(input_ids=ids).logits
+        plain = model.merge_and_unload()
+    out = export(result.run_dir, "merged", tmp_path / "merged").out
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        assert (merged(input_ids=ids).logits - run_logits).abs().max() <= 1e-5
+    ref = plain.state_dict()
+    assert all(torch.allclose(v, ref[k], atol=1e-7, rtol=0) for k, v in merged.state_dict().items())
+    with pytest.raises(ExportInputError, match="merged its updates into the base"):
+        export(result.run_dir, "adapter", tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("strategy,args,sections,key", [
+    ("fedex_lora", {}, {}, "lora.use_dora"), ("flora", {}, {}, "lora.use_dora"),
+    ("flexlora", {}, {}, "lora.use_dora"), ("mfedloru", {}, {}, "lora.use_dora"),
+    ("fedloru", {"accumulate": "keep"}, {}, "federation.strategy_args.accumulate"),
+    ("frlora", {}, {"model": {"dtype": "bf16"}}, "model.dtype"),
+])
+def test_dora_refused_where_it_cannot_hold(tmp_path, strategy, args, sections, key):
+    arith, _ = write_data(tmp_path)
+    raw = base_recipe(tmp_path, "r", arith, lora={"use_dora": True},
+                      federation={"strategy": strategy, "strategy_args": args}, **sections)
     with pytest.raises(RecipeError) as err:
         parse_recipe(raw)
-    assert any(key == "lora.use_dora" and "column norm" in expected for key, _, expected in err.value.problems)
+    assert any(k == key and "column norm" in expected for k, _, expected in err.value.problems), err.value.problems
