@@ -130,7 +130,7 @@ def test_dora_merges_into_the_base_exactly_as_peft_merges(tmp_path, strategy, ar
     assert len(seen) == 2
     for before, peft_merged, after in seen:
         assert (after - before).abs().max() <= 1e-5 and (peft_merged - before).abs().max() <= 1e-5
-    model, tok, _, _ = model_from_checkpoint(result.run_dir)
+    model, _, _, _ = model_from_checkpoint(result.run_dir)
     with torch.no_grad():
         run_logits = model.eval()(input_ids=ids).logits
         plain = model.merge_and_unload()
