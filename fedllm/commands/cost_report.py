@@ -195,6 +195,8 @@ class StateBytes:
     client_entry: Optional[int]  # one client's stored per-client state (None: could not be derived)
     client_moments: int  # one client's optimizer moments when train.optimizer_state is per_client
     base_changes: int  # changes of the base every client keeps too (dense residuals, kept factors)
+    client_residual: int = 0  # one client's upload-compression residuals (fp32, error feedback)
+    server_residual: int = 0  # the server's download-compression residual (fp32, error feedback)
 
 
 def state_bytes(recipe: Recipe, model: Any, strategy: Any, steps: int) -> StateBytes:
@@ -217,7 +219,11 @@ def state_bytes(recipe: Recipe, model: Any, strategy: Any, steps: int) -> StateB
     moments = slots * trainable if recipe.train.optimizer_state == "per_client" else 0
     base = num_bytes(strategy.base_residuals()) + sum(
         num_bytes({"b": b, "a": a}) for pieces in strategy.kept_factors().values() for b, a, _ in pieces)
-    return StateBytes(num_bytes(strategy.state_dict()), num_bytes(global_state), entry, moments, base)
+    c = recipe.federation.compression
+    feedback = 4 if c.error_feedback else 0  # residuals are fp32, one value per compressed value
+    upload = sum(v.numel() for v in global_state.values() if v.is_floating_point())
+    return StateBytes(num_bytes(strategy.state_dict()), num_bytes(global_state), entry, moments, base,
+                      feedback * upload if c.upload != "none" else 0, feedback * upload if c.download != "none" else 0)
 
 
 @dataclass
@@ -353,7 +359,9 @@ class CostReport:
         out.append(f"  state: server {_mb(st.server)} (strategy) + {_mb(st.global_state)} (global adapter); "
                    f"per client {entry} (strategy) + {_mb(st.client_moments)} (optimizer moments"
                    f"{', kept per client' if r.train.optimizer_state == 'per_client' else ', reset each round'})"
-                   + (f"; every client also keeps the base changes, {_mb(st.base_changes)}" if st.base_changes else ""))
+                   + (f"; every client also keeps the base changes, {_mb(st.base_changes)}" if st.base_changes else "")
+                   + (f"; compression residuals (error feedback): {_mb(st.client_residual)} per client, "
+                      f"{_mb(st.server_residual)} on the server" if st.client_residual or st.server_residual else ""))
         mem = self.memory()
         unit = (lambda n: f"{n / 1e9:.2f} GB") if sum(mem.values()) >= 1e8 else _mb
         out.append(f"  peak memory estimate (one training process): {unit(sum(mem.values()))} = "

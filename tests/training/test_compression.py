@@ -202,13 +202,17 @@ def test_compression_dry_run_and_cost_report_count_the_run_bytes(tmp_path, arith
 
     raw = compressed_raw(tmp_path, arith_file)
     report = dry_run(parse_recipe(raw))
-    first = run(parse_recipe(raw)).history[0]
+    result = run(parse_recipe(raw))
+    first = result.history[0]
     assert (report.bytes_up, report.bytes_down) == (first["bytes_up_total"], first["bytes_down_total"])
     assert report.costs.comm.round_up == first["bytes_up_total"]
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({**raw, "output_dir": str(tmp_path / "dry")}))
     assert main(["train", str(path), "--dry-run"]) == 0
-    assert "compressed: up int8, down nf4, blocks of 64, codes + fp32 absmax" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "compressed: up int8, down nf4, blocks of 64, codes + fp32 absmax" in out
+    numel = sum(v.numel() for v in result.global_state.values())  # one fp32 residual value per value sent
+    assert f"compression residuals (error feedback): {4 * numel:,} B per client, {4 * numel:,} B on the server" in out
 
 
 def upload_strategies() -> list[str]:
