@@ -43,6 +43,7 @@ class Downlink:
         c = recipe.federation.compression
         self.kind, self.block_size, self.error_feedback = c.download, c.block_size, c.error_feedback
         self.residual: StateDict = {}
+        self.start: StateDict = {}  # the residual at the start of round ``self.round``
         self.round: int | None = None
         self.sent: StateDict = {}  # the round's read-back global state
         self.packed: dict[str, Packed] = {}
@@ -56,6 +57,7 @@ class Downlink:
         sample receives the same values and the residual moves once)."""
         if self.round == rnd:
             return
+        self.start = self.residual
         self.sent, self.residual, self.packed, _ = compress_state(
             global_state, {}, self.residual, self.kind, self.block_size, self.error_feedback)
         self.round = rnd
@@ -76,9 +78,13 @@ class Downlink:
                 total += num_bytes({key: value})
         return out, total, packed
 
-    def state_dict(self) -> StateDict:
-        """The residual, for the checkpoint (keys under :data:`SERVER_RESIDUAL`)."""
-        return {SERVER_RESIDUAL + k: v for k, v in self.residual.items()}
+    def state_dict(self, after_round: int | None = None) -> StateDict:
+        """The residual after round ``after_round`` (default: the newest), for its checkpoint (keys under
+        :data:`SERVER_RESIDUAL`): a round that stops before aggregating checkpoints the round before it, whose
+        residual is the one this round started from."""
+        kept = self.start if after_round is not None and self.round is not None and after_round < self.round \
+            else self.residual
+        return {SERVER_RESIDUAL + k: v for k, v in kept.items()}
 
     def load_state_dict(self, state: StateDict) -> None:
         """Restore :meth:`state_dict`'s residual (and nothing else of ``state``)."""

@@ -233,3 +233,26 @@ def test_compression_of_uploads_works_with_every_strategy(strategy, tmp_path, ar
         for cid, sent in line["bytes_up"].items():
             kept = [v for k, v in clients.items() if k.startswith(f"client{cid}/compression/")]
             assert kept and sent == sum((v.numel() + 1) // 2 + 4 * -(-v.numel() // 64) for v in kept)
+
+
+def test_compression_round_that_stops_checkpoints_the_residual_of_the_round_before(tmp_path, arith_file, monkeypatch):
+    """A round that stops after its download was quantised (a client fails, on_client_error: fail) checkpoints the
+    round before with the server residual that round ended with: the one a clean run checkpoints after it."""
+    from fedllm.engine import server
+    from fedllm.engine.client_faults import RoundStopped
+
+    clean = run(parse_recipe({**compressed_raw(tmp_path, arith_file, "clean"), "checkpoint": {"every": 1}}))
+    original = server.run_client
+
+    def failing(model, plan, *args, **kwargs):
+        if plan.rnd == 2:
+            raise RuntimeError("device lost")
+        return original(model, plan, *args, **kwargs)
+
+    monkeypatch.setattr(server, "run_client", failing)
+    stopped = compressed_raw(tmp_path, arith_file, "stopped", on_client_error="fail")
+    with pytest.raises(RoundStopped):
+        run(parse_recipe(stopped))
+    a = load_file(str(clean.run_dir / "checkpoints" / "round-0001" / "strategy.safetensors"))
+    b = load_file(str(tmp_path / "stopped" / "checkpoints" / "round-0001" / "strategy.safetensors"))
+    assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
