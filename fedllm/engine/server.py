@@ -331,7 +331,8 @@ class RoundLoop:
         if not self.executor.is_main:
             return
         ckpt = ckpt_io.Checkpoint(
-            round=rnd, adapter=self.global_state, strategy={**self.fed.strategy.state_dict(), **self.downlink.state_dict(rnd)},
+            round=rnd, adapter=self.global_state,
+            strategy={**self.fed.strategy.state_dict(), **self.downlink.state_dict(rnd)},
             clients=self.store.flat(),
             **base_fields(self.model, self.fed.strategy, snapshot),
             meta={"strategy": self.recipe.federation.strategy, "task": self.fed.loaded.task,

@@ -83,7 +83,8 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
         "dequantized_from": source.recipe.model.quantization if quantized else None})
 
 
-def save_merged(base: Any, tokenizer: Any, source: Source, out: Path, dtype: str, info: dict[str, Any]) -> dict[str, Any]:
+def save_merged(base: Any, tokenizer: Any, source: Source, out: Path, dtype: str,
+                info: dict[str, Any]) -> dict[str, Any]:
     """Save a merged plain model (label names, ``dtype``) and its tokenizer to ``out``; returns ``info``."""
     if source.label_names:
         base.config.id2label = dict(enumerate(source.label_names))

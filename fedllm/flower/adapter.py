@@ -53,7 +53,7 @@ class FedllmStrategy(FlowerStrategy):
         self.sync_dir = Path(loop.run_dir) / "flower" / "sync"
         self.bytes_down: dict[int, int] = {}
         self.expected: dict[int, Any] = {}  # the upload layout each sampled client must send
-        self.received: dict[int, StateDict] = {}  # the state each sampled client received (compressed uploads' reference)
+        self.received: dict[int, StateDict] = {}  # what each sampled client received (its upload's reference)
 
     # ----- aggregates the nodes must replay (catch-up)
     def keep_aggregate(self, rnd: int, aggregated: StateDict) -> None:
@@ -132,7 +132,7 @@ class FedllmStrategy(FlowerStrategy):
             tensors, rest = records.split_extra(plan.extra)
             down = self.strategy.download_bytes(plan, self.comm)
             packed_json = "{}"
-            if self.loop.downlink.enabled:  # the plan's global tensors travel compressed (fedllm.engine.compressed_rounds)
+            if self.loop.downlink.enabled:  # global tensors travel compressed (fedllm.engine.compressed_rounds)
                 self.loop.downlink.prepare(server_round, self.loop.global_state)
                 plain = records.record_bytes(records.encode(plan.state, self.comm))
                 plan.state, _, packed = self.loop.downlink.plan_state(plan.state, self.loop.global_state)
@@ -199,7 +199,8 @@ class FedllmStrategy(FlowerStrategy):
             if "update.packed" in arrays:  # a compressed upload: its change from what the client received
                 from fedllm.models.compression import read_packed
 
-                packed = records.decode_packed(arrays["update.packed"], str(m.content.config_records["fedllm"]["packed"]))
+                layout = str(m.content.config_records["fedllm"]["packed"])
+                packed = records.decode_packed(arrays["update.packed"], layout)
                 state = read_packed(packed, state, self.received.get(cid, {}), like=self.received.get(cid))
                 wire = records.record_bytes(arrays["update"]) + records.record_bytes(arrays["update.packed"])
             update = ClientUpdate(cid, state, int(metrics["num_examples"]),

@@ -47,7 +47,8 @@ def compression_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     p = []
     if pv.secure_aggregation == "secagg_plus":
         p.append((key, given, ("none with privacy.secure_aggregation: secagg_plus (SecAgg+ sums integer-masked "
-                               "uploads the clients quantise themselves; the server never holds one upload to decode)")))
+                               "uploads the clients quantise themselves; the server never holds one upload to "
+                               "decode)")))
     if pv.mechanism in ("central", "central_client_clipping"):
         p.append((key, given, (f"none with privacy.mechanism: {pv.mechanism} (quantising a clipped update can raise "
                                "its norm above privacy.clipping_norm, the bound the noise is calibrated to)")))
