@@ -97,6 +97,9 @@ def test_compression_run_counts_wire_bytes_and_keeps_residuals(tmp_path, arith_f
     strategy = load_file(str(final / "strategy.safetensors"))
     assert sorted(strategy) == sorted(f"compression/{k}" for k in result.global_state)
     assert any(float(v.abs().max()) > 0 for v in strategy.values())
+    from fedllm.export import export  # the residuals stay out of the strategy a checkpoint restores
+
+    assert export(result.run_dir, "merged", tmp_path / "merged").exports
 
 
 def test_compression_resume_is_bit_exact(tmp_path, arith_file):
