@@ -14,6 +14,12 @@ it the identity). Prints a table (mean ± std over seeds) and saves a plot.
 
     python bench/repro_small.py --seeds 0 1 2 --rounds 12 --plot docs/repro_small.png --json bench/out/repro_small.json
 
+``--compression none int8 nf4 nf4-noef ...`` runs FedAvg with each ``federation.compression`` (on the upload and
+the download; ``-noef``: no error feedback) and reports it as ``--all`` does (docs/compression.md):
+
+    python bench/repro_small.py --compression none int8 int8-noef nf4 nf4-noef fp4 fp4-noef --seeds 0 1 2 \
+        --threads 1 --plot docs/compression_small.png --json bench/out/compression_small.json
+
 ``--all`` instead runs every registered strategy that has a global model (personalized ones are
 left out), each with its documented defaults (FedLoRU: ``tau = --tau``), on the same task and split,
 and prints them side by side: final accuracy and held-out loss (evaluated once, after the last
@@ -119,12 +125,22 @@ def add_task_arguments(parser: argparse.ArgumentParser, n_train: int, n_test: in
     parser.add_argument("--json", default=None)
 
 
-def run_one(strategy: str, args: dict, seed: int, data_dir: Path, opts: argparse.Namespace) -> list[dict]:
+def compression_section(spec: str) -> dict:
+    """``federation.compression`` of a ``--compression`` SPEC: ``none``, or ``int8`` / ``nf4`` / ``fp4`` on the upload
+    and the download, with error feedback unless the SPEC ends in ``-noef``."""
+    kind, _, flag = spec.partition("-")
+    return {"upload": kind, "download": kind, "error_feedback": flag != "noef"}
+
+
+def run_one(strategy: str, args: dict, seed: int, data_dir: Path, opts: argparse.Namespace,
+            compression: dict | None = None) -> list[dict]:
     """One federated run driven round by round; returns per-round metrics."""
     federation = {"num_clients": 4, "clients_per_round": 4, "rounds": opts.rounds, "strategy": strategy,
                   "strategy_args": {**args, **({"tau": opts.tau} if strategy == "fedloru" else {})},
-                  "partition": {"method": "dirichlet", "beta": opts.beta, "column": "category", "min_size": 8}}
-    raw = task_recipe(data_dir, f"run-{strategy}-{seed}", seed, federation,
+                  "partition": {"method": "dirichlet", "beta": opts.beta, "column": "category", "min_size": 8},
+                  **({"compression": compression} if compression else {})}
+    tag = "-".join(str(v) for v in (compression or {}).values())
+    raw = task_recipe(data_dir, f"run-{strategy}{tag}-{seed}", seed, federation,
                       {"local_steps": opts.local_steps, "batch_size": opts.batch_size, "lr": opts.lr,
                        "lr_schedule": "cosine", "min_lr": opts.lr / 10, "optimizer_state": "per_client"})
     fed = build_federation(parse_recipe(raw))
@@ -264,11 +280,18 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="default: docs/repro_small.png (docs/baselines_small.png with --all)")
     parser.add_argument("--strategy-args", type=json.loads, default={},
                         help='JSON merged into every method\'s strategy_args, e.g. \'{"client_ranks": "uniform"}\'')
+    parser.add_argument("--compression", nargs="+", default=None, metavar="SPEC",
+                        help="FedAvg with each federation.compression SPEC instead (none, int8, nf4, fp4 on upload and "
+                             "download; a -noef suffix turns error feedback off), reported as --all reports")
     add_task_arguments(parser, 400, 200)
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     methods = global_methods() if opts.all else METHODS
+    if opts.compression:
+        methods = {f"FedAvg {spec}": ("fedavg", {"weighting": "uniform"}, compression_section(spec))
+                   for spec in opts.compression}
+        opts.all = True  # one evaluation after the last round, the side-by-side table with bytes
     unknown = [m for m in opts.methods or [] if m not in methods]
     if unknown:
         parser.error(f"--methods {' '.join(unknown)}: not among {', '.join(methods)}")
@@ -280,12 +303,12 @@ def main() -> None:
         data_dir = Path(tmp)
         write_splits(data_dir, opts.train, opts.test)
         for name in opts.methods:
-            strategy, args = methods[name]
+            strategy, args, *compression = methods[name]
             args = {**args, **opts.strategy_args}
             results[name] = []
             for seed in opts.seeds:
                 t = time.perf_counter()
-                results[name].append(run_one(strategy, args, seed, data_dir, opts))
+                results[name].append(run_one(strategy, args, seed, data_dir, opts, *compression))
                 last = results[name][-1][-1]
                 rank = f" rank {last['rank']:.1f}" if "rank" in last else ""
                 print(f"{name:>18} seed {seed}: acc {last['accuracy']:.3f} loss {last['eval_loss']:.3f}{rank} "

@@ -142,8 +142,7 @@ def communication(recipe: Recipe, model: Any, strategy: Any, steps: int) -> Comm
     for cid in sampled:
         plan = strategy.configure_client(1, cid, global_state)
         plan.state = cast(plan.state, comm)
-        down[cid] = strategy.download_bytes(plan, comm)
-        up[cid] = upload_bytes(strategy, plan, steps, comm)
+        down[cid], up[cid] = client_bytes(recipe, strategy, plan, global_state, steps)
     idle = strategy.extra_download_bytes(1, sampled, fed.num_clients, comm)
     return Communication(sampled, down, up, idle, base_numel(model) * DTYPES[comm].itemsize)
 
@@ -156,15 +155,35 @@ def base_numel(model: Any) -> int:
                if id(p) not in added and "lora_" not in n and ".modules_to_save." not in n)
 
 
-def upload_bytes(strategy: Any, plan: Any, steps: int, comm: str) -> int:
-    """Bytes one client sends: the strategy's upload of the state it received (same keys and shapes)."""
+def client_bytes(recipe: Recipe, strategy: Any, plan: Any, global_state: Any, steps: int) -> tuple[int, int]:
+    """``(down, up)`` bytes of one sampled client's plan (its state cast to ``comm_dtype``), as a run counts them:
+    compressed directions (``federation.compression``) as codes + block absmax, from the shapes alone."""
+    from fedllm.models.compression import wire_bytes
+    from fedllm.models.state import num_bytes
+
+    comm, c = recipe.federation.comm_dtype, recipe.federation.compression
+    down = strategy.download_bytes(plan, comm)
+    if c.download != "none":  # the plan's global tensors travel compressed (fedllm.engine.compressed_rounds)
+        glob = {k: v for k, v in plan.state.items() if v is global_state.get(k)}
+        down += wire_bytes(glob, c.download, c.block_size) - num_bytes(glob, comm)
+    return down, upload_bytes(strategy, plan, steps, comm, c.upload, c.block_size)
+
+
+def upload_bytes(strategy: Any, plan: Any, steps: int, comm: str, compression: str = "none",
+                 block_size: int = 64) -> int:
+    """Bytes one client sends: the strategy's upload of the state it received (same keys and shapes), as
+    ``compression`` packs it (``federation.compression.upload``: codes + block absmax) or in ``comm``."""
+    from fedllm.models.compression import wire_bytes
     from fedllm.models.state import cast, num_bytes
+
+    def size(state: Any) -> int:
+        return num_bytes(state, comm) if compression == "none" else wire_bytes(state, compression, block_size)
 
     trained = {**plan.local, **plan.state}  # what the client holds after training: same keys and shapes
     try:
-        return num_bytes(cast(strategy.client_upload(plan, trained, steps), comm), comm)
+        return size(cast(strategy.client_upload(plan, trained, steps), comm))
     except Exception:  # noqa: BLE001 — a strategy that needs a trained client state: count what it received
-        return num_bytes(plan.state, comm)
+        return size(plan.state)
 
 
 @dataclass
@@ -176,6 +195,8 @@ class StateBytes:
     client_entry: Optional[int]  # one client's stored per-client state (None: could not be derived)
     client_moments: int  # one client's optimizer moments when train.optimizer_state is per_client
     base_changes: int  # changes of the base every client keeps too (dense residuals, kept factors)
+    client_residual: int = 0  # one client's upload-compression residuals (fp32, error feedback)
+    server_residual: int = 0  # the server's download-compression residual (fp32, error feedback)
 
 
 def state_bytes(recipe: Recipe, model: Any, strategy: Any, steps: int) -> StateBytes:
@@ -198,7 +219,11 @@ def state_bytes(recipe: Recipe, model: Any, strategy: Any, steps: int) -> StateB
     moments = slots * trainable if recipe.train.optimizer_state == "per_client" else 0
     base = num_bytes(strategy.base_residuals()) + sum(
         num_bytes({"b": b, "a": a}) for pieces in strategy.kept_factors().values() for b, a, _ in pieces)
-    return StateBytes(num_bytes(strategy.state_dict()), num_bytes(global_state), entry, moments, base)
+    c = recipe.federation.compression
+    feedback = 4 if c.error_feedback else 0  # residuals are fp32, one value per compressed value
+    upload = sum(v.numel() for v in global_state.values() if v.is_floating_point())
+    return StateBytes(num_bytes(strategy.state_dict()), num_bytes(global_state), entry, moments, base,
+                      feedback * upload if c.upload != "none" else 0, feedback * upload if c.download != "none" else 0)
 
 
 @dataclass
@@ -318,7 +343,10 @@ class CostReport:
         found = ", ".join(f"{t} x{n}" for t, n in self.targets.items())
         out.append(f"  LoRA r={r.lora.r} alpha={r.lora.alpha:g} on {sum(self.targets.values())} layers: {found}")
         part = sorted(set(c.down.values())), sorted(set(c.up.values()))
-        out.append(f"  bytes per participating client per round ({comm}): down {_sizes(part[0])}, "
+        cz = r.federation.compression
+        wire = comm if cz.upload == cz.download == "none" else \
+            f"{comm}; compressed: up {cz.upload}, down {cz.download}, blocks of {cz.block_size}, codes + fp32 absmax"
+        out.append(f"  bytes per participating client per round ({wire}): down {_sizes(part[0])}, "
                    f"up {_sizes(part[1])}")
         idle, n_idle = sorted(set(c.idle_down.values())), r.federation.num_clients - len(c.sampled)
         out.append(f"  bytes per non-participating client per round: down {_sizes(idle) if idle else '0 B'}"
@@ -331,7 +359,9 @@ class CostReport:
         out.append(f"  state: server {_mb(st.server)} (strategy) + {_mb(st.global_state)} (global adapter); "
                    f"per client {entry} (strategy) + {_mb(st.client_moments)} (optimizer moments"
                    f"{', kept per client' if r.train.optimizer_state == 'per_client' else ', reset each round'})"
-                   + (f"; every client also keeps the base changes, {_mb(st.base_changes)}" if st.base_changes else ""))
+                   + (f"; every client also keeps the base changes, {_mb(st.base_changes)}" if st.base_changes else "")
+                   + (f"; compression residuals (error feedback): {_mb(st.client_residual)} per client, "
+                      f"{_mb(st.server_residual)} on the server" if st.client_residual or st.server_residual else ""))
         mem = self.memory()
         unit = (lambda n: f"{n / 1e9:.2f} GB") if sum(mem.values()) >= 1e8 else _mb
         out.append(f"  peak memory estimate (one training process): {unit(sum(mem.values()))} = "

@@ -219,7 +219,7 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
     """Time :data:`TIMED_STEPS` local steps of the largest sampled client and add the cost report."""
     from functools import partial
 
-    from fedllm.commands.cost_report import cost_report, upload_bytes
+    from fedllm.commands.cost_report import client_bytes, cost_report
     from fedllm.data.collate import collate
     from fedllm.engine.client import run_client
     from fedllm.engine.server import sample_clients
@@ -240,8 +240,8 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
         plan.state = cast(plan.state, comm)
         default = steps_per_round(recipe.train, len(data.clients[cid]))
         steps += sum(ph.steps if ph.steps is not None else default for ph in plan.phases)
-        down += strategy.download_bytes(plan, comm)
-        up += upload_bytes(strategy, plan, default, comm)
+        client_down, client_up = client_bytes(recipe, strategy, plan, global_state, default)
+        down, up = down + client_down, up + client_up
     down += sum(strategy.extra_download_bytes(1, sampled, recipe.federation.num_clients, comm).values())
 
     check_targets(fed.loaded.model, recipe.lora, recipe.model.name, recipe.source)

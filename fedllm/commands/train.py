@@ -72,8 +72,9 @@ def run_train_command(args: argparse.Namespace) -> int:
             problems = meta_rank_problems(recipe)
             if problems:
                 raise RecipeError(recipe.source, problems)
-        if recipe.model.quantization != "none":
-            logs.unblock_bitsandbytes()
+        compression = recipe.federation.compression
+        if recipe.model.quantization != "none" or "none" != compression.upload or "none" != compression.download:
+            logs.unblock_bitsandbytes()  # a quantised base, or compressed updates (bitsandbytes' quantisers)
         if recipe.train.threads is not None:  # the CLI applied the policy before torch loaded; now the count
             threads.apply(recipe.train.threads)
         if args.dry_run:

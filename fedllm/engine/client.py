@@ -18,6 +18,7 @@ import torch
 
 from fedllm.data.collate import is_pair_batch
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
+from fedllm.engine.compressed_rounds import compress_upload
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
 from fedllm.models.loading import read_state, write_state
 from fedllm.models.preference_loss import pair_loss
@@ -25,7 +26,7 @@ from fedllm.models.state import DTYPES, StateDict
 from fedllm.models.supervised_loss import loss_path
 from fedllm.recipe.schedule import steps_per_round
 from fedllm.recipe.schema import TrainConfig
-from fedllm.runs.client_store import ClientStore, join_optimizer, split_optimizer
+from fedllm.runs.client_store import ClientStore, join_optimizer, join_residual, residual_part, split_optimizer
 from fedllm.strategies.base import ClientPlan, ClientUpdate, Strategy
 
 OPTIMIZERS: dict[str, Callable[[list, TrainConfig, float], torch.optim.Optimizer]] = {
@@ -228,13 +229,21 @@ def open_client_state(plan: ClientPlan, strategy: Strategy, store: ClientStore) 
 
 def close_client_state(plan: ClientPlan, strategy: Strategy, store: ClientStore, result: ClientResult,
                        moments: StateDict | None, num_examples: int) -> ClientUpdate:
-    """Store client ``plan.client_id``'s new entry and return what it uploads."""
+    """Store client ``plan.client_id``'s new entry and return what it uploads (compressed, with its residual kept
+    in the entry, under ``federation.compression.upload``: :mod:`fedllm.engine.compressed_rounds`)."""
+    residual = residual_part(store.get(plan.client_id))
     kept = strategy.close_client(plan, result.state, result.steps)
-    store.put(plan.client_id, join_optimizer(kept, result.optimizer_state if result.optimizer_state is not None
-                                             else moments))
     upload = strategy.client_upload(plan, result.state, result.steps)
-    return ClientUpdate(plan.client_id, upload, num_examples, strategy.released_loss(result.loss), result.steps,
-                        padding=result.padding)
+    compressed = compress_upload(strategy.recipe, plan.state, upload, residual)
+    wire_bytes, packed = None, None
+    if compressed is not None:
+        upload, residual, packed, wire_bytes = compressed
+    store.put(plan.client_id, join_residual(join_optimizer(kept, result.optimizer_state
+                                                           if result.optimizer_state is not None else moments),
+                                            residual))
+    update = ClientUpdate(plan.client_id, upload, num_examples, strategy.released_loss(result.loss), result.steps,
+                          padding=result.padding, wire_bytes=wire_bytes, packed=packed)
+    return update
 
 
 def run_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, store: ClientStore,

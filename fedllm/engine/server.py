@@ -31,6 +31,7 @@ from fedllm.data.collate import collate
 from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
 from fedllm.engine.client import micro_batch_loss, run_client
+from fedllm.engine.compressed_rounds import Downlink
 from fedllm.engine.distributed import Dispatch
 from fedllm.engine.reference import (
     EVAL_REFERENCE_KEY,
@@ -203,8 +204,13 @@ class LocalExecutor:
                 plan = strategy.configure_client(rnd, cid, loop.global_state)
                 plan.lr = lr
                 plan.state = cast(plan.state, comm)
-                sent[cid] = plan.state
                 down[cid] = strategy.download_bytes(plan, comm)
+                if loop.downlink.enabled:  # the plan's global tensors travel compressed
+                    loop.downlink.prepare(rnd, loop.global_state)
+                    plain = num_bytes(plan.state, comm)
+                    plan.state, wire, _ = loop.downlink.plan_state(plan.state, loop.global_state)
+                    down[cid] += wire - plain
+                sent[cid] = plan.state
                 planned.append((plan, client_faults.expected_upload(strategy, plan, loop.model), loop.store.get(cid)))
             batched = self.train_batched(loop, rnd, planned, bar) if len(planned) > 1 else None
             updates += batched if batched is not None else [self.train_one(loop, rnd, *e, bar) for e in planned]
@@ -239,6 +245,7 @@ class LocalExecutor:
             update = run_client(loop.model, plan, loop.fed.strategy, loop.store, data.examples, data.clients[cid],
                                 recipe.train, loop.collate, derived_seed(recipe.seed, rnd, cid), bar)
             update.state = cast(update.state, recipe.federation.comm_dtype)
+            update.packed = None  # in simulation the read-back upload is handed over (its bytes are counted)
             problem = client_faults.update_problem(update, expected)
         except Exception as e:  # noqa: BLE001 — a client fault: dropped or fatal per federation.on_client_error
             problem = client_faults.describe(e)
@@ -267,6 +274,7 @@ class LocalExecutor:
         out = []
         for update, (plan, expected, kept) in zip(updates, planned, strict=True):
             update.state = cast(update.state, recipe.federation.comm_dtype)
+            update.packed = None
             problem = client_faults.update_problem(update, expected)
             if problem is not None:
                 loop.store.put(plan.client_id, kept)
@@ -309,6 +317,7 @@ class RoundLoop:
         self.collate = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
         self.global_state = read_state(self.model, fed.global_keys)
         self.store = ClientStore()  # per-client state of every client (DESIGN.md §3)
+        self.downlink = Downlink(self.recipe)  # the server's compressed download and its residual
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
         self.tracking = Tracking([])  # logging.report_to back-ends, started by run() on rank 0
@@ -333,7 +342,9 @@ class RoundLoop:
         if not self.executor.is_main:
             return
         ckpt = ckpt_io.Checkpoint(
-            round=rnd, adapter=self.global_state, strategy=self.fed.strategy.state_dict(), clients=self.store.flat(),
+            round=rnd, adapter=self.global_state,
+            strategy={**self.fed.strategy.state_dict(), **self.downlink.state_dict(rnd)},
+            clients=self.store.flat(),
             **base_fields(self.model, self.fed.strategy, snapshot),
             meta={"strategy": self.recipe.federation.strategy, "task": self.fed.loaded.task,
                   "model_type": self.fed.loaded.model_type, "label_names": self.fed.data.label_names,
@@ -345,6 +356,7 @@ class RoundLoop:
         """Continue from a checkpoint: global state, strategy, base weights, per-client state, metrics."""
         ck = ckpt_io.load_checkpoint(directory)
         ckpt_io.restore_into(self.model, self.fed.strategy, ck)
+        self.downlink.load_state_dict(ck.strategy)
         order = [k for k in self.fed.global_keys if k in ck.adapter]  # the model's order, as a fresh run reads it:
         self.global_state = {**{k: ck.adapter[k] for k in order}, **ck.adapter}  # DP noise is drawn key by key
         self.store = ckpt_io.client_store(ck)
@@ -487,7 +499,7 @@ class RoundLoop:
         aggregated = self.aggregate(rnd, updates)
         for cid, extra in self.executor.sync(self, rnd, sampled, aggregated).items():
             down[cid] = down.get(cid, 0) + extra
-        up = {u.client_id: u.wire_bytes if isinstance(u, SummedUpdate) else num_bytes(u.state, comm) for u in updates}
+        up = {u.client_id: u.wire_bytes if u.wire_bytes is not None else num_bytes(u.state, comm) for u in updates}
         record = {
             "round": rnd, "clients": sampled, "lr": lr,
             "client_loss": {str(u.client_id): u.loss for u in updates},

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from fedllm.export.dora import is_dora, write_dora_adapter
 from fedllm.export.errors import ExportInputError
 from fedllm.export.factors import LayerFactors, layer_factors
 from fedllm.export.merged import check_probe
@@ -122,6 +123,8 @@ def write_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source, out
     """
     from peft import get_peft_model
 
+    if is_dora(model):  # the run's DoRA adapter as it is (fedllm.export.dora)
+        return write_dora_adapter(model, tokenizer, strategy, source, out, dtype, rank, check_probe, with_base)
     check_rank(model, rank)
     original = load_original_base(source, tokenizer)
     if with_base:

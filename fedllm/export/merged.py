@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fedllm.export.dora import is_dora, merge_dora
 from fedllm.export.errors import ExportCheckError
 from fedllm.export.source import Source, probe_inputs, probe_logits, to_fp32
 from fedllm.export.weights import dequantize_linears, read_layers, relative_name, wrapped_layers
@@ -50,6 +51,15 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
     Raises:
         ExportCheckError: the merged fp32 model does not reproduce the run's model.
     """
+    if is_dora(model):  # PEFT's own merge of DoRA's magnitude and direction (fedllm.export.dora)
+        inputs = probe_inputs(tokenizer)
+        reference = probe_logits(model, inputs)
+        layers_merged = len(wrapped_layers(model))
+        base = merge_dora(model)
+        diff = check_probe(reference, probe_logits(base, inputs), str(source.checkpoint))
+        return save_merged(base, tokenizer, source, out, dtype, {
+            "layers": layers_merged, "observed_layers": 0, "max_logit_diff": diff, "checked": True,
+            "dequantized_from": None, "use_dora": True})
     layers = read_layers(model, strategy)  # before any probe forward: bitsandbytes repacks weights on CPU
     fan_in_fan_out = {relative_name(n): bool(getattr(m, "fan_in_fan_out", False))
                       for n, m in wrapped_layers(model).items()}
@@ -67,12 +77,19 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
         diff = float((got - reference).abs().max())
     else:
         diff = check_probe(reference, got, str(source.checkpoint))
+    return save_merged(base, tokenizer, source, out, dtype, {
+        "layers": len(merged), "observed_layers": sum(not s.explained for s in layers.values()),
+        "max_logit_diff": diff, "checked": not quantized,
+        "dequantized_from": source.recipe.model.quantization if quantized else None})
+
+
+def save_merged(base: Any, tokenizer: Any, source: Source, out: Path, dtype: str,
+                info: dict[str, Any]) -> dict[str, Any]:
+    """Save a merged plain model (label names, ``dtype``) and its tokenizer to ``out``; returns ``info``."""
     if source.label_names:
         base.config.id2label = dict(enumerate(source.label_names))
         base.config.label2id = {name: i for i, name in enumerate(source.label_names)}
     base.to(DTYPES[dtype])
     base.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    return {"layers": len(merged), "observed_layers": sum(not s.explained for s in layers.values()),
-            "max_logit_diff": diff, "checked": not quantized,
-            "dequantized_from": source.recipe.model.quantization if quantized else None}
+    return info

@@ -53,6 +53,7 @@ class FedllmStrategy(FlowerStrategy):
         self.sync_dir = Path(loop.run_dir) / "flower" / "sync"
         self.bytes_down: dict[int, int] = {}
         self.expected: dict[int, Any] = {}  # the upload layout each sampled client must send
+        self.received: dict[int, StateDict] = {}  # what each sampled client received (its upload's reference)
 
     # ----- aggregates the nodes must replay (catch-up)
     def keep_aggregate(self, rnd: int, aggregated: StateDict) -> None:
@@ -123,13 +124,25 @@ class FedllmStrategy(FlowerStrategy):
             recipe.sampled_per_round())
         lr = float(config["lr"]) if "lr" in config else round_lr(recipe, server_round)
         messages = []
-        self.bytes_down, self.expected, self.sent = {}, {}, {}
+        self.bytes_down, self.expected, self.sent, self.received = {}, {}, {}, {}
         for cid in sampled:
             plan = self.strategy.configure_client(server_round, cid, self.loop.global_state)
             plan.lr = lr
             self.expected[cid] = client_faults.expected_upload(self.strategy, plan, self.loop.model)
             tensors, rest = records.split_extra(plan.extra)
-            content = RecordDict({"plan": records.encode(plan.state, self.comm)})
+            down = self.strategy.download_bytes(plan, self.comm)
+            packed_json = "{}"
+            if self.loop.downlink.enabled:  # global tensors travel compressed (fedllm.engine.compressed_rounds)
+                self.loop.downlink.prepare(server_round, self.loop.global_state)
+                plain = records.record_bytes(records.encode(plan.state, self.comm))
+                plan.state, _, packed = self.loop.downlink.plan_state(plan.state, self.loop.global_state)
+                packed_record, packed_json = records.encode_packed(packed)
+                content = RecordDict({"plan": records.encode({k: v for k, v in plan.state.items() if k not in packed},
+                                                             self.comm), "plan.packed": packed_record})
+                down += records.record_bytes(content["plan"]) + records.record_bytes(packed_record) - plain
+            else:
+                content = RecordDict({"plan": records.encode(plan.state, self.comm)})
+            self.received[cid] = cast(plan.state, self.comm)  # what the client holds: its upload's reference
             if tensors:
                 content["extra"] = records.encode(tensors)  # as in simulation: extras are not cast
             if plan.local:
@@ -138,8 +151,8 @@ class FedllmStrategy(FlowerStrategy):
             for name, record in sync.items():
                 content[name] = record
             content["fedllm"] = self.header(cid, server_round, lr=plan.lr, phases=phases_json(plan.phases),
-                                            extra=rest)
-            self.bytes_down[cid] = self.strategy.download_bytes(plan, self.comm) + sync_bytes
+                                            extra=rest, packed=packed_json)
+            self.bytes_down[cid] = down + sync_bytes
             messages.append(Message(content, dst_node_id=self.nodes[cid], message_type="train"))
             self.sent[self.nodes[cid]] = cid
         return messages
@@ -181,8 +194,18 @@ class FedllmStrategy(FlowerStrategy):
             metrics = m.content.metric_records["metrics"]
             self.synced[cid] = int(metrics["synced"])
             self.steps[cid] = int(metrics.get("step", server_round))
-            update = ClientUpdate(cid, records.decode(m.content.array_records["update"]), int(metrics["num_examples"]),
-                                  float(metrics["loss"]) if "loss" in metrics else None, int(metrics["steps"]))
+            arrays = m.content.array_records
+            state, wire = records.decode(arrays["update"]), None
+            if "update.packed" in arrays:  # a compressed upload: its change from what the client received
+                from fedllm.models.compression import read_packed
+
+                layout = str(m.content.config_records["fedllm"]["packed"])
+                packed = records.decode_packed(arrays["update.packed"], layout)
+                state = read_packed(packed, state, self.received.get(cid, {}), like=self.received.get(cid))
+                wire = records.record_bytes(arrays["update"]) + records.record_bytes(arrays["update.packed"])
+            update = ClientUpdate(cid, state, int(metrics["num_examples"]),
+                                  float(metrics["loss"]) if "loss" in metrics else None, int(metrics["steps"]),
+                                  wire_bytes=wire)
             seen[cid] = update.steps  # trained and received, whether it is aggregated or dropped below
             problem = client_faults.update_problem(update, self.expected.get(cid))
             if problem is not None:

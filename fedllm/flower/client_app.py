@@ -14,7 +14,7 @@ worker (``fedllm flower supernode``, :mod:`fedllm.flower.runtime`) the built nod
 
 from __future__ import annotations
 
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 app = ClientApp()
@@ -65,6 +65,10 @@ def train(msg: Message, context: Context) -> Message:
     node, cfg = _open_node(msg, context)
     content = msg.content.array_records
     state = records.decode(content["plan"])
+    if "plan.packed" in content:  # a compressed download (federation.compression.download)
+        from fedllm.models.compression import read_packed
+
+        state = read_packed(records.decode_packed(content["plan.packed"], str(cfg["packed"])), state, {})
     extra = records.join_extra(records.decode(content["extra"]) if "extra" in content else {},
                                str(cfg["extra"]))
     local = records.decode(content["local"]) if "local" in content else {}
@@ -72,9 +76,19 @@ def train(msg: Message, context: Context) -> Message:
     node.save(int(cfg["round"]), state)
     comm = node.recipe.federation.comm_dtype
     loss = {} if update.loss is None else {"loss": float(update.loss)}  # DP-SGD uploads no loss
+    reply = RecordDict()
+    packed = {}
+    if update.packed is not None:  # a compressed upload travels as its codes and block absmax
+        packed_record, layout = records.encode_packed(update.packed)
+        packed = {"packed": layout}
+        reply["update.packed"] = packed_record
     metrics = MetricRecord({"client_id": node.config.client_id, "num_examples": update.num_examples, **loss,
                             "steps": update.steps, "synced": node.synced, "step": int(cfg["round"])})
-    return Message(RecordDict({"update": records.encode(update.state, comm), "metrics": metrics}), reply_to=msg)
+    reply["update"] = records.encode({k: v for k, v in update.state.items() if k not in (update.packed or {})}, comm)
+    reply["metrics"] = metrics
+    if packed:
+        reply["fedllm"] = ConfigRecord(packed)
+    return Message(reply, reply_to=msg)
 
 
 @app.train("sync")

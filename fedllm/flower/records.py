@@ -53,6 +53,29 @@ def decode(record: ArrayRecord) -> StateDict:
     return out
 
 
+def encode_packed(packed: dict[str, Any]) -> tuple[ArrayRecord, str]:
+    """Compressed tensors (:class:`fedllm.models.compression.Packed`) as an :class:`ArrayRecord` of their codes
+    (uint8) and block absmax (fp32), exactly what is counted as sent, and the JSON of how to read them back (kind,
+    block size and shape of each: what the receiver knows from the recipe and the tensor's name)."""
+    record, layout = ArrayRecord(), {}
+    for key, p in packed.items():
+        if SEP in key:
+            raise ValueError(f"tensor name {key!r} contains {SEP!r}")
+        record[f"{key}{SEP}codes"] = Array(p.codes.contiguous().numpy())
+        record[f"{key}{SEP}absmax"] = Array(p.absmax.contiguous().numpy())
+        layout[key] = [p.kind, p.block_size, list(p.shape)]
+    return record, json.dumps(layout)
+
+
+def decode_packed(record: ArrayRecord, layout_json: str) -> dict[str, Any]:
+    """Inverse of :func:`encode_packed`."""
+    from fedllm.models.compression import Packed
+
+    arrays = {entry: torch.from_numpy(array.numpy().copy()) for entry, array in record.items()}
+    return {key: Packed(arrays[f"{key}{SEP}codes"], arrays[f"{key}{SEP}absmax"], tuple(shape), kind, block)
+            for key, (kind, block, shape) in json.loads(layout_json).items()}
+
+
 def record_bytes(record: ArrayRecord) -> int:
     """Payload bytes of a record's tensors (what the wire carries, without headers and framing)."""
     import math

@@ -300,7 +300,7 @@ def attach_lora(model: Any, lora: LoraConfig, task: str, source: str = "<recipe>
     config = PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
         modules_to_save=modules_to_save, init_lora_weights=True if lora.init == "default" else "gaussian",
-        task_type="SEQ_CLS" if task == "classification" else "CAUSAL_LM",
+        task_type="SEQ_CLS" if task == "classification" else "CAUSAL_LM", use_dora=lora.use_dora,
     )
     try:
         peft_model = get_peft_model(model, config)

@@ -70,6 +70,7 @@ class LoraConfig:
     target_modules: Optional[list[str]] = doc(None, "module names to wrap; default: the family's attention projections")
     modules_to_save: Optional[list[str]] = doc(None, "extra fully-trained modules; default: classifier head for classifiers")
     init: Literal["default", "gaussian"] = doc("default", "PEFT init of A (B is zero)")
+    use_dora: bool = doc(False, "DoRA (Liu et al. 2024): PEFT's weight-decomposed LoRA, a trained magnitude vector per wrapped layer beside B and A (docs/compression.md)")
 
 
 @dataclass
@@ -106,6 +107,14 @@ class DataConfig:
 
 
 @dataclass
+class CompressionConfig:
+    upload: Literal["none", "int8", "nf4", "fp4"] = doc("none", "how clients' uploads travel: uncompressed, or quantised blockwise by bitsandbytes (int8: 8-bit dynamic code; nf4 / fp4: 4-bit codes), each client's change from the state it received")
+    download: Literal["none", "int8", "nf4", "fp4"] = doc("none", "how the server's state travels to the sampled clients (as upload)")
+    block_size: int = doc(64, "values per quantisation block (one fp32 absmax each): 64, 128, ..., 4096")
+    error_feedback: bool = doc(True, "keep each sender's quantisation residual (the client's in its state, the server's in its checkpoint) and add it to the next round's (Seide et al. 2014; EF21)")
+
+
+@dataclass
 class FederationConfig:
     num_clients: int = doc(2, "clients in the partition")
     clients_per_round: Optional[int] = doc(None, "clients sampled per round (or give `fraction`)")
@@ -115,6 +124,7 @@ class FederationConfig:
     strategy_args: dict[str, Any] = doc({}, "keyword arguments of the strategy")
     partition: PartitionConfig = doc(PartitionConfig(), "how records are split into clients")
     comm_dtype: Literal["fp32", "bf16", "fp16"] = doc("fp32", "dtype of tensors sent, for byte accounting and transport")
+    compression: CompressionConfig = doc(CompressionConfig(), "8-bit / 4-bit blockwise compression of the uploads and downloads (docs/compression.md)")
     on_client_error: Literal["skip", "fail"] = doc("skip", "a client that raises or sends a non-finite/malformed update: drop it from the round, or stop the run")
     min_clients_per_round: int = doc(1, "fewest valid updates a round aggregates; fewer: retry the round with a fresh sample")
     round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint); none under client-level DP")
@@ -529,6 +539,9 @@ def value_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     for key in ("max_update_norm", "update_outlier_factor", "communication_budget_mb"):
         if getattr(fed, key) is not None and not getattr(fed, key) > 0:
             p.append((f"federation.{key}", getattr(fed, key), "a positive number, or null"))
+    if fed.compression.block_size not in (64, 128, 256, 512, 1024, 2048, 4096):
+        p.append(("federation.compression.block_size", fed.compression.block_size,
+                  "one of 64, 128, 256, 512, 1024, 2048, 4096 (bitsandbytes' block sizes)"))
     if fed.round_retries < 0:
         p.append(("federation.round_retries", fed.round_retries, "an integer >= 0"))
     if not r.data.path and not r.federation.partition.path:

@@ -312,12 +312,17 @@ def resolve_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"{path}: neither a run directory with checkpoints nor a fedllm checkpoint")
 
 
+DOWNLOAD_RESIDUAL = "compression/"
+"""Prefix of the server's download-compression residuals in a checkpoint's strategy state (never handed to the
+strategy; :class:`fedllm.engine.compressed_rounds.Downlink`)."""
+
+
 def restore_into(model: torch.nn.Module, strategy: Any, ck: Checkpoint) -> None:
     """Put a checkpoint's base weights, strategy state and global adapter into ``model``/``strategy``."""
     from fedllm.models.loading import write_state
 
     write_state(model, ck.base)
-    strategy.load_state_dict(ck.strategy)
+    strategy.load_state_dict({k: v for k, v in ck.strategy.items() if not k.startswith(DOWNLOAD_RESIDUAL)})
     if ck.base_history is not None:
         base = getattr(strategy, "base", None)
         if base_history.history_of(strategy) is None:

@@ -9,7 +9,8 @@ client's entry on disk. The strategy sees an entry only through ``ClientPlan.cli
 (client side: :meth:`Strategy.open_client` / :meth:`Strategy.close_client`).
 
 Keys of one client's entry: the strategy's own names, plus the optimizer moments under
-``optimizer/<param>::<moment>`` (``train.optimizer_state: per_client``). A client's reference
+``optimizer/<param>::<moment>`` (``train.optimizer_state: per_client``), and the residuals of its compressed
+uploads under ``compression/<name>`` (``federation.compression``; the strategy never sees them). A client's reference
 log-probabilities (DPO: ``reference/logps``, :mod:`fedllm.engine.reference`) are kept beside its entry:
 :meth:`ClientStore.get` / :meth:`ClientStore.put` leave them alone (a strategy never sees them), and
 :meth:`ClientStore.flat` writes them into the checkpoint under the same client.
@@ -23,12 +24,25 @@ from fedllm.models.state import StateDict
 
 OPTIMIZER = "optimizer/"
 REFERENCE = "reference/"
+RESIDUAL = "compression/"
+"""Prefix of a client's upload-compression residuals (error feedback, :mod:`fedllm.models.compression`)."""
 
 
 def split_optimizer(entry: StateDict) -> tuple[StateDict, Optional[StateDict]]:
-    """``(strategy part, optimizer moments or None)`` of one client's entry."""
+    """``(strategy part, optimizer moments or None)`` of one client's entry (its compression residuals left out:
+    :func:`residual_part`)."""
     moments = {k[len(OPTIMIZER):]: v for k, v in entry.items() if k.startswith(OPTIMIZER)}
-    return {k: v for k, v in entry.items() if not k.startswith(OPTIMIZER)}, (moments or None)
+    return {k: v for k, v in entry.items() if not k.startswith((OPTIMIZER, RESIDUAL))}, (moments or None)
+
+
+def residual_part(entry: StateDict) -> StateDict:
+    """The upload-compression residuals of one client's entry, keyed by the uploaded tensor's name."""
+    return {k[len(RESIDUAL):]: v for k, v in entry.items() if k.startswith(RESIDUAL)}
+
+
+def join_residual(entry: StateDict, residual: StateDict) -> StateDict:
+    """``entry`` with ``residual`` as its compression residuals."""
+    return {**entry, **{RESIDUAL + k: v for k, v in residual.items()}}
 
 
 def join_optimizer(strategy_part: StateDict, moments: Optional[StateDict]) -> StateDict:

@@ -54,6 +54,8 @@ class ClientUpdate:
     loss: Optional[float]  # the client's mean training loss; None: not uploaded (DP-SGD: no noise protects it)
     steps: int
     padding: tuple[int, int] = (0, 0)  # (padded positions, all positions) of the batches trained on
+    wire_bytes: int | None = None  # bytes as sent when compressed (federation.compression); None: the state's
+    packed: Any = None  # the compressed form a transport carries (federation.compression.upload); None: uncompressed
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""Exports of a DoRA run (``lora.use_dora``; Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation", §4.1).
+
+A DoRA layer computes ``W' = m ⊙ (W + s·B·A) / ‖W + s·B·A‖_c`` (the column norm of each output row, Eq. 5), so
+its change is no low-rank product and the SVD refactoring of :mod:`fedllm.export.adapter` does not apply. The
+strategies DoRA runs with keep no factors or residuals outside the adapter and the base
+(:mod:`fedllm.recipe.compression_checks`), so the run's model is exactly its current base plus its PEFT DoRA adapter:
+the merged export is PEFT's own ``merge_and_unload`` of it; the adapter export, for a strategy that never changes
+the base, is that adapter (B, A, the magnitude vector ``m`` and the trained heads) on the original base (after a
+merging strategy the changed base under DoRA's norm is no adapter on the original: refused). Both are checked on
+the probe input.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedllm.export.errors import ExportInputError
+from fedllm.export.source import Source, load_original_base, probe_inputs, probe_logits, to_fp32
+from fedllm.models.state import DTYPES
+
+PEFT_PREFIX = "base_model.model."
+
+
+def is_dora(model: Any) -> bool:
+    """True when ``model`` is a PEFT model whose active adapter uses DoRA."""
+    config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", "default"))
+    return bool(getattr(config, "use_dora", False))
+
+
+@torch.no_grad()
+def write_dora_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source, out: Path, dtype: str,
+                       rank: int | None, check: Any, with_base: bool = False) -> dict[str, Any]:
+    """Save the run's DoRA adapter on the original base to ``out`` (``check``: the probe check of
+    :func:`fedllm.export.merged.check_probe`); see the module docstring."""
+    from peft import get_peft_model
+
+    if getattr(strategy, "modifies_base", False):
+        raise ExportInputError(f"--format adapter: the run's strategy {strategy.name!r} merged its updates into the "
+                               "base; DoRA's column norm of the changed base is no adapter on the original base: "
+                               "export --format merged")
+    if rank is not None:
+        raise ExportInputError(f"--rank {rank}: a DoRA adapter is exported as trained (its change is no low-rank "
+                               "product to truncate); leave --rank out")
+    original = load_original_base(source, tokenizer)
+    if with_base:
+        original.save_pretrained(str(out / "base"))
+        tokenizer.save_pretrained(str(out / "base"))
+    to_fp32(original)
+    config = copy.deepcopy(model.peft_config[model.active_adapter])
+    exported = get_peft_model(original, config).eval()
+    exported.peft_config["default"].base_model_name_or_path = source.recipe.model.name
+    params = dict(exported.named_parameters())
+    marker = f".{model.active_adapter}."
+    trained = {n.replace(marker, ".default."): p for n, p in model.named_parameters()
+               if ".lora_" in n or ".modules_to_save." in n}
+    missing = sorted(set(trained) - set(params))
+    if missing:
+        raise RuntimeError(f"the exported DoRA model lacks {missing[:3]}")
+    for name, value in trained.items():
+        params[name].copy_(value)
+    inputs = probe_inputs(tokenizer)
+    diff = check(probe_logits(model, inputs), probe_logits(exported, inputs), str(source.checkpoint))
+    for name, param in exported.named_parameters():
+        if name.startswith(PEFT_PREFIX) and (".lora_" in name or ".modules_to_save." in name):
+            param.data = param.data.to(DTYPES[dtype])
+    exported.save_pretrained(str(out), save_embedding_layers=False)
+    tokenizer.save_pretrained(str(out))
+    layers = sum(1 for n in trained if ".lora_magnitude_vector." in n)
+    return {"layers": layers, "rank_min": config.r, "rank_max": config.r, "exact_rank_max": config.r, "exact": True,
+            "truncated_layers": [], "rel_error_max": 0.0, "methods": {"dora": layers}, "use_dora": True,
+            "max_logit_diff": diff, "checked": True, "r": config.r, "alpha": config.lora_alpha}
+
+
+@torch.no_grad()
+def merge_dora(model: Any) -> Any:
+    """The run's model with its DoRA adapter folded into the base weights by PEFT (``merge_and_unload``, in fp32)."""
+    to_fp32(model)
+    return model.merge_and_unload()

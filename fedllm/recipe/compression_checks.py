@@ -1,0 +1,97 @@
+"""Recipe checks of compressed updates (``federation.compression``) and DoRA (``lora.use_dora``).
+
+What cannot hold is refused at recipe load, with the reason:
+
+* compression under secure aggregation: SecAgg+ masks integers the clients quantise themselves
+  (``privacy.secagg``), the server never sees one client's upload to decode;
+* compression under client-level DP (``privacy.mechanism: central*``): quantising after clipping can raise an
+  update's norm above the bound the noise is calibrated to;
+* compression with ``federation.comm_dtype`` other than fp32: the compressed direction sets its own wire format;
+* download compression with a strategy whose server maths reads what the clients received (FedOpt's
+  pseudo-gradient, the merges of FRLoRA, FedLoRU, FedEx-LoRA, FLoRA ...): those assume the download is the
+  server's state cast to ``comm_dtype``;
+* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (the others rebuild
+  factors by SVD or stacking, add residual corrections, or keep factors or products beside the base: DoRA's column
+  norm of ``W + s·B·A`` makes each of those non-linear, and none is implemented for it); a merging one on a
+  half-precision base or with its merges kept beside the base.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedllm.recipe.schema import Recipe
+
+#: Strategies whose clients load the state they are sent and whose server maths reads only the uploads (the
+#: download may then be compressed: nothing on the server assumes what the clients received).
+DOWNLOAD_COMPRESSION_STRATEGIES = frozenset({
+    "fedavg", "fedprox", "scaffold", "ffa_lora", "fedsa_lora", "local", "fedmedian", "fedtrimmedavg", "krum",
+    "multikrum", "bulyan", "bulyan_multikrum",
+})
+
+#: Strategies that train B, A and DoRA's magnitude vector as plain tensors and aggregate them tensor by tensor,
+#: never changing the base: DoRA holds unchanged (the magnitude is averaged as any trainable tensor).
+DORA_STRATEGIES = frozenset({
+    "fedavg", "fedprox", "scaffold", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedmedian",
+    "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local",
+})
+
+
+def compression_problems(r: Recipe) -> list[tuple[str, Any, str]]:
+    """Problems of ``federation.compression`` with the rest of the recipe."""
+    c, fed, pv = r.federation.compression, r.federation, r.privacy
+    if c.upload == "none" and c.download == "none":
+        return []
+    key = "federation.compression.upload" if c.upload != "none" else "federation.compression.download"
+    given = c.upload if c.upload != "none" else c.download
+    p = []
+    if pv.secure_aggregation == "secagg_plus":
+        p.append((key, given, ("none with privacy.secure_aggregation: secagg_plus (SecAgg+ sums integer-masked "
+                               "uploads the clients quantise themselves; the server never holds one upload to "
+                               "decode)")))
+    if pv.mechanism in ("central", "central_client_clipping"):
+        p.append((key, given, (f"none with privacy.mechanism: {pv.mechanism} (quantising a clipped update can raise "
+                               "its norm above privacy.clipping_norm, the bound the noise is calibrated to)")))
+    if fed.comm_dtype != "fp32":
+        p.append(("federation.comm_dtype", fed.comm_dtype, ("fp32 with federation.compression (the compressed "
+                                                            "direction sets its own wire format)")))
+    if c.download != "none" and fed.strategy not in DOWNLOAD_COMPRESSION_STRATEGIES:
+        p.append(("federation.compression.download", c.download,
+                  (f"none with federation.strategy: {fed.strategy} (its server maths reads what the clients received "
+                   f"as the state cast to comm_dtype; download compression works with "
+                   f"{', '.join(sorted(DOWNLOAD_COMPRESSION_STRATEGIES))})")))
+    return p
+
+
+#: Merge-and-reinit strategies that hold DoRA exactly on an fp32 base merged in place: the base becomes
+#: ``W + s·(B̄Ā − B_new A_new)`` while the averaged magnitude ``m`` stays, so ``m ⊙ (W + s·B·A) / ‖W + s·B·A‖_c`` is
+#: unchanged by the merge (and FRLoRA's init ``Ŵ0 = W0 − s·B0A0`` leaves ``W0``, whose norms PEFT's ``m`` starts from).
+DORA_MERGE_STRATEGIES = frozenset({"frlora", "frlora_v1", "frlora_v2", "frlora_v3", "fedloru"})
+
+
+def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
+    """Problems of ``lora.use_dora: true`` with the rest of the recipe."""
+    if not r.lora.use_dora:
+        return []
+    p = []
+    args = r.federation.strategy_args
+    if r.federation.strategy in DORA_MERGE_STRATEGIES:
+        if r.model.dtype != "fp32":
+            p.append(("model.dtype", r.model.dtype, (f"fp32 with lora.use_dora and {r.federation.strategy} (its "
+                      "merges go into an fp32 base in place; a dense residual beside a half-precision base is left "
+                      "out of DoRA's column norm)")))
+        if args.get("residual", "auto") == "dense" or args.get("accumulate", "merge") != "merge":
+            key = "residual" if "residual" in args else "accumulate"
+            p.append((f"federation.strategy_args.{key}", args[key], ("the default (merge into the base) with "
+                      "lora.use_dora: factors or residuals kept beside the base are left out of DoRA's column norm")))
+    elif r.federation.strategy not in DORA_STRATEGIES:
+        p.append(("lora.use_dora", True, (f"false with federation.strategy: {r.federation.strategy} (it merges "
+                  "products into the base, rebuilds factors by SVD or stacking, or keeps factors beside the base; "
+                  "DoRA's column norm of W + s*B*A makes that non-linear and fedllm does not implement it; DoRA "
+                  f"works with {', '.join(sorted(DORA_STRATEGIES | DORA_MERGE_STRATEGIES))})")))
+    if r.model.quantization != "none":
+        p.append(("lora.use_dora", True, f"false with model.quantization: {r.model.quantization} (not tested here)"))
+    if r.train.clients_per_pass > 1:
+        p.append(("train.clients_per_pass", r.train.clients_per_pass,
+                  "1 with lora.use_dora (the batched pass computes plain LoRA products)"))
+    return p
