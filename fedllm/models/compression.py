@@ -105,11 +105,12 @@ def compress_state(values: Mapping[str, torch.Tensor], reference: Mapping[str, t
 
     Returns:
         ``(read back, new residual, packed, bytes)``: what the receiver holds (in each value's dtype and device),
-        the residuals kept for the next round (empty without error feedback), the packed tensors (what a
+        the residuals kept for the next round (empty without error feedback; those of tensors not in ``values`` carried over), the packed tensors (what a
         transport carries) and the bytes sent (packed tensors plus the uncompressed ones as stored).
     """
     out: StateDict = {}
-    kept: StateDict = {}
+    # a tensor not sent this time keeps its residual until it is (RoLoRA uploads one factor a round)
+    kept: StateDict = {k: e for k, e in residual.items() if k not in values} if error_feedback else {}
     packed: dict[str, Packed] = {}
     total = 0
     for key, v in values.items():
