@@ -17,9 +17,14 @@ def meta_costs():
     def get(path, *overrides):
         key = (path, overrides)
         if key not in cache:
-            logging.getLogger("fedllm").setLevel(logging.ERROR)
-            recipe = load_recipe(path, list(overrides), check_files=False)
-            cache[key] = untimed(recipe, weights_missing="tests: meta device").costs
+            fedllm_log = logging.getLogger("fedllm")
+            level = fedllm_log.level
+            fedllm_log.setLevel(logging.ERROR)  # quiet while building, then as it was (later tests read warnings)
+            try:
+                recipe = load_recipe(path, list(overrides), check_files=False)
+                cache[key] = untimed(recipe, weights_missing="tests: meta device").costs
+            finally:
+                fedllm_log.setLevel(level)
         return cache[key]
 
     return get

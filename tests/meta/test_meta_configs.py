@@ -11,6 +11,7 @@ from fedllm.recipe.schema import LoraConfig, ModelConfig
 PUBLISHED = {
     "meta-llama/Llama-2-7b-hf": 6_738_415_616,
     "mistralai/Mistral-7B-v0.3": 7_248_023_552,
+    "mistralai/Mistral-7B-v0.1": 7_241_732_096,  # v0.3 less its 768 extra vocabulary rows in embedding and head
     "Qwen/Qwen2-0.5B": 494_032_768,
     "Qwen/Qwen2-1.5B": 1_543_714_304,
     "google/gemma-2b": 2_506_172_416,
