@@ -81,7 +81,8 @@ class DryRunReport:
         if r.eval.tasks and self.eval_rounds:
             untimed = f"; not timed: {', '.join(self.eval_untimed)}" if self.eval_untimed else ""
             evals = [f"  evaluation ({', '.join(r.eval.tasks)}) after round(s) {', '.join(map(str, self.eval_rounds))}:"
-                     f" ~{_duration(self.eval_seconds)} each (one batch of each task timed){untimed}"]
+                     f" up to ~{_duration(self.eval_seconds)} each (one batch of each task timed on the starting "
+                     f"model; a trained model's answers stop sooner){untimed}"]
         return "\n".join([
             f"dry run of {r.source}: recipe valid; data, model ({r.model.name}) and strategy "
             f"({r.federation.strategy}) built in {self.build_seconds:.1f} s",
@@ -91,7 +92,7 @@ class DryRunReport:
             f"~{_duration(self.seconds_per_round)}",
             *evals,
             f"  whole run: building, {r.federation.rounds} rounds and the evaluations -> "
-            f"~{_duration(self.seconds_total)} at this machine's load now ({_load()})",
+            f"up to ~{_duration(self.seconds_total)} at this machine's load now ({_load()})",
             f"  bytes per round: up {self.bytes_up / 1e6:.2f} MB, down {self.bytes_down / 1e6:.2f} MB "
             f"({r.federation.comm_dtype})",
             *projection_lines(self.bytes_up, self.bytes_down, r.federation.rounds,
