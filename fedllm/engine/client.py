@@ -10,8 +10,9 @@ multi-process run, a Flower ClientApp): per-client state in, upload out.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from fedllm.data.collate import is_pair_batch
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
+from fedllm.models.flops import TrainedWork
 from fedllm.models.loading import read_state, write_state
 from fedllm.models.preference_loss import pair_loss
 from fedllm.models.state import DTYPES, StateDict
@@ -44,6 +46,7 @@ class ClientResult:
     steps: int
     optimizer_state: StateDict | None = None
     padding: tuple[int, int] = (0, 0)  # (padded positions, all positions) of the micro-batches trained on
+    work: TrainedWork = field(default_factory=TrainedWork)  # tokens, FLOP counts and seconds (throughput, MFU)
 
 
 class BatchStream:
@@ -156,6 +159,9 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     losses: list[float] = []
     total_steps = 0
     padded = positions = 0
+    work = TrainedWork()
+    head_everywhere = head_at_every_position(model, cfg)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     new_opt_state: StateDict = {}
     scaler = torch.amp.GradScaler(device.type) if cfg.dtype == "fp16" else None
     was_training = model.training
@@ -183,6 +189,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
                             continue
                         batch = collate([examples[i] for i in drawn])
                         pad, pos = padded_positions(batch["attention_mask"])  # on the CPU: no device sync
+                        work.add_batch(batch, head_everywhere)
                         batch = {k: v.to(device) for k, v in batch.items()}
                         padded, positions = padded + pad, positions + pos
                         with train_autocast(device, cfg.dtype):
@@ -209,6 +216,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
                     if progress is not None:
                         progress.update(1)
             new_opt_state.update(_named_optimizer_state(opt, names))
+        work.seconds, work.cpu_seconds = time.perf_counter() - wall0, time.process_time() - cpu0
     finally:
         for name, p in params.items():
             p.requires_grad_(original_flags[name])
@@ -216,7 +224,15 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     loss = sum(losses) / len(losses) if losses else 0.0  # none: DP-SGD drew only empty Poisson batches
     return ClientResult(state=read_state(model, touched), loss=loss, steps=total_steps,
                         optimizer_state=new_opt_state if cfg.optimizer_state == "per_client" else None,
-                        padding=(padded, positions))
+                        padding=(padded, positions), work=work)
+
+
+def head_at_every_position(model: torch.nn.Module, cfg: TrainConfig) -> bool:
+    """Whether the LM head runs at every position (``train.loss_positions: all``, or a model type whose head
+    :mod:`fedllm.models.supervised_loss` does not know) rather than at the supervised ones only."""
+    from fedllm.models.supervised_loss import supports_supervised_positions
+
+    return cfg.loss_positions == "all" or not supports_supervised_positions(model)
 
 
 def open_client_state(plan: ClientPlan, strategy: Strategy, store: ClientStore) -> StateDict | None:
@@ -234,7 +250,7 @@ def close_client_state(plan: ClientPlan, strategy: Strategy, store: ClientStore,
                                              else moments))
     upload = strategy.client_upload(plan, result.state, result.steps)
     return ClientUpdate(plan.client_id, upload, num_examples, strategy.released_loss(result.loss), result.steps,
-                        padding=result.padding)
+                        padding=result.padding, work=result.work.as_dict())
 
 
 def run_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, store: ClientStore,

@@ -39,6 +39,7 @@ from fedllm.engine.reference import (
     with_reference,
 )
 from fedllm.engine.secure_rounds import SecureRound, SummedUpdate
+from fedllm.engine.throughput import Throughput, round_text
 from fedllm.evaluation.personal import personal_stats
 from fedllm.evaluation.runner import eval_due
 from fedllm.models.loading import (
@@ -305,6 +306,9 @@ class RoundLoop:
         self.accepted_norms: list[float] = []  # update norms of the last round (outlier reference)
         self.final_written = False  # resumed from final/ (stopped before summary.json): only the summary is left
         self.secure_record: dict[str, Any] = {}  # the last round's secure-aggregation figures (metrics.jsonl)
+        residual = getattr(getattr(fed.strategy, "base", None), "mode", None) == "dense"  # FRLoRA's hooked residual
+        self.throughput = Throughput(self.recipe, self.model, fed.loaded.task, residual,
+                                     measure_peak=self.executor.is_main)
         if secure_aggregation(self.recipe.privacy) and not isinstance(self.executor, LocalExecutor):
             raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus runs in simulation (one "
                              f"or N processes) only; {type(self.executor).__name__} does not run it yet")
@@ -485,6 +489,7 @@ class RoundLoop:
             "bytes_up_total": sum(up.values()), "bytes_down_total": sum(down.values()),
             "train_loss": released_mean_loss(updates),
             "padded_fraction": padded_fraction(updates),
+            "throughput": self.throughput.round_record(updates),
         }
         if any(u.loss is None for u in updates):  # not uploaded (DP-SGD: no noise protects a client's loss)
             del record["client_loss"], record["train_loss"]
@@ -538,7 +543,8 @@ class RoundLoop:
             bar.set_postfix_str(f"run ETA {eta}", refresh=True)
             self.say(f"round {rnd}/{rounds}  clients={record['clients']}  loss={_loss(record)}  "
                      f"up={record['bytes_up_total'] / 1e6:.2f}MB  down={record['bytes_down_total'] / 1e6:.2f}MB  "
-                     f"{record['seconds']:.1f}s  ETA {eta}  {_format_metrics(record.get('eval', {}))}".rstrip()
+                     f"{record['seconds']:.1f}s  {round_text(record.get('throughput'))}  ETA {eta}  "
+                     f"{_format_metrics(record.get('eval', {}))}".rstrip()
                      + "".join(f"\n  client {c} dropped: {why}" for c, why in record.get("dropped", {}).items()))
             if recipe.checkpoint.every and rnd % recipe.checkpoint.every == 0 and rnd < rounds:
                 self.checkpoint(rnd, ckpt_io.round_dir(self.run_dir, rnd))
@@ -577,6 +583,7 @@ class RoundLoop:
             "final_personal_eval_stats": personal_stats(personal[-1]["personal_eval"]) if personal else None,
             "seconds": round(sum(h.get("seconds", 0) for h in rounds), 3),
             "threads": threads.in_effect(),
+            "throughput": self.throughput.run_summary(rounds),
             "startup_seconds": self.startup.get("seconds"), "startup": self.startup,
             "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},
             **{k: rounds[-1][k] for k in ("epsilon", "client_epsilon", "privacy") if rounds and k in rounds[-1]},

@@ -182,7 +182,8 @@ class FedllmStrategy(FlowerStrategy):
             self.synced[cid] = int(metrics["synced"])
             self.steps[cid] = int(metrics.get("step", server_round))
             update = ClientUpdate(cid, records.decode(m.content.array_records["update"]), int(metrics["num_examples"]),
-                                  float(metrics["loss"]) if "loss" in metrics else None, int(metrics["steps"]))
+                                  float(metrics["loss"]) if "loss" in metrics else None, int(metrics["steps"]),
+                                  work={k[5:]: metrics[k] for k in metrics.keys() if k.startswith("work.")})
             seen[cid] = update.steps  # trained and received, whether it is aggregated or dropped below
             problem = client_faults.update_problem(update, self.expected.get(cid))
             if problem is not None:

@@ -73,7 +73,8 @@ def train(msg: Message, context: Context) -> Message:
     comm = node.recipe.federation.comm_dtype
     loss = {} if update.loss is None else {"loss": float(update.loss)}  # DP-SGD uploads no loss
     metrics = MetricRecord({"client_id": node.config.client_id, "num_examples": update.num_examples, **loss,
-                            "steps": update.steps, "synced": node.synced, "step": int(cfg["round"])})
+                            "steps": update.steps, "synced": node.synced, "step": int(cfg["round"]),
+                            **{f"work.{k}": v for k, v in update.work.items()}})  # tokens, seconds (throughput)
     return Message(RecordDict({"update": records.encode(update.state, comm), "metrics": metrics}), reply_to=msg)
 
 

@@ -54,6 +54,7 @@ class ClientUpdate:
     loss: Optional[float]  # the client's mean training loss; None: not uploaded (DP-SGD: no noise protects it)
     steps: int
     padding: tuple[int, int] = (0, 0)  # (padded positions, all positions) of the batches trained on
+    work: dict[str, float] = field(default_factory=dict)  # fedllm.models.flops.TrainedWork: tokens, seconds
 
 
 @dataclass
