@@ -127,8 +127,10 @@ def dry_run(recipe: Recipe) -> "DryRunReport | UntimedReport":
     the weights or the data, the untimed cost report of the model (on the meta device without weights)."""
     from fedllm.data.errors import DataError
     from fedllm.engine.server import build_federation
+    from fedllm.models.hardware import resolve_auto_dtypes
     from fedllm.models.info import weights_unavailable
 
+    resolve_auto_dtypes(recipe)  # as a run resolves them (train.dtype / model.dtype: auto)
     missing = weights_unavailable(recipe.model)
     if missing is not None:
         return untimed(recipe, weights_missing=missing)
@@ -171,6 +173,9 @@ def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
     from fedllm.strategies import get_strategy
     from fedllm.strategies.base import ClientInfo
 
+    from fedllm.models.hardware import resolve_auto_dtypes
+
+    resolve_auto_dtypes(recipe)
     t0 = time.perf_counter()
     sizes, steps, notes = _estimated_clients(recipe)
     num_labels = len(recipe.data.labels) if recipe.data.labels else 2

@@ -42,6 +42,7 @@ from fedllm.engine.secure_rounds import SecureRound, SummedUpdate
 from fedllm.engine.throughput import Throughput, round_text
 from fedllm.evaluation.personal import personal_stats
 from fedllm.evaluation.runner import eval_due
+from fedllm.models.hardware import resolve_auto_dtypes
 from fedllm.models.loading import (
     LoadedModel,
     load_model,
@@ -91,6 +92,7 @@ class Federation:
     strategy: Strategy
     global_keys: list[str]
     timings: dict[str, float] = field(default_factory=dict)  # seconds of the start-up steps
+    dtypes: dict[str, Any] = field(default_factory=dict)  # train.dtype / model.dtype as run, and why (auto)
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, k: int, attempt: int = 0,
@@ -121,6 +123,7 @@ def round_lr(recipe: Recipe, rnd: int) -> float:
 def build_federation(recipe: Recipe) -> Federation:
     """Tokenizer, data + partition, model + LoRA, strategy: all input errors surface here."""
     t0 = time.perf_counter()
+    dtypes = resolve_auto_dtypes(recipe)  # train.dtype / model.dtype: auto -> what this device computes natively
     task = resolve_task(recipe.model)
     tokenizer = load_tokenizer(recipe.model)
     t1 = time.perf_counter()
@@ -136,7 +139,7 @@ def build_federation(recipe: Recipe) -> Federation:
     strategy.setup(loaded.model, [ClientInfo(c, len(ix)) for c, ix in enumerate(data.clients)])
     timings = {"tokenizer_seconds": t1 - t0, "data_seconds": t2 - t1, "model_seconds": time.perf_counter() - t2}
     return Federation(recipe, loaded, data, strategy, strategy.global_keys(loaded.model),
-                      {k: round(v, 3) for k, v in timings.items()})
+                      {k: round(v, 3) for k, v in timings.items()}, dtypes)
 
 
 def base_weights(model: torch.nn.Module) -> StateDict:
@@ -583,6 +586,7 @@ class RoundLoop:
             "final_personal_eval_stats": personal_stats(personal[-1]["personal_eval"]) if personal else None,
             "seconds": round(sum(h.get("seconds", 0) for h in rounds), 3),
             "threads": threads.in_effect(),
+            "dtype": self.fed.dtypes or {"train": self.recipe.train.dtype, "model": self.recipe.model.dtype},
             "throughput": self.throughput.run_summary(rounds),
             "startup_seconds": self.startup.get("seconds"), "startup": self.startup,
             "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},

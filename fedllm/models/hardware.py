@@ -191,3 +191,31 @@ def _write_cache(path: Path, data: dict[str, Any]) -> None:
 
 def as_dict(peak: Peak | None) -> dict[str, Any] | None:
     return asdict(peak) if peak is not None else None
+
+
+def recipe_device(model_cfg: Any) -> Any:
+    """The device a run's model computes on: ``model.device_map`` (a GPU when it names one, or spreads the model
+    with a GPU visible), the CPU otherwise."""
+    import torch
+
+    where = model_cfg.device_map
+    if where is None or str(where).startswith("cpu"):
+        return torch.device("cpu")
+    on_gpu = where in ("auto", "balanced", "sequential") or str(where).startswith("cuda")
+    if on_gpu and torch.cuda.is_available():
+        return torch.device(where if ":" in str(where) else f"cuda:{os.environ.get('LOCAL_RANK', '0')}")
+    return torch.device("cpu")
+
+
+def resolve_auto_dtypes(recipe: Any) -> dict[str, Any]:
+    """Replace ``auto`` in ``train.dtype`` (bf16 where the device computes it natively, else fp32: :func:`auto_dtype`)
+    and ``model.dtype`` (bf16 when ``train.dtype`` is bf16, else fp32) by what they mean here, in place; the choice,
+    logged, for ``summary.json``. Idempotent: a resolved recipe is left as it is."""
+    why = None
+    if recipe.train.dtype == "auto":
+        recipe.train.dtype, why = auto_dtype(recipe_device(recipe.model))
+        log.info("train.dtype: auto -> %s (%s)", recipe.train.dtype, why)
+    if recipe.model.dtype == "auto":
+        recipe.model.dtype = "bf16" if recipe.train.dtype == "bf16" else "fp32"
+        log.info("model.dtype: auto -> %s (train.dtype %s)", recipe.model.dtype, recipe.train.dtype)
+    return {"train": recipe.train.dtype, "model": recipe.model.dtype, "auto": why}

@@ -1,0 +1,80 @@
+"""``train.dtype: auto`` (and ``model.dtype: auto``): bf16 where the device computes it natively, fp32 elsewhere; the
+choice logged, in recipe.yaml and in summary.json, and a run identical to one that names the chosen dtypes."""
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedllm.models import hardware
+
+
+def _cpu(monkeypatch, flags):
+    monkeypatch.setattr(hardware, "cpu_info", lambda: ("Test CPU", set(flags)))
+
+
+@pytest.mark.parametrize("flags,expected", [({"avx512f", "avx512_bf16"}, "bf16"), ({"amx_bf16", "amx_tile"}, "bf16"),
+                                            ({"avx512f", "avx2"}, "fp32"), (set(), "fp32")])
+def test_dtype_auto_on_a_cpu_follows_its_bf16_flags(monkeypatch, flags, expected):
+    _cpu(monkeypatch, flags)
+    dtype, why = hardware.auto_dtype(torch.device("cpu"))
+    assert dtype == expected and why.startswith("Test CPU: ")
+    assert why.startswith("Test CPU: none of the CPU flags") == (expected == "fp32")
+
+
+@pytest.mark.parametrize("capability,expected", [((8, 0), "bf16"), ((9, 0), "bf16"), ((7, 5), "fp32"), ((6, 1), "fp32")])
+def test_dtype_auto_on_a_gpu_needs_compute_capability_8(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    dtype, why = hardware.auto_dtype(torch.device("cuda:0"))
+    assert dtype == expected and f"compute capability {capability[0]}.{capability[1]}" in why
+
+
+def test_dtype_auto_resolves_both_keys_once(monkeypatch, tiny_recipe):
+    from fedllm.recipe.checks import parse_recipe
+
+    _cpu(monkeypatch, {"avx512_bf16"})
+    recipe = parse_recipe(tiny_recipe(train={"dtype": "auto"}, model={"name": "tiny-llama", "dtype": "auto"}))
+    assert hardware.resolve_auto_dtypes(recipe) == {"train": "bf16", "model": "bf16",
+                                                    "auto": "Test CPU: CPU flags avx512_bf16"}
+    _cpu(monkeypatch, set())  # resolved already: a second call changes nothing
+    assert hardware.resolve_auto_dtypes(recipe)["train"] == "bf16"
+    recipe = parse_recipe(tiny_recipe(train={"dtype": "fp32"}, model={"name": "tiny-llama", "dtype": "auto"}))
+    _cpu(monkeypatch, {"avx512_bf16"})
+    assert hardware.resolve_auto_dtypes(recipe) == {"train": "fp32", "model": "fp32", "auto": None}  # follows train
+
+
+@pytest.mark.parametrize("flags,chosen", [({"avx512_bf16"}, "bf16"), (set(), "fp32")])
+def test_dtype_auto_run_equals_the_named_dtype_and_says_so(tiny_recipe, tmp_path, monkeypatch, caplog, flags, chosen):
+    from fedllm.engine.server import run
+    from fedllm.recipe.checks import parse_recipe
+
+    _cpu(monkeypatch, flags)
+    with caplog.at_level(logging.INFO, logger="fedllm"):
+        auto = run(parse_recipe(tiny_recipe(output_dir=str(tmp_path / "auto"), train={"dtype": "auto"},
+                                            model={"name": "tiny-llama", "dtype": "auto"})))
+    named = run(parse_recipe(tiny_recipe(output_dir=str(tmp_path / "named"), train={"dtype": chosen},
+                                         model={"name": "tiny-llama", "dtype": chosen})))
+    assert f"train.dtype: auto -> {chosen} (Test CPU: " in caplog.text
+    summary = json.loads((auto.run_dir / "summary.json").read_text())
+    assert summary["dtype"]["train"] == summary["dtype"]["model"] == chosen
+    assert summary["dtype"]["auto"].startswith("Test CPU: ")
+    assert summary["throughput"]["compute_dtype"] == chosen
+    assert f"dtype: {chosen}" in (auto.run_dir / "recipe.yaml").read_text()
+    base = auto.model.get_base_model().model.layers[0].mlp.up_proj.weight
+    assert base.dtype == (torch.bfloat16 if chosen == "bf16" else torch.float32)
+    a = load_file(str(auto.run_dir / "final" / "adapter.safetensors"))
+    b = load_file(str(named.run_dir / "final" / "adapter.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dtype_auto_dry_run_estimates_in_the_chosen_dtype(tiny_recipe, monkeypatch):
+    from fedllm.commands.dry_run import untimed
+    from fedllm.recipe.checks import parse_recipe
+
+    _cpu(monkeypatch, {"avx512_bf16"})
+    recipe = parse_recipe(tiny_recipe(train={"dtype": "auto"}, model={"name": "tiny-llama", "dtype": "auto"}))
+    report = untimed(recipe, weights_missing="test")
+    assert recipe.train.dtype == "bf16" and "p=2," in report.report()  # activations at 2 bytes
