@@ -231,7 +231,7 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
     from functools import partial
 
     from fedllm.commands.cost_report import cost_report, upload_bytes
-    from fedllm.data import collate
+    from fedllm.data.collate import collate
     from fedllm.engine.client import head_at_every_position, run_client
     from fedllm.engine.server import sample_clients
     from fedllm.engine.throughput import Throughput, describe

@@ -39,6 +39,7 @@ from fedllm.engine.client import (
     batch_stream,
     close_client_state,
     head_at_every_position,
+    lora_input_casts_skipped,
     open_client_state,
     train_autocast,
 )
@@ -221,7 +222,7 @@ def train_clients(model: torch.nn.Module, plans: list[ClientPlan], strategy: Str
     was_training = model.training
     model.train()
     try:
-        with factors.patched():
+        with factors.patched(), lora_input_casts_skipped(model, cfg):
             for _ in range(num_steps):
                 opt.zero_grad(set_to_none=True)
                 for _ in range(cfg.grad_accum):

@@ -130,6 +130,19 @@ def train_autocast(device: torch.device, dtype: str):
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
 
 
+#: Under bf16/fp16 autocast, PEFT's LoRA layers keep the input in its own dtype instead of casting it to their
+#: fp32 factors' (autocast casts it back for the matmul: two casts of every LoRA input, forward and backward,
+#: for the same bits). False restores PEFT's casts (``bench/bf16_step.py`` measures both).
+SKIP_LORA_INPUT_CASTS = True
+
+
+def lora_input_casts_skipped(model: torch.nn.Module, cfg: TrainConfig):
+    """Context: PEFT's input casts of the LoRA layers off under autocast (:data:`SKIP_LORA_INPUT_CASTS`)."""
+    from peft.helpers import disable_input_dtype_casting
+
+    return disable_input_dtype_casting(model, active=SKIP_LORA_INPUT_CASTS and cfg.dtype in ("bf16", "fp16"))
+
+
 def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, examples: Sequence[dict],
                  indices: Sequence[int], cfg: TrainConfig, collate: Callable[[list[dict]], dict],
                  seed: int, optimizer_state: StateDict | None = None, progress: Any = None) -> ClientResult:
@@ -167,6 +180,8 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     was_training = model.training
     original_flags = {name: p.requires_grad for name, p in params.items()}
     model.train()
+    restore = contextlib.ExitStack()
+    restore.enter_context(lora_input_casts_skipped(model, cfg))
     try:
         for phase in plan.phases:
             keys = list(phase.keys) if phase.keys is not None else list(plan.state)
@@ -218,6 +233,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
             new_opt_state.update(_named_optimizer_state(opt, names))
         work.seconds, work.cpu_seconds = time.perf_counter() - wall0, time.process_time() - cpu0
     finally:
+        restore.close()
         for name, p in params.items():
             p.requires_grad_(original_flags[name])
         model.train(was_training)

@@ -26,7 +26,8 @@ from fedllm.common import threads
 from fedllm.common.errors import InputError
 from fedllm.common.redact import redact
 from fedllm.common.tracking import Tracking
-from fedllm.data import FederatedData, build_federated_data, collate
+from fedllm.data import FederatedData, build_federated_data
+from fedllm.data.collate import collate  # the function (the package attribute is the module once imported)
 from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
 from fedllm.engine.client import run_client

@@ -126,7 +126,7 @@ class Node:
         """What this client computes once from the starting model (:mod:`fedllm.engine.reference`)."""
         from functools import partial
 
-        from fedllm.data import collate
+        from fedllm.data.collate import collate
         from fedllm.engine.reference import precompute_references
 
         fed = self.fed
@@ -180,7 +180,7 @@ class Node:
         """Train this client for round ``rnd`` through :func:`fedllm.engine.client.run_client` (as in simulation)."""
         from functools import partial
 
-        from fedllm.data import collate
+        from fedllm.data.collate import collate
         from fedllm.engine.client import run_client
         from fedllm.recipe.schedule import derived_seed
         from fedllm.strategies.base import ClientPlan, Phase

@@ -78,3 +78,33 @@ def test_dtype_auto_dry_run_estimates_in_the_chosen_dtype(tiny_recipe, monkeypat
     recipe = parse_recipe(tiny_recipe(train={"dtype": "auto"}, model={"name": "tiny-llama", "dtype": "auto"}))
     report = untimed(recipe, weights_missing="test")
     assert recipe.train.dtype == "bf16" and "p=2," in report.report()  # activations at 2 bytes
+
+
+def test_dtype_bf16_without_peft_input_casts_trains_the_same_bits(tiny_recipe, monkeypatch):
+    """Under bf16 autocast with a bf16 base and fp32 LoRA factors, skipping PEFT's cast of each LoRA input to fp32
+    (autocast casts it back for the matmul) changes no bit of the loss or the trained factors."""
+    from fedllm.data.collate import collate
+    from fedllm.engine import client
+    from fedllm.engine.server import build_federation
+    from fedllm.models.loading import read_state
+    from fedllm.recipe.checks import parse_recipe
+
+    fed = build_federation(parse_recipe(tiny_recipe(train={"dtype": "bf16"}, model={"name": "tiny-llama",
+                                                                                    "dtype": "bf16"})))
+    model, strategy = fed.loaded.model, fed.strategy
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    start = read_state(model, fed.global_keys)
+    results, seen = {}, []
+    lora_a = next(m for n, m in model.named_modules() if n.endswith("lora_A.default"))
+    lora_a.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    for skip in (True, False):
+        monkeypatch.setattr(client, "SKIP_LORA_INPUT_CASTS", skip)
+        plan = strategy.configure_client(1, 0, start)
+        plan.lr = 1e-2
+        results[skip] = client.train_client(model, plan, strategy, fed.data.examples, fed.data.clients[0],
+                                            fed.recipe.train, lambda items: collate(items, fed.loaded.tokenizer.pad_token_id), seed=3)
+    half = len(seen) // 2  # the LoRA input stays bf16 without PEFT's cast, fp32 with it
+    assert set(seen[:half]) == {torch.bfloat16} and set(seen[half:]) == {torch.float32}
+    assert results[True].loss == results[False].loss
+    assert all(torch.equal(results[True].state[k], results[False].state[k]) for k in results[True].state)
+    assert any(not torch.equal(results[True].state[k], start[k]) for k in start)  # it trained
