@@ -12,6 +12,8 @@ train_client`), which counts its tokens, FLOPs (:mod:`fedllm.models.flops`) and 
   picks on a CPU with avx512_bf16/AMX: ``model.dtype: auto`` follows it);
 - ``bf16-peft-casts``: as ``bf16`` with PEFT's casts of every LoRA input to the fp32 factors' dtype, which fedllm
   skips under autocast (:data:`fedllm.engine.client.SKIP_LORA_INPUT_CASTS`; the same bits either way);
+- ``bf16-flash``: as ``bf16`` with SDPA's flash kernel for attention, which fedllm replaces by eager attention on a
+  CPU in bf16 up to :data:`fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH` positions;
 - ``bf16-factors``: as ``bf16`` with the LoRA factors (hence their gradients and AdamW moments) in bf16 too.
 
 The variants run interleaved (trial after trial, each variant ``--steps`` steps after one warm-up step), so the
@@ -40,7 +42,8 @@ if str(ROOT) not in sys.path:
 
 import torch
 
-VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-factors")
+EAGER_MAX_LENGTH = 256  # fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH as shipped
+VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors")
 
 
 def build(threads: int):
@@ -71,7 +74,7 @@ def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     """A copy of the fp32 PEFT model in ``variant``'s dtypes (base bf16 with fp32 factors, as PEFT loads it)."""
     if variant in ("fp32", "bf16-autocast"):
         return model
-    if variant == "bf16-peft-casts":
+    if variant in ("bf16-peft-casts", "bf16-flash"):
         variant = "bf16"
     m = copy.deepcopy(model).to(torch.bfloat16)
     if variant == "bf16":
@@ -89,6 +92,7 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
     from fedllm.strategies.base import Phase
 
     client.SKIP_LORA_INPUT_CASTS = variant != "bf16-peft-casts"
+    client.EAGER_ATTENTION_MAX_LENGTH = 0 if variant == "bf16-flash" else EAGER_MAX_LENGTH
     cfg = copy.copy(recipe.train)
     cfg.dtype = "fp32" if variant == "fp32" else "bf16"
     strategy = fed.strategy

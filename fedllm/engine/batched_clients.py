@@ -42,6 +42,7 @@ from fedllm.engine.client import (
     lora_input_casts_skipped,
     open_client_state,
     train_autocast,
+    training_attention,
 )
 from fedllm.models.flops import TrainedWork
 from fedllm.models.loading import write_state
@@ -222,7 +223,7 @@ def train_clients(model: torch.nn.Module, plans: list[ClientPlan], strategy: Str
     was_training = model.training
     model.train()
     try:
-        with factors.patched(), lora_input_casts_skipped(model, cfg):
+        with factors.patched(), lora_input_casts_skipped(model, cfg), training_attention(model, cfg):
             for _ in range(num_steps):
                 opt.zero_grad(set_to_none=True)
                 for _ in range(cfg.grad_accum):

@@ -143,6 +143,33 @@ def lora_input_casts_skipped(model: torch.nn.Module, cfg: TrainConfig):
     return disable_input_dtype_casting(model, active=SKIP_LORA_INPUT_CASTS and cfg.dtype in ("bf16", "fp16"))
 
 
+#: Micro-batches up to this many positions train on a CPU under bf16/fp16 autocast with eager attention (matmuls
+#: and an fp32 softmax) instead of SDPA's flash kernel, whose CPU bf16 backward is slow at short lengths: one
+#: SmolLM2-shaped layer (4 x 9 heads x 64) forward + backward, 1 thread, CPU-ms: S=96 flash 9.0 / eager 2.7,
+#: S=160 16.4 / 5.9, S=256 25.6 / 14.7, S=512 85 / 117 (docs/performance.md). fp32 gains nothing (4.5 / 4.8 at 96).
+EAGER_ATTENTION_MAX_LENGTH = 256
+
+
+@contextlib.contextmanager
+def training_attention(model: torch.nn.Module, cfg: TrainConfig):
+    """Context: eager attention while training on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH`
+    (the model's own choice otherwise, and always outside training: evaluation and generation keep SDPA)."""
+    from fedllm.models.supervised_loss import base_of
+
+    config = getattr(base_of(model), "config", None)
+    device = next(model.parameters()).device
+    switch = (config is not None and getattr(config, "_attn_implementation", None) == "sdpa"
+              and device.type == "cpu" and cfg.dtype in ("bf16", "fp16") and cfg.max_length <= EAGER_ATTENTION_MAX_LENGTH)
+    if not switch:
+        yield
+        return
+    config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
 def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, examples: Sequence[dict],
                  indices: Sequence[int], cfg: TrainConfig, collate: Callable[[list[dict]], dict],
                  seed: int, optimizer_state: StateDict | None = None, progress: Any = None) -> ClientResult:
@@ -182,6 +209,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     model.train()
     restore = contextlib.ExitStack()
     restore.enter_context(lora_input_casts_skipped(model, cfg))
+    restore.enter_context(training_attention(model, cfg))
     try:
         for phase in plan.phases:
             keys = list(phase.keys) if phase.keys is not None else list(plan.state)

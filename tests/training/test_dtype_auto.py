@@ -108,3 +108,29 @@ def test_dtype_bf16_without_peft_input_casts_trains_the_same_bits(tiny_recipe, m
     assert results[True].loss == results[False].loss
     assert all(torch.equal(results[True].state[k], results[False].state[k]) for k in results[True].state)
     assert any(not torch.equal(results[True].state[k], start[k]) for k in start)  # it trained
+
+
+@pytest.mark.parametrize("dtype,max_length,expected", [("bf16", 64, "eager"), ("bf16", 512, "sdpa"),
+                                                       ("fp32", 64, "sdpa")])
+def test_dtype_bf16_cpu_training_takes_eager_attention_at_short_lengths(tiny_recipe, monkeypatch, dtype, max_length,
+                                                                        expected):
+    """On a CPU under bf16 autocast up to EAGER_ATTENTION_MAX_LENGTH positions the decoder trains with eager attention
+    (SDPA's flash backward is slow there); outside training, and otherwise, the model keeps SDPA."""
+    from fedllm.data.collate import collate
+    from fedllm.engine import client
+    from fedllm.engine.server import build_federation
+    from fedllm.models.loading import read_state
+    from fedllm.recipe.checks import parse_recipe
+
+    fed = build_federation(parse_recipe(tiny_recipe(train={"dtype": dtype, "max_length": max_length})))
+    config = fed.loaded.model.get_base_model().config
+    seen = []
+    original = client.micro_batch_loss
+    monkeypatch.setattr(client, "micro_batch_loss", lambda *a: seen.append(config._attn_implementation) or original(*a))
+    plan = fed.strategy.configure_client(1, 0, read_state(fed.loaded.model, fed.global_keys))
+    plan.lr = 1e-2
+
+    client.train_client(fed.loaded.model, plan, fed.strategy, fed.data.examples, fed.data.clients[0], fed.recipe.train,
+                        lambda items: collate(items, fed.loaded.tokenizer.pad_token_id), seed=0)
+    assert seen and set(seen) == {expected}
+    assert config._attn_implementation == "sdpa"  # restored
