@@ -41,6 +41,7 @@ from fedllm.engine.client import (
     head_at_every_position,
     lora_input_casts_skipped,
     open_client_state,
+    resolved,
     train_autocast,
     training_attention,
 )
@@ -211,6 +212,7 @@ def train_clients(model: torch.nn.Module, plans: list[ClientPlan], strategy: Str
     (num_steps,) = steps
     torch.manual_seed(seeds[0])
     device = next(model.parameters()).device
+    cfg = resolved(cfg, device)
     keys = list(plans[0].state)
     factors = StackedFactors(model, [{**p.state, **p.local} for p in plans], keys)
     streams = [batch_stream(cfg, examples, ix, s) for ix, s in zip(indices, seeds, strict=True)]

@@ -10,6 +10,7 @@ multi-process run, a Flower ClientApp): per-client state in, upload out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -123,8 +124,22 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str], sta
                 opt.state[p] = entries
 
 
+def resolved(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """``cfg`` with ``dtype: auto`` resolved for ``device`` (a run resolves it at start; a caller of the client
+    functions with a fresh :class:`TrainConfig` may not have)."""
+    if cfg.dtype != "auto":
+        return cfg
+    from fedllm.models.hardware import auto_dtype
+
+    return dataclasses.replace(cfg, dtype=auto_dtype(device)[0])
+
+
 def train_autocast(device: torch.device, dtype: str):
     """``torch.autocast`` on ``device`` for ``train.dtype`` bf16/fp16 (CPU or GPU); nothing for fp32."""
+    if dtype == "auto":
+        from fedllm.models.hardware import auto_dtype
+
+        dtype = auto_dtype(device)[0]
     if dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
@@ -191,6 +206,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     torch.manual_seed(seed)
     write_state(model, {**plan.state, **plan.local})
     device = next(model.parameters()).device
+    cfg = resolved(cfg, device)
     params = dict(model.named_parameters())
     private = strategy.sample_level_privacy(plan, len(indices))  # DP-SGD (fedllm.privacy.dp_sgd) or None
     stream = private.stream(indices) if private else batch_stream(cfg, examples, indices, seed)

@@ -310,9 +310,6 @@ class RoundLoop:
         self.accepted_norms: list[float] = []  # update norms of the last round (outlier reference)
         self.final_written = False  # resumed from final/ (stopped before summary.json): only the summary is left
         self.secure_record: dict[str, Any] = {}  # the last round's secure-aggregation figures (metrics.jsonl)
-        residual = getattr(getattr(fed.strategy, "base", None), "mode", None) == "dense"  # FRLoRA's hooked residual
-        self.throughput = Throughput(self.recipe, self.model, fed.loaded.task, residual,
-                                     measure_peak=self.executor.is_main)
         if secure_aggregation(self.recipe.privacy) and not isinstance(self.executor, LocalExecutor):
             raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus runs in simulation (one "
                              f"or N processes) only; {type(self.executor).__name__} does not run it yet")
@@ -323,6 +320,9 @@ class RoundLoop:
             if why:  # recipe load refuses it too; a strategy object built otherwise is checked here
                 raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus needs a strategy "
                                  f"that aggregates from the sum of the uploads; {self.recipe.federation.strategy} {why}")
+        residual = getattr(getattr(fed.strategy, "base", None), "mode", None) == "dense"  # FRLoRA's hooked residual
+        self.throughput = Throughput(self.recipe, self.model, fed.loaded.task, residual,
+                                     measure_peak=self.executor.is_main)
 
     # ----- persistence
     def checkpoint(self, rnd: int, directory: Path, snapshot: bool = False) -> None:
