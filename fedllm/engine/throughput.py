@@ -72,7 +72,7 @@ class Throughput:
         """Rates and MFU of ``work`` done in ``steps`` optimizer steps (``flops``: known already, else counted)."""
         out: dict[str, Any] = {"tokens": work.tokens, "supervised_tokens": work.supervised,
                                "positions": work.positions, "micro_batches": work.micro_batches,
-                               "train_seconds": round(work.seconds, 4), "train_cpu_seconds": round(work.cpu_seconds, 4)}
+                               "train_seconds": work.seconds, "train_cpu_seconds": work.cpu_seconds}
         seconds, cpu = work.seconds, work.cpu_seconds
         out["tokens_per_s"] = work.tokens / seconds if seconds > 0 else None
         out["supervised_tokens_per_s"] = work.supervised / seconds if seconds > 0 else None

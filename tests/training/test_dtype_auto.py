@@ -134,3 +134,19 @@ def test_dtype_bf16_cpu_training_takes_eager_attention_at_short_lengths(tiny_rec
                         lambda items: collate(items, fed.loaded.tokenizer.pad_token_id), seed=0)
     assert seen and set(seen) == {expected}
     assert config._attn_implementation == "sdpa"  # restored
+
+
+def test_dtype_auto_is_the_default_and_client_functions_resolve_it(tiny_recipe, monkeypatch):
+    from fedllm.engine.client import resolved
+    from fedllm.recipe.checks import parse_recipe
+    from fedllm.recipe.schema import TrainConfig
+
+    raw = tiny_recipe()
+    del raw["train"]["dtype"]  # the shared test recipe pins fp32
+    recipe = parse_recipe(raw)
+    assert (recipe.train.dtype, recipe.model.dtype) == ("auto", "auto")
+    _cpu(monkeypatch, {"avx512_bf16"})
+    assert resolved(TrainConfig(), torch.device("cpu")).dtype == "bf16"
+    _cpu(monkeypatch, set())
+    assert resolved(TrainConfig(), torch.device("cpu")).dtype == "fp32"
+    assert resolved(TrainConfig(dtype="fp16"), torch.device("cpu")).dtype == "fp16"
