@@ -167,3 +167,12 @@ def test_dry_run_prints_throughput_flops_per_step_and_mfu(tiny_recipe, tmp_path,
     rows, s = 4 * 2, 64  # batch 4 x grad_accum 2, max_length 64
     expected = shapes.flops(rows * s, rows * s * s, rows * s)
     assert f"FLOPs per optimizer step: {expected / 1e9:,.3f} GFLOP at most (8 rows x max_length 64" in meta
+
+
+def test_mfu_peak_of_a_probe_taken_on_a_busy_machine_counts_cpu_seconds(tmp_path, monkeypatch):
+    """A probe whose wall rate was held down by other jobs: the peak is its rate per CPU-second x the threads."""
+    monkeypatch.setenv("FEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "probe", lambda weights, tokens, dtype, seconds=0.0: (1e9, 3e9))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    peak = hardware.device_peak(torch.device("cpu"), "bf16", [(8, 8)], 16)
+    assert peak.flops_per_s == 6e9 and peak.flops_per_cpu_s == 3e9
