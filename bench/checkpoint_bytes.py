@@ -31,7 +31,7 @@ def measure(out: Path) -> dict:
         "data": {"path": str(data), "format": "classification", "fields": {"text": "question", "label": "category"}},
         "federation": {"num_clients": 4, "clients_per_round": 2, "rounds": 3, "strategy": "frlora",
                        "partition": {"method": "iid"}},
-        "train": {"local_steps": 2, "batch_size": 8, "lr": 1e-3, "max_length": 48},
+        "train": {"local_steps": 2, "batch_size": 8, "lr": 1e-3, "max_length": 48, "dtype": "fp32"},  # fp32 base
         "checkpoint": {"every": 1},
         "logging": {"progress": False, "quiet": True},
     }

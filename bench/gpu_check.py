@@ -34,8 +34,10 @@ Per configuration it prints (and writes to ``--json``):
   linear layers forward + input gradient, LoRA forward + both gradients, attention ``12·b·S²·d_q``
   per layer (no causal halving, no recomputation), the LM head at the supervised positions only, as
   ``train.loss_positions: supervised`` runs it) over the same seconds, against the card's dense peak
-  (spec-sheet table :data:`PEAKS`, bf16 for bf16/4bit runs, fp32 non-tensor for fp32 runs) and against a
-  measured 8192^3 bf16 matmul (:func:`matmul_probe`);
+  (spec-sheet table :data:`fedllm.models.hardware.SPEC_PEAKS`, bf16 for bf16/4bit runs, fp32 non-tensor for fp32
+  runs) and against a measured 8192^3 bf16 matmul (:func:`matmul_probe`); on a CPU (``--device cpu``, ``--dry``)
+  against fedllm's own probe of the model's matmul shapes in the run's dtype
+  (:func:`fedllm.models.hardware.device_peak`, as every ``fedllm train`` reports MFU);
 - peak GPU memory (``torch.cuda.max_memory_allocated`` from loading to the end of the run) next to the
   peak-memory estimate of ``fedllm train --dry-run`` (:func:`fedllm.commands.dry_run.untimed`);
 - per-round train losses next to the CPU reference's (``--ref``, written by ``--save-ref`` with
@@ -69,6 +71,9 @@ if str(ROOT) not in sys.path:  # python bench/gpu_check.py from a checkout witho
 import torch  # noqa: E402
 
 from fedllm.engine.server import LocalExecutor  # noqa: E402
+from fedllm.models.flops import FlopShapes as Shapes  # noqa: E402
+from fedllm.models.flops import step_flops  # noqa: E402
+from fedllm.models.hardware import device_peak, spec_peak  # noqa: E402
 
 #: Model shapes checked: name -> fedllm's shipped config directory (fedllm/assets/configs/<dir>).
 MODELS = {"smollm2-135m": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m"}
@@ -76,16 +81,6 @@ MODELS = {"smollm2-135m": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m"}
 CONFIGS = {"fp32": ("fp32", "none", "fp32"), "bf16": ("bf16", "none", "bf16"), "4bit": ("bf16", "4bit", "bf16")}
 #: Strategy -> strategy_args.
 STRATEGIES = {"fedavg": {}, "frlora": {"svd": "exact"}}
-#: Dense (no sparsity) peak FLOP/s from the vendors' spec sheets: (name fragment, bf16 tensor, fp32 non-tensor).
-#: First match wins, so the more specific names come first.
-PEAKS = [
-    ("H200", 989e12, 67e12),  # H200 SXM
-    ("H100 PCIe", 756e12, 51e12),
-    ("H100 NVL", 835e12, 60e12),
-    ("H100", 989e12, 67e12),  # H100 SXM ("NVIDIA H100 80GB HBM3")
-    ("A100", 312e12, 19.5e12),
-    ("L40S", 362e12, 91.6e12),
-]
 IGNORE = -100
 
 
@@ -201,53 +196,6 @@ def recipe_for(model_dir: Path, data: Path, out: Path, strategy: str, config: st
 # --------------------------------------------------------------------------- FLOPs
 
 
-class Shapes:
-    """What :func:`step_flops` reads from a model config and the LoRA targets."""
-
-    def __init__(self, config: dict[str, Any], r: int, targets: list[str]):
-        from fedllm.models.info import layer_shapes
-
-        shapes = layer_shapes(config)  # layer 0's linear layers: name -> (out, in)
-        if not shapes:
-            raise ValueError(f"no layer shapes for model_type {config.get('model_type')!r}")
-        self.layers = config["num_hidden_layers"]
-        self.hidden = config["hidden_size"]
-        self.vocab = config["vocab_size"]
-        heads = config["num_attention_heads"]
-        self.q_dim = heads * (config.get("head_dim") or self.hidden // heads)
-        self.linear = sum(o * i for o, i in shapes.values())  # weights of one decoder layer's linear layers
-        suffix = {n.rsplit(".", 1)[-1]: s for n, s in shapes.items()}
-        self.lora = sum(r * (o + i) for t, (o, i) in suffix.items() if t in targets)
-        first = ("q_proj", "k_proj", "v_proj")  # read the block's (frozen) input: no input gradient in layer 0
-        self.first_in = sum(o * i for t, (o, i) in suffix.items() if t in first)
-        self.first_lora_in = sum(r * i for t, (o, i) in suffix.items() if t in first and t in targets)
-        self.target = sum(o * i for t, (o, i) in suffix.items() if t in targets)
-        self.first_target_in = sum(o * i for t, (o, i) in suffix.items() if t in first and t in targets)
-
-
-def step_flops(s: Shapes, batch: int, length: int, supervised: int, residual: bool = False) -> float:
-    """Model FLOPs of one micro-batch's forward and backward (LoRA on frozen weights, loss at ``supervised``
-    positions), counted as matmul multiply-adds x 2:
-
-    - frozen linear layers: forward ``2·P·T`` and input gradient ``2·P·T`` (no weight gradient), except that the
-      q/k/v projections of layer 0 read the frozen embeddings and need no input gradient;
-    - LoRA factors: forward, input gradient and weight gradient, ``6·r·(in + out)·T`` (layer 0's q/k/v A factors:
-      no input gradient);
-    - attention scores and values: ``4·b·S²·d_q`` forward, twice that backward, per layer (the full square:
-      the dense count, no causal halving, no recomputation);
-    - LM head: forward and input gradient at the supervised positions only (``train.loss_positions: supervised``);
-    - ``residual``: FRLoRA on a bf16 or 4-bit base keeps its base changes as a dense fp32 residual per target layer,
-      added to the layer's output by a forward hook (``fedllm/strategies/residual.py``, ``residual: auto``): one
-      more frozen ``out x in`` product per target layer, forward and input gradient.
-    """
-    t = batch * length
-    dense = s.layers * (4 * s.linear + 6 * s.lora) * t - (2 * s.first_in + 2 * s.first_lora_in) * t
-    if residual:
-        dense += s.layers * 4 * s.target * t - 2 * s.first_target_in * t
-    attention = s.layers * 12 * batch * length * length * s.q_dim
-    return float(dense + attention + 4 * s.vocab * s.hidden * supervised)
-
-
 def counted_flops(model: Any, batch: dict[str, torch.Tensor], train_cfg: Any) -> float:
     """FLOPs of one micro-batch's forward + backward as ``torch.utils.flop_counter`` counts them (SDPA's math
     backend, so that attention is counted on the CPU too): the check of :func:`step_flops`."""
@@ -322,14 +270,6 @@ def matmul_probe(device: str, n: int = 8192, warmup: int = 3, timed: int = 10) -
     return 2 * n ** 3 / seconds
 
 
-def spec_peak(name: str, dtype: str) -> Optional[float]:
-    """The spec-sheet dense peak of card ``name`` for ``dtype`` (bf16: tensor cores; fp32: non-tensor)."""
-    for fragment, bf16, fp32 in PEAKS:
-        if fragment in name:
-            return fp32 if dtype == "fp32" else bf16
-    return None
-
-
 # --------------------------------------------------------------------------- one run
 
 
@@ -354,6 +294,10 @@ def run_one(key: str, model_dir: Path, data: Path, out: Path, strategy: str, con
     except Exception as e:  # noqa: BLE001 — the estimate is a side figure; the run goes on
         row["memory_estimate_error"] = f"{type(e).__name__}: {e}"
     cuda = device == "cuda"
+    if not cuda:  # fedllm's CPU peak: a probe of this model's matmul shapes in the run's compute dtype
+        peak = device_peak(torch.device("cpu"), "fp32" if config == "fp32" else "bf16", list(shapes.weights),
+                           w["batch"] * w["max_length"])
+        row["peak_probe"] = peak.flops_per_s if peak else None
     if cuda:
         gc.collect()
         torch.cuda.empty_cache()
@@ -413,7 +357,7 @@ def summarise(row: dict[str, Any], peaks: dict[str, Optional[float]], ref: dict[
     dtype = "fp32" if row["config"] == "fp32" else "bf16"
     spec = peaks.get(f"spec_{dtype}")
     row["mfu_spec"] = last["flops_per_s"] / spec if spec else None
-    probe = peaks.get("probe_bf16") if dtype == "bf16" else None
+    probe = row.get("peak_probe") or (peaks.get("probe_bf16") if dtype == "bf16" else None)
     row["mfu_probe"] = last["flops_per_s"] / probe if probe else None
     key = f"{row['model']}/{row['strategy']}/b{row['batch']}x{row['max_length']}"
     cpu = ref.get("runs", {}).get(key)
@@ -423,7 +367,8 @@ def summarise(row: dict[str, Any], peaks: dict[str, Optional[float]], ref: dict[
     return row
 
 
-def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
+def print_table(rows: list[dict[str, Any]], out: Any = None) -> None:
+    out = out or sys.stdout  # read now, not at import (a caller may have redirected it since)
     head = (f"{'model':<13} {'config':<5} {'strategy':<7} {'b x S':>7} {'tok/s r1':>9} {'tok/s r2':>9} "
             f"{'TFLOP/s':>8} {'MFU spec':>8} {'MFU probe':>9} {'peak GiB':>8} {'est GiB':>7} "
             f"{'loss r1, r2':>17} {'CPU fp32 r1, r2':>17} {'max |d|':>8}")
@@ -548,7 +493,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 t0 = time.perf_counter()
                 where, prints = build_model_dir(key, work / f"model-{key}", args.dry)
                 config_dict = json.loads((where / "config.json").read_text())
-                built[key] = (where, prints, Shapes(config_dict, w["r"], ["q_proj", "k_proj", "v_proj", "o_proj"]))
+                built[key] = (where, prints, Shapes.of(config_dict, w["r"], ["q_proj", "k_proj", "v_proj", "o_proj"]))
                 print(f"gpu_check: built {key} ({sum(1 for _ in where.iterdir())} files) in "
                       f"{time.perf_counter() - t0:.1f} s; fingerprint {prints}")
             where, prints, shapes = built[key]

@@ -72,7 +72,8 @@ def tiny_raw(output_dir, data_path, /, **sections) -> dict:
                  "fields": {"instruction": "question", "output": "answer"}},
         "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 2,
                        "partition": {"method": "iid"}},
-        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64},
+        # fp32 pinned: tests compare exact values (train.dtype: auto would pick bf16 on a CPU with avx512_bf16)
+        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64, "dtype": "fp32"},
         "logging": {"progress": False, "quiet": True},
     }
     for key, value in sections.items():

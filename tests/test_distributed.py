@@ -183,6 +183,9 @@ def test_two_processes_match_one(two_processes, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     lines = (two / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2  # only rank 0 writes
+    counted = ("tokens", "supervised_tokens", "positions", "flops")  # throughput: rank 1's clients count too
+    assert [[json.loads(x)["throughput"][k] for k in counted] for x in lines] == \
+        [[h["throughput"][k] for k in counted] for h in single.history]
 
 
 @pytest.mark.parametrize("case", sorted(STATEFUL))

@@ -157,6 +157,10 @@ def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_id
     if strategy == "fedavg":
         assert [h["bytes_down_total"] for h in flower.history] == [h["bytes_down_total"] for h in sim.history]
         assert "train.sync" not in grid.sent
+        counted = ("tokens", "supervised_tokens", "positions", "flops")  # throughput: the nodes' counts come back
+        assert [[h["throughput"][k] for k in counted] for h in flower.history] == \
+            [[h["throughput"][k] for k in counted] for h in sim.history]
+        assert all(h["throughput"]["tokens_per_s"] > 0 for h in flower.history)
     if strategy == "frlora":
         # catch-up: the clients of round 1 applied nothing before it; 2 clients x rounds 1..3 arrive later
         assert grid.sent.count("train.sync") == 3

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -18,18 +19,7 @@ def gpu_check():
     return module
 
 
-def test_step_flops_of_the_smollm2_shape(gpu_check):
-    config = json.loads((ROOT / "fedllm/assets/configs/smollm2-135m-instruct/config.json").read_text())
-    shapes = gpu_check.Shapes(config, 8, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    assert shapes.linear == 2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536  # q, o; k, v; gate, up, down
-    assert shapes.q_dim == 576 and shapes.vocab == 49152
-    plain = gpu_check.step_flops(shapes, 8, 128, 0)
-    assert plain > 4 * 30 * shapes.linear * 8 * 128 * 0.99
-    assert gpu_check.step_flops(shapes, 8, 128, 10) - plain == 4 * 49152 * 576 * 10  # the head at 10 positions
-    assert gpu_check.step_flops(shapes, 8, 128, 0, residual=True) > plain  # FRLoRA's hooked residual on a bf16 base
-
-
-def test_dry_run_trains_measures_and_compares_with_its_reference(gpu_check, tmp_path):
+def test_dry_run_trains_measures_mfu_and_compares_with_its_reference(gpu_check, tmp_path, capsys):
     out, ref = tmp_path / "check.json", tmp_path / "ref.json"
     assert gpu_check.main(["--dry", "--models", "smollm2-135m", "--configs", "fp32,bf16", "--json", str(out),
                            "--save-ref", str(ref), "--work-dir", str(tmp_path / "work")]) == 0
@@ -44,8 +34,11 @@ def test_dry_run_trains_measures_and_compares_with_its_reference(gpu_check, tmp_
         for rnd in r["rounds_detail"]:  # 2 clients x 1 step x batch 2 x 48 tokens, no padding
             assert rnd["tokens"] == 2 * 2 * 48 and rnd["padded_positions"] == 0 and rnd["tokens_per_s"] > 0
         check = r["flop_check"]  # the formula against torch's FLOP counter on a real micro-batch
-        assert check["formula"] == pytest.approx(check["flop_counter"], rel=1e-3)
+        assert check["formula"] == pytest.approx(check["flop_counter"], rel=1e-9)
+        assert r["peak_probe"] > 0 and r["mfu_probe"] == pytest.approx(r["flops_per_s"] / r["peak_probe"])
     assert [r["dense_residual"] for r in rows] == [False, False, False, True]  # FRLoRA on bf16: hooked residual
+    table = capsys.readouterr().out.split("MFU probe", 1)[1]  # the printed table: an MFU in % on every row
+    assert len(re.findall(r" \d+\.\d\d% ", table)) == len(rows)
     saved = json.loads(ref.read_text())
     assert set(saved["runs"]) == {"smollm2-135m/fedavg/b2x48", "smollm2-135m/frlora/b2x48"}
     again = gpu_check.summarise(dict(rows[0]), {}, saved)  # a run beside its own reference: no difference

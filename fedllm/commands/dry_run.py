@@ -37,10 +37,12 @@ class _StepTimer:
 
     def __init__(self, limit: int):
         self.ends = [time.perf_counter()]
+        self.cpu_ends = [time.process_time()]
         self.limit = limit
 
     def update(self, n: int = 1) -> None:
         self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
         if len(self.ends) > self.limit:
             raise _Enough
 
@@ -64,6 +66,7 @@ class DryRunReport:
     costs: Any = None  # fedllm.commands.cost_report.CostReport
     eval_seconds: float = 0.0  # one evaluation of every timed task
     eval_untimed: tuple[str, ...] = ()  # "task (why)" of the tasks not timed
+    throughput: str = ""  # tokens/s, FLOPs per step, FLOP/s and MFU of the timed steps (fedllm.engine.throughput)
 
     @property
     def seconds_per_round(self) -> float:
@@ -88,6 +91,7 @@ class DryRunReport:
             f"({r.federation.strategy}) built in {self.build_seconds:.1f} s",
             f"  one optimizer step: {self.seconds_per_step:.3f} s (mean of {TIMED_STEPS - 1} after a warm-up; "
             f"batch {r.train.batch_size} x grad_accum {r.train.grad_accum}, max_length {r.train.max_length})",
+            *([f"  throughput of those steps: {self.throughput}"] if self.throughput else []),
             f"  per round: {self.steps_per_round} client steps ({r.sampled_per_round()} clients) -> "
             f"~{_duration(self.seconds_per_round)}",
             *evals,
@@ -110,12 +114,14 @@ class UntimedReport:
     build_seconds: float
     costs: Any  # fedllm.commands.cost_report.CostReport
     built: str  # how the model was built
+    flops: str = ""  # FLOPs per step at full length (fedllm.models.flops), and the device's peak
 
     def report(self) -> str:
         r = self.recipe
         return "\n".join([
             f"dry run of {r.source}: recipe valid; model ({r.model.name}) {self.built} and strategy "
             f"({r.federation.strategy}) set up in {self.build_seconds:.1f} s; no step timed",
+            *([f"  {self.flops}"] if self.flops else []),
             *self.costs.lines(),
             *projection_lines(self.costs.comm.round_up, self.costs.comm.round_down, r.federation.rounds,
                               r.federation.communication_budget_mb),
@@ -146,8 +152,10 @@ def dry_run(recipe: Recipe) -> "DryRunReport | UntimedReport":
     the weights or the data, the untimed cost report of the model (on the meta device without weights)."""
     from fedllm.data.errors import DataError
     from fedllm.engine.server import build_federation
+    from fedllm.models.hardware import resolve_auto_dtypes
     from fedllm.models.info import weights_unavailable
 
+    resolve_auto_dtypes(recipe)  # as a run resolves them (train.dtype / model.dtype: auto)
     missing = weights_unavailable(recipe.model)
     if missing is not None:
         return untimed(recipe, weights_missing=missing)
@@ -190,6 +198,9 @@ def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
     from fedllm.strategies import get_strategy
     from fedllm.strategies.base import ClientInfo
 
+    from fedllm.models.hardware import resolve_auto_dtypes
+
+    resolve_auto_dtypes(recipe)
     t0 = time.perf_counter()
     sizes, steps, notes = _estimated_clients(recipe)
     num_labels = len(recipe.data.labels) if recipe.data.labels else 2
@@ -213,7 +224,31 @@ def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
     torch.manual_seed(derived_seed(recipe.seed, 0x57A7))
     strategy.setup(model, [ClientInfo(c, n) for c, n in enumerate(sizes)])
     costs = cost_report(recipe, model, strategy, task, source, weights_missing is not None, steps, notes)
-    return UntimedReport(recipe, time.perf_counter() - t0, costs, built)
+    return UntimedReport(recipe, time.perf_counter() - t0, costs, built,
+                         full_length_flops(recipe, model, task, strategy, on_meta=weights_missing is not None))
+
+
+def full_length_flops(recipe: Recipe, model: Any, task: str, strategy: Any, on_meta: bool) -> str:
+    """FLOPs of one optimizer step with every row at ``max_length`` and the head at every position (an upper
+    bound, :mod:`fedllm.models.flops`), and the peak of this machine's device (a CPU probe unless on the meta
+    device, where the weights' device is unknown)."""
+    from fedllm.engine.throughput import Throughput
+    from fedllm.models.flops import TrainedWork
+
+    t = Throughput(recipe, model, task, _dense_residual(strategy), measure_peak=not on_meta)
+    if t.shapes is None:
+        return ""
+    rows, length = recipe.train.batch_size * recipe.train.grad_accum, recipe.train.max_length
+    step = TrainedWork(positions=rows * length, square=rows * length * length, head=rows * length).flops(t.shapes,
+                                                                                                      t.residual)
+    peak = (f"; {t.peak.dtype} peak of this machine {t.peak.flops_per_s / 1e9:,.1f} GFLOP/s ({t.peak.source})"
+            if t.peak else "")
+    return (f"FLOPs per optimizer step: {step / 1e9:,.3f} GFLOP at most ({rows} rows x max_length {length}, "
+            f"the LM head at every position){peak}")
+
+
+def _dense_residual(strategy: Any) -> bool:
+    return getattr(getattr(strategy, "base", None), "mode", None) == "dense"  # FRLoRA's hooked residual
 
 
 def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
@@ -222,8 +257,10 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
 
     from fedllm.commands.cost_report import client_bytes, cost_report
     from fedllm.data.collate import collate
-    from fedllm.engine.client import run_client
+    from fedllm.engine.client import head_at_every_position, run_client
     from fedllm.engine.server import sample_clients
+    from fedllm.engine.throughput import Throughput, describe
+    from fedllm.models.flops import TrainedWork
     from fedllm.evaluation.runner import eval_due
     from fedllm.models.loading import read_state
     from fedllm.models.meta import check_targets
@@ -252,17 +289,34 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
     plan = strategy.configure_client(1, cid, global_state)
     plan.lr = recipe.train.lr
     timer = _StepTimer(TIMED_STEPS)
-    coll = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
+    plain = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
+    counted: list[TrainedWork] = []  # one per micro-batch, in order
+    head_everywhere = head_at_every_position(fed.loaded.model, recipe.train)
+
+    def coll(items: list[dict]) -> dict:
+        batch = plain(items)
+        counted.append(TrainedWork())
+        counted[-1].add_batch(batch, head_everywhere)
+        return batch
+
     try:
         run_client(fed.loaded.model, plan, strategy, ClientStore(), data.examples, data.clients[cid], recipe.train,
                    coll, derived_seed(recipe.seed, 1, cid), timer)
     except _Enough:
         pass
+    throughput = Throughput(recipe, fed.loaded.model, fed.loaded.task, _dense_residual(strategy))
+    timed = TrainedWork()
+    for w in counted[recipe.train.grad_accum:]:  # after the warm-up step
+        timed = timed.merge(w)
+    timed.seconds = timer.ends[-1] - timer.ends[min(1, len(timer.ends) - 1)]
+    timed.cpu_seconds = timer.cpu_ends[-1] - timer.cpu_ends[min(1, len(timer.cpu_ends) - 1)]
+    figures = throughput.figures(timed, max(1, len(timer.ends) - 2))
     eval_rounds: list[Any] = [r for r in range(recipe.federation.rounds + 1) if eval_due(recipe.eval, r,
                                                                                         recipe.federation.rounds)]
     eval_seconds, eval_untimed = _eval_seconds(recipe, fed) if eval_rounds else (0.0, [])
     return DryRunReport(recipe, build_seconds, timer.seconds_per_step(), steps, up, down, eval_rounds, costs,
-                        eval_seconds, tuple(eval_untimed))
+                        eval_seconds=eval_seconds, eval_untimed=tuple(eval_untimed),
+                        throughput=describe(figures, throughput.peak))
 
 
 def _eval_seconds(recipe: Recipe, fed: Any) -> tuple[float, list[str]]:

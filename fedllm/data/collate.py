@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Callable
 
 import torch
@@ -89,3 +91,15 @@ def collate(examples: list[dict], pad_id: int, task: str = "causal_lm") -> dict[
         "attention_mask": _mask(examples),
         "labels": LABELS[task](examples),
     }
+
+
+class _CallableModule(types.ModuleType):
+    """``fedllm.data.collate`` names both this module and its function: the package exports the function lazily,
+    but once this module is imported first (``from fedllm.data.collate import ...``) the package attribute is the
+    module. Calling the module collates, so ``from fedllm.data import collate`` works in any import order."""
+
+    def __call__(self, *args, **kwargs):
+        return collate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

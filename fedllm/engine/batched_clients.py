@@ -24,6 +24,7 @@ strategy opts in with ``Strategy.client_batching = True``: one default phase per
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +38,14 @@ from fedllm.engine.client import (
     ClientResult,
     batch_stream,
     close_client_state,
+    head_at_every_position,
+    lora_input_casts_skipped,
     open_client_state,
+    resolved,
     train_autocast,
+    training_attention,
 )
+from fedllm.models.flops import TrainedWork
 from fedllm.models.loading import write_state
 from fedllm.models.state import StateDict
 from fedllm.models.supervised_loss import supervised_hidden, supports_supervised_positions, token_losses
@@ -206,25 +212,33 @@ def train_clients(model: torch.nn.Module, plans: list[ClientPlan], strategy: Str
     (num_steps,) = steps
     torch.manual_seed(seeds[0])
     device = next(model.parameters()).device
+    cfg = resolved(cfg, device)
     keys = list(plans[0].state)
     factors = StackedFactors(model, [{**p.state, **p.local} for p in plans], keys)
     streams = [batch_stream(cfg, examples, ix, s) for ix, s in zip(indices, seeds, strict=True)]
     opt = OPTIMIZERS[cfg.optimizer]([factors.tensors[n] for n in factors.trainable], cfg, plans[0].lr)
     losses: list[list[float]] = [[] for _ in range(k)]
     padded = [[0, 0] for _ in range(k)]
+    work = [TrainedWork() for _ in range(k)]
+    head_everywhere = head_at_every_position(model, cfg)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     was_training = model.training
     model.train()
     try:
-        with factors.patched():
+        with factors.patched(), lora_input_casts_skipped(model, cfg), training_attention(model, cfg):
             for _ in range(num_steps):
                 opt.zero_grad(set_to_none=True)
                 for _ in range(cfg.grad_accum):
                     parts = [[examples[i] for i in s.next()] for s in streams]
-                    batch = {n: v.to(device) for n, v in collate([ex for p in parts for ex in p]).items()}
+                    batch = collate([ex for p in parts for ex in p])
                     width = batch["input_ids"].shape[1]
+                    row = 0
                     for c, part in enumerate(parts):  # the positions the pass computed for client c
                         padded[c][0] += sum(width - len(ex["input_ids"]) for ex in part)
                         padded[c][1] += width * len(part)
+                        work[c].add_batch({n: v[row:row + len(part)] for n, v in batch.items()}, head_everywhere)
+                        row += len(part)
+                    batch = {n: v.to(device) for n, v in batch.items()}
                     factors.set_rows([len(p) for p in parts], device)
                     with train_autocast(device, cfg.dtype):
                         per_client = per_client_losses(model, batch, factors.rows, k, cfg.loss_positions)
@@ -240,13 +254,16 @@ def train_clients(model: torch.nn.Module, plans: list[ClientPlan], strategy: Str
                     progress.update(k)
     finally:
         model.train(was_training)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    for w in work:  # one pass trained them all: each client is charged its share of the time
+        w.seconds, w.cpu_seconds = wall / k, cpu / k
     results = []
     for c, plan in enumerate(plans):
         touched = list(plan.state) + [n for n in plan.local if n not in plan.state]
         mine = factors.client(c)
         state = {n: mine[n].detach().clone() for n in touched}
         results.append(ClientResult(state=state, loss=sum(losses[c]) / len(losses[c]), steps=num_steps,
-                                    padding=(padded[c][0], padded[c][1])))
+                                    padding=(padded[c][0], padded[c][1]), work=work[c]))
     write_state(model, results[-1].state)  # the model ends as after sequential training: the last client's values
     return results
 

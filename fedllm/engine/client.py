@@ -10,8 +10,10 @@ multi-process run, a Flower ClientApp): per-client state in, upload out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from fedllm.data.collate import is_pair_batch
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
 from fedllm.engine.compressed_rounds import compress_upload
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
+from fedllm.models.flops import TrainedWork
 from fedllm.models.loading import read_state, write_state
 from fedllm.models.preference_loss import pair_loss
 from fedllm.models.state import DTYPES, StateDict
@@ -45,6 +48,7 @@ class ClientResult:
     steps: int
     optimizer_state: StateDict | None = None
     padding: tuple[int, int] = (0, 0)  # (padded positions, all positions) of the micro-batches trained on
+    work: TrainedWork = field(default_factory=TrainedWork)  # tokens, FLOP counts and seconds (throughput, MFU)
 
 
 class BatchStream:
@@ -121,11 +125,65 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str], sta
                 opt.state[p] = entries
 
 
+def resolved(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """``cfg`` with ``dtype: auto`` resolved for ``device`` (a run resolves it at start; a caller of the client
+    functions with a fresh :class:`TrainConfig` may not have)."""
+    if cfg.dtype != "auto":
+        return cfg
+    from fedllm.models.hardware import auto_dtype
+
+    return dataclasses.replace(cfg, dtype=auto_dtype(device)[0])
+
+
 def train_autocast(device: torch.device, dtype: str):
     """``torch.autocast`` on ``device`` for ``train.dtype`` bf16/fp16 (CPU or GPU); nothing for fp32."""
+    if dtype == "auto":
+        from fedllm.models.hardware import auto_dtype
+
+        dtype = auto_dtype(device)[0]
     if dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
+
+
+#: Under bf16/fp16 autocast, PEFT's LoRA layers keep the input in its own dtype instead of casting it to their
+#: fp32 factors' (autocast casts it back for the matmul: two casts of every LoRA input, forward and backward,
+#: for the same bits). False restores PEFT's casts (``bench/bf16_step.py`` measures both).
+SKIP_LORA_INPUT_CASTS = True
+
+
+def lora_input_casts_skipped(model: torch.nn.Module, cfg: TrainConfig):
+    """Context: PEFT's input casts of the LoRA layers off under autocast (:data:`SKIP_LORA_INPUT_CASTS`)."""
+    from peft.helpers import disable_input_dtype_casting
+
+    return disable_input_dtype_casting(model, active=SKIP_LORA_INPUT_CASTS and cfg.dtype in ("bf16", "fp16"))
+
+
+#: Micro-batches up to this many positions train on a CPU under bf16/fp16 autocast with eager attention (matmuls
+#: and an fp32 softmax) instead of SDPA's flash kernel, whose CPU bf16 backward is slow at short lengths: one
+#: SmolLM2-shaped layer (4 x 9 heads x 64) forward + backward, 1 thread, CPU-ms: S=96 flash 9.0 / eager 2.7,
+#: S=160 16.4 / 5.9, S=256 25.6 / 14.7, S=512 85 / 117 (docs/performance.md). fp32 gains nothing (4.5 / 4.8 at 96).
+EAGER_ATTENTION_MAX_LENGTH = 256
+
+
+@contextlib.contextmanager
+def training_attention(model: torch.nn.Module, cfg: TrainConfig):
+    """Context: eager attention while training on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH`
+    (the model's own choice otherwise, and always outside training: evaluation and generation keep SDPA)."""
+    from fedllm.models.supervised_loss import base_of
+
+    config = getattr(base_of(model), "config", None)
+    device = next(model.parameters()).device
+    switch = (config is not None and getattr(config, "_attn_implementation", None) == "sdpa"
+              and device.type == "cpu" and cfg.dtype in ("bf16", "fp16") and cfg.max_length <= EAGER_ATTENTION_MAX_LENGTH)
+    if not switch:
+        yield
+        return
+    config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, examples: Sequence[dict],
@@ -149,6 +207,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     torch.manual_seed(seed)
     write_state(model, {**plan.state, **plan.local})
     device = next(model.parameters()).device
+    cfg = resolved(cfg, device)
     params = dict(model.named_parameters())
     private = strategy.sample_level_privacy(plan, len(indices))  # DP-SGD (fedllm.privacy.dp_sgd) or None
     stream = private.stream(indices) if private else batch_stream(cfg, examples, indices, seed)
@@ -157,11 +216,17 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     losses: list[float] = []
     total_steps = 0
     padded = positions = 0
+    work = TrainedWork()
+    head_everywhere = head_at_every_position(model, cfg)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     new_opt_state: StateDict = {}
     scaler = torch.amp.GradScaler(device.type) if cfg.dtype == "fp16" else None
     was_training = model.training
     original_flags = {name: p.requires_grad for name, p in params.items()}
     model.train()
+    restore = contextlib.ExitStack()
+    restore.enter_context(lora_input_casts_skipped(model, cfg))
+    restore.enter_context(training_attention(model, cfg))
     try:
         for phase in plan.phases:
             keys = list(phase.keys) if phase.keys is not None else list(plan.state)
@@ -184,6 +249,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
                             continue
                         batch = collate([examples[i] for i in drawn])
                         pad, pos = padded_positions(batch["attention_mask"])  # on the CPU: no device sync
+                        work.add_batch(batch, head_everywhere)
                         batch = {k: v.to(device) for k, v in batch.items()}
                         padded, positions = padded + pad, positions + pos
                         with train_autocast(device, cfg.dtype):
@@ -210,14 +276,24 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
                     if progress is not None:
                         progress.update(1)
             new_opt_state.update(_named_optimizer_state(opt, names))
+        work.seconds, work.cpu_seconds = time.perf_counter() - wall0, time.process_time() - cpu0
     finally:
+        restore.close()
         for name, p in params.items():
             p.requires_grad_(original_flags[name])
         model.train(was_training)
     loss = sum(losses) / len(losses) if losses else 0.0  # none: DP-SGD drew only empty Poisson batches
     return ClientResult(state=read_state(model, touched), loss=loss, steps=total_steps,
                         optimizer_state=new_opt_state if cfg.optimizer_state == "per_client" else None,
-                        padding=(padded, positions))
+                        padding=(padded, positions), work=work)
+
+
+def head_at_every_position(model: torch.nn.Module, cfg: TrainConfig) -> bool:
+    """Whether the LM head runs at every position (``train.loss_positions: all``, or a model type whose head
+    :mod:`fedllm.models.supervised_loss` does not know) rather than at the supervised ones only."""
+    from fedllm.models.supervised_loss import supports_supervised_positions
+
+    return cfg.loss_positions == "all" or not supports_supervised_positions(model)
 
 
 def open_client_state(plan: ClientPlan, strategy: Strategy, store: ClientStore) -> StateDict | None:
@@ -242,7 +318,8 @@ def close_client_state(plan: ClientPlan, strategy: Strategy, store: ClientStore,
                                                            if result.optimizer_state is not None else moments),
                                             residual))
     update = ClientUpdate(plan.client_id, upload, num_examples, strategy.released_loss(result.loss), result.steps,
-                          padding=result.padding, wire_bytes=wire_bytes, packed=packed)
+                          padding=result.padding, wire_bytes=wire_bytes, packed=packed,
+                          work=result.work.as_dict())
     return update
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fedllm.models.hardware import auto_dtype
 from fedllm.models.preference_loss import needs_reference, sequence_logps
 from fedllm.models.state import DTYPES, StateDict
 from fedllm.recipe.schema import TrainConfig
@@ -82,7 +83,8 @@ def compute_reference(
             for start in range(0, len(indices), size):
                 batch = collate([examples[i] for i in indices[start : start + size]])
                 batch = {k: v.to(device) for k, v in batch.items()}
-                autocast = torch.autocast(device.type, DTYPES[cfg.dtype]) if cfg.dtype != "fp32" else None
+                dtype = cfg.dtype if cfg.dtype != "auto" else auto_dtype(device)[0]
+                autocast = torch.autocast(device.type, DTYPES[dtype]) if dtype != "fp32" else None
                 if autocast is None:
                     logps = sequence_logps(model, batch, cfg.loss_positions).logps
                 else:

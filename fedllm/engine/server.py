@@ -27,7 +27,7 @@ from fedllm.common.errors import InputError
 from fedllm.common.redact import redact
 from fedllm.common.tracking import Tracking
 from fedllm.data import FederatedData, build_federated_data
-from fedllm.data.collate import collate
+from fedllm.data.collate import collate  # the function (the package attribute is the module once imported)
 from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
 from fedllm.engine.client import micro_batch_loss, run_client
@@ -41,8 +41,10 @@ from fedllm.engine.reference import (
     with_reference,
 )
 from fedllm.engine.secure_rounds import SecureRound, SummedUpdate
+from fedllm.engine.throughput import Throughput, round_text
 from fedllm.evaluation.personal import personal_stats
 from fedllm.evaluation.runner import eval_due
+from fedllm.models.hardware import resolve_auto_dtypes
 from fedllm.models.loading import (
     LoadedModel,
     load_model,
@@ -92,6 +94,7 @@ class Federation:
     strategy: Strategy
     global_keys: list[str]
     timings: dict[str, float] = field(default_factory=dict)  # seconds of the start-up steps
+    dtypes: dict[str, Any] = field(default_factory=dict)  # train.dtype / model.dtype as run, and why (auto)
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, k: int, attempt: int = 0,
@@ -130,6 +133,7 @@ def round_lr(recipe: Recipe, rnd: int) -> float:
 def build_federation(recipe: Recipe) -> Federation:
     """Tokenizer, data + partition, model + LoRA, strategy: all input errors surface here."""
     t0 = time.perf_counter()
+    dtypes = resolve_auto_dtypes(recipe)  # train.dtype / model.dtype: auto -> what this device computes natively
     task = resolve_task(recipe.model)
     tokenizer = load_tokenizer(recipe.model)
     t1 = time.perf_counter()
@@ -147,7 +151,7 @@ def build_federation(recipe: Recipe) -> Federation:
     strategy.setup(loaded.model, [ClientInfo(c, len(ix)) for c, ix in enumerate(data.clients)])
     timings = {"tokenizer_seconds": t1 - t0, "data_seconds": t2 - t1, "model_seconds": time.perf_counter() - t2}
     return Federation(recipe, loaded, data, strategy, strategy.global_keys(loaded.model),
-                      {k: round(v, 3) for k, v in timings.items()})
+                      {k: round(v, 3) for k, v in timings.items()}, dtypes)
 
 
 def base_weights(model: torch.nn.Module) -> StateDict:
@@ -335,6 +339,9 @@ class RoundLoop:
             if why:  # recipe load refuses it too; a strategy object built otherwise is checked here
                 raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus needs a strategy "
                                  f"that aggregates from the sum of the uploads; {self.recipe.federation.strategy} {why}")
+        residual = getattr(getattr(fed.strategy, "base", None), "mode", None) == "dense"  # FRLoRA's hooked residual
+        self.throughput = Throughput(self.recipe, self.model, fed.loaded.task, residual,
+                                     measure_peak=self.executor.is_main)
 
     # ----- persistence
     def checkpoint(self, rnd: int, directory: Path, snapshot: bool = False) -> None:
@@ -508,6 +515,7 @@ class RoundLoop:
             "bytes_up_total": sum(up.values()), "bytes_down_total": sum(down.values()),
             "train_loss": released_mean_loss(updates),
             "padded_fraction": padded_fraction(updates),
+            "throughput": self.throughput.round_record(updates),
         }
         if any(u.loss is None for u in updates):  # not uploaded (DP-SGD: no noise protects a client's loss)
             del record["client_loss"], record["train_loss"]
@@ -561,7 +569,8 @@ class RoundLoop:
             bar.set_postfix_str(f"run ETA {eta}", refresh=True)
             self.say(f"round {rnd}/{rounds}  clients={record['clients']}  loss={_loss(record)}  "
                      f"up={record['bytes_up_total'] / 1e6:.2f}MB  down={record['bytes_down_total'] / 1e6:.2f}MB  "
-                     f"{record['seconds']:.1f}s  ETA {eta}  {_format_metrics(record.get('eval', {}))}".rstrip()
+                     f"{record['seconds']:.1f}s  {round_text(record.get('throughput'))}  ETA {eta}  "
+                     f"{_format_metrics(record.get('eval', {}))}".rstrip()
                      + "".join(f"\n  client {c} dropped: {why}" for c, why in record.get("dropped", {}).items()))
             if recipe.checkpoint.every and rnd % recipe.checkpoint.every == 0 and rnd < rounds:
                 self.checkpoint(rnd, ckpt_io.round_dir(self.run_dir, rnd))
@@ -601,6 +610,8 @@ class RoundLoop:
             "final_personal_eval_stats": personal_stats(personal[-1]["personal_eval"]) if personal else None,
             "seconds": round(sum(h.get("seconds", 0) for h in rounds), 3),
             "threads": threads.in_effect(),
+            "dtype": self.fed.dtypes or {"train": self.recipe.train.dtype, "model": self.recipe.model.dtype},
+            "throughput": self.throughput.run_summary(rounds),
             "startup_seconds": self.startup.get("seconds"), "startup": self.startup,
             "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},
             **{k: rounds[-1][k] for k in ("epsilon", "client_epsilon", "privacy") if rounds and k in rounds[-1]},

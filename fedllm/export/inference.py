@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from fedllm.common.errors import InputError
+from fedllm.models.hardware import resolve_auto_dtypes
 from fedllm.models.loading import load_model, load_tokenizer
 from fedllm.recipe.checks import parse_recipe
 from fedllm.recipe.schema import ModelConfig, Recipe, read_yaml
@@ -43,6 +44,7 @@ def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,
     recipe = recipe_of(ck, where)
     if dtype is not None:
         recipe.model.dtype = dtype
+    resolve_auto_dtypes(recipe)  # a run stores its resolved dtypes; a recipe written by hand may say auto
     if quantization is not None:
         recipe.model.quantization = quantization
     tok = load_tokenizer(recipe.model)

@@ -195,11 +195,14 @@ def to_fp32(model: Any) -> Any:
     """Cast floating parameters to fp32 for the merge maths.
 
     Models read from GGUF files count as quantized to transformers, whose ``.float()``
-    then refuses, although their weights are already dequantized to plain tensors; they
-    (and any model already in fp32) are left as they are.
+    then refuses, although their weights are already dequantized to plain tensors: with every
+    parameter a plain floating tensor (a bf16 run of a GGUF preset) torch's own ``Module.float``
+    casts them; a model already in fp32 is left as it is.
     """
     if all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point()):
         return model
+    if getattr(model, "is_quantized", False) and all(p.is_floating_point() for p in model.parameters()):
+        return torch.nn.Module.float(model)  # dequantized GGUF weights: nothing bitsandbytes-packed to keep
     return model.float()
 
 

@@ -205,7 +205,8 @@ class FedllmStrategy(FlowerStrategy):
                 wire = records.record_bytes(arrays["update"]) + records.record_bytes(arrays["update.packed"])
             update = ClientUpdate(cid, state, int(metrics["num_examples"]),
                                   float(metrics["loss"]) if "loss" in metrics else None, int(metrics["steps"]),
-                                  wire_bytes=wire)
+                                  wire_bytes=wire,
+                                  work={k[5:]: metrics[k] for k in metrics.keys() if k.startswith("work.")})
             seen[cid] = update.steps  # trained and received, whether it is aggregated or dropped below
             problem = client_faults.update_problem(update, self.expected.get(cid))
             if problem is not None:

@@ -83,7 +83,8 @@ def train(msg: Message, context: Context) -> Message:
         packed = {"packed": layout}
         reply["update.packed"] = packed_record
     metrics = MetricRecord({"client_id": node.config.client_id, "num_examples": update.num_examples, **loss,
-                            "steps": update.steps, "synced": node.synced, "step": int(cfg["round"])})
+                            "steps": update.steps, "synced": node.synced, "step": int(cfg["round"]),
+                            **{f"work.{k}": v for k, v in update.work.items()}})  # tokens, seconds (throughput)
     reply["update"] = records.encode({k: v for k, v in update.state.items() if k not in (update.packed or {})}, comm)
     reply["metrics"] = metrics
     if packed:

@@ -391,5 +391,5 @@ def meta_base_model(cfg: ModelConfig, num_labels: int = 2) -> tuple[Any, str]:
     auto = (transformers.AutoModelForSequenceClassification if task == "classification"
             else transformers.AutoModelForCausalLM)
     with torch.device(META):
-        model = auto.from_config(config, dtype=DTYPES[cfg.dtype])
+        model = auto.from_config(config, dtype=DTYPES["fp32" if cfg.dtype == "auto" else cfg.dtype])
     return model, task

@@ -255,6 +255,8 @@ def load_base_model(cfg: ModelConfig, tokenizer: Any, num_labels: int = 2, seed:
                          f"(WORLD_SIZE is {os.environ['WORLD_SIZE']})")
     if cfg.device_map == "cuda":  # this process's GPU (torchrun / accelerate set LOCAL_RANK)
         cfg = dataclasses.replace(cfg, device_map=f"cuda:{os.environ.get('LOCAL_RANK', '0')}")
+    if cfg.dtype == "auto":  # follows train.dtype, resolved by a run (fedllm.models.hardware); alone here: fp32
+        cfg = dataclasses.replace(cfg, dtype="fp32")
     source = _source(cfg)
     torch.manual_seed(seed)  # random heads / tiny models are reproducible
     model = source.model(cfg, cfg.num_labels or num_labels, tokenizer)

@@ -64,8 +64,13 @@ def is_safe(key: str, private: bool = False) -> bool:
     return key in SAFE_KEYS or key.split(".", 1)[0] in SAFE_SECTIONS
 
 
+#: Keys whose ``auto`` the run resolves for its device before it loads the model (``fedllm.models.hardware``): a
+#: recipe's ``auto`` is compared with the run's value once resolved (``fedllm.engine.server`` checks again then).
+RESOLVED_AT_START = ("train.dtype", "model.dtype")
+
+
 def _same(key: str, old: Any, new: Any) -> bool:
-    if old == new:
+    if old == new or (key in RESOLVED_AT_START and new == "auto"):
         return True
     if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(old, bool):
         return float(old) == float(new)

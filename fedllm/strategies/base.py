@@ -56,6 +56,7 @@ class ClientUpdate:
     padding: tuple[int, int] = (0, 0)  # (padded positions, all positions) of the batches trained on
     wire_bytes: int | None = None  # bytes as sent when compressed (federation.compression); None: the state's
     packed: Any = None  # the compressed form a transport carries (federation.compression.upload); None: uncompressed
+    work: dict[str, float] = field(default_factory=dict)  # fedllm.models.flops.TrainedWork: tokens, seconds
 
 
 @dataclass

@@ -102,5 +102,6 @@ def test_second_run_and_resume_skip_tokenisation(tiny_recipe, tmp_path, monkeypa
 def test_cache_off_writes_nothing(tiny_recipe, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     result = run(parse_recipe(tiny_recipe(federation={"rounds": 1}, data={"cache": False})))
-    assert not (tmp_path / "cache").exists()
+    cache = tmp_path / "cache"  # at most the device's measured matmul peak (fedllm.models.hardware), no tokens
+    assert not cache.exists() or [p.name for p in cache.iterdir()] == ["device_peak.json"]
     assert _summary(result.run_dir)["startup"]["tokenized_cache"]["path"] is None

@@ -136,7 +136,7 @@ def base_recipe(root: Path, name: str, data_file: Path, **sections: Any) -> dict
         "data": {"path": str(data_file), "format": "instruction",
                  "fields": {"instruction": "question", "output": "answer"}},
         "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 2, "partition": {"method": "iid"}},
-        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64},
+        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64, "dtype": "fp32"},  # exact values
         "logging": {"progress": False, "quiet": True},
     }
     for key, value in sections.items():

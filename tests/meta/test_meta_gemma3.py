@@ -97,7 +97,7 @@ def test_gemma3_270m_trains_a_round_and_its_exports_load_in_plain_transformers_a
         "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "data": {"path": str(data), "template": "alpaca", "fields": {"instruction": "question", "output": "answer"}},
         "federation": {"num_clients": 1, "rounds": 1}, "train": {"local_steps": 1, "batch_size": 2, "lr": 1e-2,
-                                                                 "max_length": 48},
+                                                                 "max_length": 48, "dtype": "fp32"},  # exact logits
         "logging": {"progress": False, "quiet": True}}))
     record = result.history[-1]
     assert record["client_steps"] == {"0": 1} and 0 < record["client_loss"]["0"] < 20, record

@@ -15,7 +15,7 @@ def tiny_raw(tmp, data, **sections):
         "seed": 0, "output_dir": str(tmp / "run"), "model": {"name": "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
         "data": {"path": str(data), "format": "instruction", "fields": {"instruction": "question", "output": "answer"}},
         "federation": {"num_clients": 3, "clients_per_round": 2, "rounds": 3, "partition": {"method": "iid"}},
-        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64},
+        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 64, "dtype": "fp32"},  # exact values
         "checkpoint": {"every": 1}, "logging": {"progress": False, "quiet": True},
     }
     for key, value in sections.items():

