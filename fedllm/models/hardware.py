@@ -211,6 +211,19 @@ def recipe_device(model_cfg: Any) -> Any:
     return torch.device("cpu")
 
 
+def base_dtype(recipe: Any) -> tuple[str, str]:
+    """What ``model.dtype: auto`` means for ``recipe`` (``train.dtype`` resolved): bf16 weights when training in bf16,
+    except under DoRA with a strategy that merges into the base in place, whose merges need an fp32 base
+    (:data:`fedllm.recipe.compression_checks.DORA_MERGE_STRATEGIES`); fp32 otherwise."""
+    from fedllm.recipe.compression_checks import DORA_MERGE_STRATEGIES
+
+    if recipe.lora.use_dora and recipe.federation.strategy in DORA_MERGE_STRATEGIES:
+        return "fp32", f"lora.use_dora with {recipe.federation.strategy}: its merges need an fp32 base"
+    if recipe.train.dtype == "bf16":
+        return "bf16", "train.dtype bf16"
+    return "fp32", f"train.dtype {recipe.train.dtype}"
+
+
 def resolve_auto_dtypes(recipe: Any) -> dict[str, Any]:
     """Replace ``auto`` in ``train.dtype`` (bf16 where the device computes it natively, else fp32: :func:`auto_dtype`)
     and ``model.dtype`` (bf16 when ``train.dtype`` is bf16, else fp32) by what they mean here, in place; the choice,
@@ -220,6 +233,6 @@ def resolve_auto_dtypes(recipe: Any) -> dict[str, Any]:
         recipe.train.dtype, why = auto_dtype(recipe_device(recipe.model))
         log.info("train.dtype: auto -> %s (%s)", recipe.train.dtype, why)
     if recipe.model.dtype == "auto":
-        recipe.model.dtype = "bf16" if recipe.train.dtype == "bf16" else "fp32"
-        log.info("model.dtype: auto -> %s (train.dtype %s)", recipe.model.dtype, recipe.train.dtype)
+        recipe.model.dtype, reason = base_dtype(recipe)
+        log.info("model.dtype: auto -> %s (%s)", recipe.model.dtype, reason)
     return {"train": recipe.train.dtype, "model": recipe.model.dtype, "auto": why}

@@ -76,8 +76,8 @@ def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     p = []
     args = r.federation.strategy_args
     if r.federation.strategy in DORA_MERGE_STRATEGIES:
-        if r.model.dtype != "fp32":
-            p.append(("model.dtype", r.model.dtype, (f"fp32 with lora.use_dora and {r.federation.strategy} (its "
+        if r.model.dtype not in ("fp32", "auto"):  # auto: an fp32 base for these (models.hardware.base_dtype)
+            p.append(("model.dtype", r.model.dtype, (f"fp32 or auto with lora.use_dora and {r.federation.strategy} (its "
                       "merges go into an fp32 base in place; a dense residual beside a half-precision base is left "
                       "out of DoRA's column norm)")))
         if args.get("residual", "auto") == "dense" or args.get("accumulate", "merge") != "merge":

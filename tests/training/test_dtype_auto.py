@@ -46,6 +46,21 @@ def test_dtype_auto_resolves_both_keys_once(monkeypatch, tiny_recipe):
     assert hardware.resolve_auto_dtypes(recipe) == {"train": "fp32", "model": "fp32", "auto": None}  # follows train
 
 
+def test_dtype_auto_keeps_an_fp32_base_for_dora_merges(monkeypatch, tiny_recipe):
+    """DoRA with a strategy that merges into the base needs an fp32 base (its merges are exact only there): auto
+    keeps the weights fp32 and trains under bf16 autocast; an explicit bf16 base is refused at recipe load."""
+    from fedllm.recipe.checks import parse_recipe
+    from fedllm.recipe.schema import RecipeError
+
+    _cpu(monkeypatch, {"avx512_bf16"})
+    raw = tiny_recipe(train={"dtype": "auto"}, model={"name": "tiny-llama", "dtype": "auto"},
+                      lora={"r": 4, "alpha": 8, "use_dora": True}, federation={"strategy": "frlora"})
+    chosen = hardware.resolve_auto_dtypes(parse_recipe(raw))
+    assert (chosen["train"], chosen["model"]) == ("bf16", "fp32")
+    with pytest.raises(RecipeError, match="model.dtype: got 'bf16'; expected fp32 or auto with lora.use_dora"):
+        parse_recipe({**raw, "model": {"name": "tiny-llama", "dtype": "bf16"}})
+
+
 @pytest.mark.parametrize("flags,chosen", [({"avx512_bf16"}, "bf16"), (set(), "fp32")])
 def test_dtype_auto_run_equals_the_named_dtype_and_says_so(tiny_recipe, tmp_path, monkeypatch, caplog, flags, chosen):
     from fedllm.engine.server import run
