@@ -122,8 +122,8 @@ class SecureRound:
                 self.received[c] += 8 * (len(request.survivors) + len(request.dropped))
         nbytes = {u.client_id: u.state[MASKED_KEY].numel() * u.state[MASKED_KEY].element_size() for u in updates}
         out = [
-            SummedUpdate(u.client_id, mean, u.num_examples, u.loss, u.steps, u.padding, u.work,
-                         wire_bytes=nbytes[u.client_id])
+            SummedUpdate(u.client_id, mean, u.num_examples, u.loss, u.steps, u.padding,
+                         wire_bytes=nbytes[u.client_id], work=u.work)
             for u in updates
             if u.client_id in request.survivors
         ]

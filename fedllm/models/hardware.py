@@ -214,8 +214,8 @@ def recipe_device(model_cfg: Any) -> Any:
 def base_dtype(recipe: Any) -> tuple[str, str]:
     """What ``model.dtype: auto`` means for ``recipe`` (``train.dtype`` resolved): bf16 weights when training in bf16,
     except under DoRA with a strategy that merges into the base in place, whose merges need an fp32 base
-    (:data:`fedllm.recipe.compression_checks.DORA_MERGE_STRATEGIES`); fp32 otherwise."""
-    from fedllm.recipe.compression_checks import DORA_MERGE_STRATEGIES
+    (:data:`fedllm.recipe.schema.DORA_MERGE_STRATEGIES`); fp32 otherwise."""
+    from fedllm.recipe.schema import DORA_MERGE_STRATEGIES
 
     if recipe.lora.use_dora and recipe.federation.strategy in DORA_MERGE_STRATEGIES:
         return "fp32", f"lora.use_dora with {recipe.federation.strategy}: its merges need an fp32 base"

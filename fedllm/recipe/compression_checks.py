@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedllm.recipe.schema import Recipe
+from fedllm.recipe.schema import DORA_MERGE_STRATEGIES, Recipe
 
 #: Strategies whose clients load the state they are sent and whose server maths reads only the uploads (the
 #: download may then be compressed: nothing on the server assumes what the clients received).
@@ -61,12 +61,6 @@ def compression_problems(r: Recipe) -> list[tuple[str, Any, str]]:
                    f"as the state cast to comm_dtype; download compression works with "
                    f"{', '.join(sorted(DOWNLOAD_COMPRESSION_STRATEGIES))})")))
     return p
-
-
-#: Merge-and-reinit strategies that hold DoRA exactly on an fp32 base merged in place: the base becomes
-#: ``W + s·(B̄Ā − B_new A_new)`` while the averaged magnitude ``m`` stays, so ``m ⊙ (W + s·B·A) / ‖W + s·B·A‖_c`` is
-#: unchanged by the merge (and FRLoRA's init ``Ŵ0 = W0 − s·B0A0`` leaves ``W0``, whose norms PEFT's ``m`` starts from).
-DORA_MERGE_STRATEGIES = frozenset({"frlora", "frlora_v1", "frlora_v2", "frlora_v3", "fedloru"})
 
 
 def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
