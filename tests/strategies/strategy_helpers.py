@@ -149,3 +149,23 @@ def assert_recipe_refuses(data_files, tmp_path, strategy, bad_args, dp_reason):
     privacy = {"mechanism": "central", "noise_multiplier": 0.5, "clipping_norm": 0.05}
     with pytest.raises(RecipeError, match=f"privacy.mechanism.*{strategy}.*{dp_reason}"):
         parse_recipe(make_raw(data_files, tmp_path / "dp", strategy, privacy=privacy))
+
+
+def assert_dp_sgd_epsilon_per_client(result, noise_multiplier: float, batch_size: int, delta: float) -> list[dict]:
+    """Every round's per-client ε of a DP-SGD run equals the accountant's for the steps that client took so far
+    (sampling rate batch / its size), and the round's ε is their maximum; returns the run's metrics lines."""
+    import json
+
+    import pytest
+
+    from fedllm.privacy import accounting
+
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps: dict[str, int] = {}
+    for line in lines:
+        for cid, s in line["client_steps"].items():
+            steps[cid] = steps.get(cid, 0) + s
+        want = {cid: accounting.dp_sgd_epsilon(noise_multiplier, batch_size / result.strategy.sizes[int(cid)], s, delta)
+                for cid, s in steps.items()}
+        assert line["client_epsilon"] == pytest.approx(want, rel=1e-9) and line["epsilon"] == max(want.values())
+    return lines

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from strategy_helpers import effective_weights, make_raw, record_rounds, tiny
+from strategy_helpers import assert_dp_sgd_epsilon_per_client, effective_weights, make_raw, record_rounds, tiny
 
 from fedllm.common.errors import InputError
 from fedllm.engine import server
@@ -139,14 +139,7 @@ def test_fed_sb_under_dp_sgd_noises_r_only_and_accounts_epsilon(data_files, tmp_
     raw = make_raw(data_files, tmp_path / "run", "fed_sb", {"init": "weights"}, privacy=privacy,
                    federation={"rounds": 2})
     result = run(parse_recipe(raw))
-    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps: dict[str, int] = {}
-    for line in lines:
-        for cid, s in line["client_steps"].items():
-            steps[cid] = steps.get(cid, 0) + s
-        want = {cid: accounting.dp_sgd_epsilon(1.0, 4 / result.strategy.sizes[int(cid)], s, 1e-3)
-                for cid, s in steps.items()}
-        assert line["client_epsilon"] == pytest.approx(want, rel=1e-9) and line["epsilon"] == max(want.values())
+    assert_dp_sgd_epsilon_per_client(result, noise_multiplier=1.0, batch_size=4, delta=1e-3)
     assert len(fixed) == 4 and all(fixed)
     (_, before, updates, out), _ = rounds
     r_keys = [k for k in before if ".fed_sb." in k]

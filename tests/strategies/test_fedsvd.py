@@ -1,16 +1,14 @@
 """FedSVD: clients train and send B only (A frozen); the server refactorises B̄·A by SVD into an orthonormal A."""
 
-import json
 
 import pytest
 import torch
-from strategy_helpers import make_raw, record_rounds, tiny
+from strategy_helpers import assert_dp_sgd_epsilon_per_client, make_raw, record_rounds, tiny
 
 from fedllm.common.errors import InputError
 from fedllm.engine import server
 from fedllm.engine.server import run
 from fedllm.models.loading import read_state
-from fedllm.privacy import accounting
 from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies.fedsvd import FedSVD
 
@@ -111,14 +109,7 @@ def test_fedsvd_under_dp_sgd_noises_b_only_and_accounts_epsilon(data_files, tmp_
     privacy = {"mechanism": "dp_sgd", "noise_multiplier": 1.0, "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 2}
     raw = make_raw(data_files, tmp_path / "run", "fedsvd", privacy=privacy, federation={"rounds": 2})
     result = run(parse_recipe(raw))
-    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps: dict[str, int] = {}
-    for line in lines:
-        for cid, s in line["client_steps"].items():
-            steps[cid] = steps.get(cid, 0) + s
-        want = {cid: accounting.dp_sgd_epsilon(1.0, 4 / result.strategy.sizes[int(cid)], s, 1e-3)
-                for cid, s in steps.items()}
-        assert line["client_epsilon"] == pytest.approx(want, rel=1e-9) and line["epsilon"] == max(want.values())
+    lines = assert_dp_sgd_epsilon_per_client(result, noise_multiplier=1.0, batch_size=4, delta=1e-3)
     assert lines[-1]["epsilon"] > 0
     assert len(a_unchanged) == 4 and all(a_unchanged)
     for _, before, updates, _ in rounds:
