@@ -197,10 +197,18 @@ def disrupted(started, deployment, tmp_path):  # noqa: F811
     def rounds() -> int:
         return metrics.read_text().count("\n") if metrics.is_file() else 0
 
-    wait_until(lambda: rounds() >= 1 and journal.is_file(), 600, "node 1 answering a round-2 message",
-               deployment.logs[1], every_s=0.05)
-    victim = worker_pid(deployment.nodes[1])
-    assert victim is not None
+    victim = None
+    while victim is None:  # node 1's worker stopped (SIGSTOP) while its journal shows a message half answered
+        wait_until(lambda: rounds() >= 1 and journal.is_file(), 600, "node 1 answering a round-2 message",
+                   deployment.logs[1], every_s=0.05)
+        pid = worker_pid(deployment.nodes[1])
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        if journal.is_file():  # stopped mid-message (the journal goes only after the reply): the kill interrupts it
+            victim = pid
+        else:  # it finished between the look and the stop (a busy machine): let it go on to its next message
+            os.kill(pid, signal.SIGCONT)
+            assert rounds() < 2, "node 1 answered every round-2 message before it could be stopped in one"
     os.kill(victim, signal.SIGKILL)
     wait_until(lambda: worker_pid(deployment.nodes[1]) not in (None, victim), 120, "node 1's worker restarted",
                deployment.logs[1])
