@@ -10,6 +10,7 @@ and the rows evaluated are FlowerTune's (:mod:`~fedllm.evaluation.flowertune_pro
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 from fedllm.common.registry import register_task
@@ -38,9 +39,9 @@ class FlowerTuneChallenge(Task):
     def protocol(self, ctx: EvalContext) -> str:
         return "flowertune"
 
+    @abc.abstractmethod
     def answers(self, ctx: EvalContext, prompts: list[str], golds: list[str]) -> list[str]:
-        """The generated answer text of each prompt (what the scorer reads)."""
-        raise NotImplementedError
+        """The generated answer text of each prompt (what the scorer reads): ChoiceChallenge and Finance."""
 
     def correct(self, qs: QuestionSet, answer: str, gold: Any) -> bool:
         """FlowerTune's verdict on one answer."""
