@@ -8,6 +8,11 @@ the merged export is PEFT's own ``merge_and_unload`` of it; the adapter export, 
 the base, is that adapter (B, A, the magnitude vector ``m`` and the trained heads) on the original base (after a
 merging strategy the changed base under DoRA's norm is no adapter on the original: refused). Both are checked on
 the probe input.
+
+A personal model of pFedLoRU or FedLoRA-PFL adds its private adapter ``s_p·L·U`` after the DoRA layer (a forward
+hook, :mod:`fedllm.strategies.private_adapter`), as PEFT adds a plain adapter beside a DoRA one: the merged weight
+is ``m ⊙ V / ‖V‖_c + s_p·L·U``, PEFT's merge plus the private product (:func:`private_products`); as an adapter it
+is refused (one DoRA adapter cannot hold a term outside its norm).
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ def write_dora_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source
     if rank is not None:
         raise ExportInputError(f"--rank {rank}: a DoRA adapter is exported as trained (its change is no low-rank "
                                "product to truncate); leave --rank out")
+    if private_products(model, strategy):
+        raise ExportInputError(f"--format adapter: this personal model of {strategy.name!r} adds its private adapter "
+                               "after the DoRA layer, outside DoRA's column norm; one DoRA adapter cannot hold it: "
+                               "export --format merged")
     original = load_original_base(source, tokenizer)
     if with_base:
         original.save_pretrained(str(out / "base"))
@@ -76,7 +85,27 @@ def write_dora_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source
 
 
 @torch.no_grad()
-def merge_dora(model: Any) -> Any:
-    """The run's model with its DoRA adapter folded into the base weights by PEFT (``merge_and_unload``, in fp32)."""
+def private_products(model: Any, strategy: Any) -> dict[str, torch.Tensor]:
+    """``{layer: s_p·L·U}`` (float64, ``out × in``) of the private adapters a personalized strategy's hooks add after
+    each DoRA layer (:class:`fedllm.strategies.private_adapter.PrivateFactors`), those not zero; ``{}`` otherwise."""
+    layers, attr = getattr(strategy, "private_layers", None), getattr(strategy, "private_attr", None)
+    out = {}
+    for name, layer in (layers or {}).items():
+        private = getattr(model.get_submodule(name), attr)
+        product = private.scale * (private.L.double() @ private.U.double())
+        if product.any():
+            out[name.removeprefix(PEFT_PREFIX)] = product
+    return out
+
+
+@torch.no_grad()
+def merge_dora(model: Any, strategy: Any = None) -> Any:
+    """The run's model with its DoRA adapter folded into the base weights by PEFT (``merge_and_unload``, in fp32),
+    plus a personal model's private products (:func:`private_products`)."""
     to_fp32(model)
-    return model.merge_and_unload()
+    private = private_products(model, strategy)
+    merged = model.merge_and_unload()
+    for name, product in private.items():
+        weight = merged.get_submodule(name).weight
+        weight.copy_((weight.double() + product).to(weight.dtype))
+    return merged

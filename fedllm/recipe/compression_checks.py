@@ -31,10 +31,21 @@ DOWNLOAD_COMPRESSION_STRATEGIES = frozenset({
 
 #: Strategies that train B, A and DoRA's magnitude vector as plain tensors and aggregate them tensor by tensor,
 #: never changing the base: DoRA holds unchanged (the magnitude is averaged as any trainable tensor).
+#: ``fedsa_lora`` keeps the magnitude private beside ``B`` (fedllm/strategies/fedsa_lora.py says why).
 DORA_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedmedian",
-    "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local",
+    "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local", "fedsa_lora",
 })
+
+#: Why DoRA is refused with a strategy that cannot hold it (others: the generic reason of :func:`dora_problems`).
+DORA_REFUSALS = {
+    "flexlora": ("its global model adds the clients' products Σ_k p_k·s·B_k·A_k by a forward hook after the layer, "
+                 "outside DoRA's column norm, while each client trains W0 plus its own rank-r_k SVD share; the "
+                 "global DoRA layer m ⊙ (W0 + ΔW) / ‖W0 + ΔW‖_c is not implemented"),
+    "pflmf": ("θ = U·v is computed by forward hooks on the nn.Linear modules owning θ's tensors; DoRA's magnitude "
+              "vector is read inside PEFT's DoRA forward (beside its column norm), no nn.Linear, so it cannot be a slice "
+              "of U·v"),
+}
 
 
 def compression_problems(r: Recipe) -> list[tuple[str, Any, str]]:
@@ -79,9 +90,10 @@ def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
             p.append((f"federation.strategy_args.{key}", args[key], ("the default (merge into the base) with "
                       "lora.use_dora: factors or residuals kept beside the base are left out of DoRA's column norm")))
     elif r.federation.strategy not in DORA_STRATEGIES:
-        p.append(("lora.use_dora", True, (f"false with federation.strategy: {r.federation.strategy} (it merges "
-                  "products into the base, rebuilds factors by SVD or stacking, or keeps factors beside the base; "
-                  "DoRA's column norm of W + s*B*A makes that non-linear and fedllm does not implement it; DoRA "
+        reason = DORA_REFUSALS.get(r.federation.strategy, (
+            "it rebuilds factors by SVD, or keeps factors or products beside the base; DoRA's column norm of "
+            "W + s*B*A makes that non-linear and fedllm does not implement it"))
+        p.append(("lora.use_dora", True, (f"false with federation.strategy: {r.federation.strategy} ({reason}; DoRA "
                   f"works with {', '.join(sorted(DORA_STRATEGIES | DORA_MERGE_STRATEGIES))})")))
     if r.model.quantization != "none":
         p.append(("lora.use_dora", True, f"false with model.quantization: {r.model.quantization} (not tested here)"))

@@ -1,0 +1,155 @@
+"""DoRA (``lora.use_dora``) with the strategies that merge into the base or keep private state: one round recomputed
+by hand in float64 from the uploads the server received (the layer function ``m ⊙ V / ‖V‖_c`` of Liu et al. 2024,
+Eq. 5, with the directions ``V`` each strategy defines), the merged export against the run's own model and that
+oracle, the personal models, and PEFT's own DoRA merge of a nested mFedLoRU client.
+"""
+
+import pytest
+import torch
+from strategy_helpers import effective_weights, make_raw
+
+from fedllm.common.registry import strategies
+from fedllm.engine.server import run
+from fedllm.export import export
+from fedllm.export.errors import ExportInputError
+from fedllm.export.inference import model_from_checkpoint
+from fedllm.recipe.checks import parse_recipe
+
+MAGNITUDE = ".lora_magnitude_vector."
+IDS = torch.tensor([[1, 60, 77, 267, 315, 303, 374, 278, 36]])
+
+
+def dora_weight(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """DoRA's weight ``m ⊙ V / ‖V‖_c`` (each output row of ``V`` scaled to norm ``m``), float64."""
+    v = v.double()
+    return m.double()[:, None] * v / v.norm(dim=1, keepdim=True)
+
+
+def magnitude_key(layer) -> str:
+    return layer.a_key.replace(".lora_A.default.weight", ".lora_magnitude_vector.default.weight")
+
+
+def record_last_round(monkeypatch, strategy_cls) -> dict:
+    """Patch ``strategy_cls.aggregate``: keep the last round's received state, uploads (copies), example counts and
+    every layer's base weight as it was before the round's merges (the strategy's ``layers``)."""
+    seen: dict = {}
+    original = strategy_cls.aggregate
+
+    def spy(self, rnd, global_state, updates):
+        seen.update(rnd=rnd, sent={k: v.clone() for k, v in global_state.items()},
+                    uploads=[({k: v.clone() for k, v in u.state.items()}, u.num_examples, u.client_id) for u in updates],
+                    base={n: layer.base.weight.detach().clone() for n, layer in self.layers.items()})
+        return original(self, rnd, global_state, updates)
+
+    monkeypatch.setattr(strategy_cls, "aggregate", spy)
+    return seen
+
+
+def mean_of_products(layer, seen, factors):
+    """``W + Σ_k p_k·s·B_k A_k`` (FedEx-LoRA's exact aggregate, FLoRA's stack) from the uploads."""
+    total = sum(n for _, n, _ in seen["uploads"])
+    v = seen["base"][layer.name].double()
+    for state, n, cid in seen["uploads"]:
+        b, a = factors(layer, state, cid)
+        v = v + (n / total) * layer.scale * (b @ a)
+    return v
+
+
+def product_of_means(layer, seen, factors):
+    """``W + s·B̄Ā`` with ``(B̄, Ā)`` the example-weighted means (FedLoRU's merge, τ = 1)."""
+    total = sum(n for _, n, _ in seen["uploads"])
+    b_bar = sum((n / total) * factors(layer, s, cid)[0] for s, n, cid in seen["uploads"])
+    a_bar = sum((n / total) * factors(layer, s, cid)[1] for s, n, cid in seen["uploads"])
+    return seen["base"][layer.name].double() + layer.scale * (b_bar @ a_bar)
+
+
+def uploaded(layer, state, cid):
+    return state[layer.b_key].double(), state[layer.a_key].double()
+
+
+def nested_rebuilt(strategy, sent):
+    """mFedLoRU's client factors rebuilt by hand (Alg. 3): ``B + α·Bd Bu``, ``A + α·Ad Au`` for nested clients."""
+    def factors(layer, state, cid):
+        if layer.b_key in state:
+            return uploaded(layer, state, cid)
+        part = {p: state[f"{layer.name}.mfedloru.{p}"].double() for p in ("a_down", "a_up", "b_down", "b_up")}
+        alpha = strategy.nested_scale
+        return (sent[layer.b_key].double() + alpha * part["b_down"] @ part["b_up"],
+                sent[layer.a_key].double() + alpha * part["a_down"] @ part["a_up"])
+    return factors
+
+
+MERGE_CASES = {
+    "fedex_lora": ({}, mean_of_products),
+    "flora": ({"client_ranks": [2, 4, 1]}, mean_of_products),
+    "mfedloru": ({"tau": 1, "client_ranks": [4, 2, 1]}, product_of_means),
+    "pfedloru": ({"tau": 1, "personal_r": 2, "personal_steps": 1, "global_steps": 2}, product_of_means),
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(MERGE_CASES))
+def test_dora_merging_strategy_round_replays_in_float64_and_exports(strategy, data_files, tmp_path, monkeypatch):
+    """After the last round every layer computes ``m̄ ⊙ V / ‖V‖_c`` with ``m̄`` the example-weighted mean of the
+    uploaded magnitudes and ``V`` the strategy's merged direction, recomputed from the uploads and the base before
+    the round (float64, 1e-5); the merged export gives the run's logits and that oracle's weights."""
+    args, direction = MERGE_CASES[strategy]
+    cls = strategies.get(strategy)
+    seen = record_last_round(monkeypatch, cls)
+    raw = make_raw(data_files, tmp_path / "run", strategy, args, lora={"use_dora": True})
+    result = run(parse_recipe(raw))
+    assert seen["rnd"] == 2
+    model, _, restored, _ = model_from_checkpoint(result.run_dir)
+    live, got = effective_weights(result.model), effective_weights(model)
+    factors = nested_rebuilt(restored, seen["sent"]) if strategy == "mfedloru" else uploaded
+    if strategy == "mfedloru":  # a nested client is among the round's
+        assert any(".mfedloru." in k for state, _, _ in seen["uploads"] for k in state)
+    if strategy == "flora":  # the round's clients have different ranks
+        assert len({next(v.shape for k, v in state.items() if ".lora_A." in k) for state, _, _ in seen["uploads"]}) == 2
+    total = sum(n for _, n, _ in seen["uploads"])
+    oracle = {}
+    for name, layer in restored.layers.items():
+        key = magnitude_key(layer)
+        magnitudes = [state[key].double() for state, _, _ in seen["uploads"]]
+        assert not torch.equal(magnitudes[0], magnitudes[1])  # the clients trained m differently
+        m_bar = sum((n / total) * m for m, (_, n, _) in zip(magnitudes, seen["uploads"], strict=True))
+        oracle[name] = dora_weight(direction(layer, seen, factors), m_bar)
+        assert (got[name].double() - oracle[name]).abs().max() <= 1e-5, name
+        assert torch.equal(live[name], got[name]), name  # the checkpoint rebuilds the live model
+        assert not torch.allclose(seen["base"][name], layer.base.weight)  # the round did merge into the base
+    with torch.no_grad():
+        run_logits = model(input_ids=IDS).logits
+    out = export(result.run_dir, "merged", tmp_path / "merged", client="global").out
+    assert_merged_export(out, run_logits, oracle)
+    if strategy == "pfedloru":  # client 0's personal model adds its private s_p·L_0·U_0 after the DoRA layer
+        personal, _, _, _ = model_from_checkpoint(result.run_dir, client=0)
+        entry = result.clients.get(0)
+        for name, weight in oracle.items():
+            private = getattr(personal.get_submodule(name), "pfedloru")
+            product = private.scale * entry[f"{name}.pfedloru.L"].double() @ entry[f"{name}.pfedloru.U"].double()
+            assert product.abs().max() > 1e-6
+            oracle[name] = weight + product
+        assert_personal_export(result.run_dir, tmp_path, personal, oracle)
+
+
+def assert_merged_export(out, run_logits, oracle):
+    """The merged export loads with transformers alone, gives ``run_logits`` and the oracle's weights (1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        assert (merged(input_ids=IDS).logits - run_logits).abs().max() <= 1e-5
+    for name, weight in oracle.items():
+        plain = merged.get_submodule(name.removeprefix("base_model.model.")).weight
+        assert (plain.double() - weight).abs().max() <= 1e-5, name
+
+
+def assert_personal_export(run_dir, tmp_path, personal, oracle):
+    """Client 0's personal model equals the oracle, its merged export too; its adapter export is refused."""
+    got = effective_weights(personal)
+    for name, weight in oracle.items():
+        assert (got[name].double() - weight).abs().max() <= 1e-5, name
+    with torch.no_grad():
+        logits = personal(input_ids=IDS).logits
+    assert_merged_export(export(run_dir, "merged", tmp_path / "personal", client=0).out, logits, oracle)
+    with pytest.raises(ExportInputError, match="DoRA's column norm"):
+        export(run_dir, "adapter", tmp_path / "personal-adapter", client=0)
