@@ -14,6 +14,7 @@ from fedllm.export import export
 from fedllm.export.errors import ExportInputError
 from fedllm.export.inference import model_from_checkpoint
 from fedllm.recipe.checks import parse_recipe
+from fedllm.strategies.residual import adapter_layers
 
 MAGNITUDE = ".lora_magnitude_vector."
 IDS = torch.tensor([[1, 60, 77, 267, 315, 303, 374, 278, 36]])
@@ -153,3 +154,51 @@ def assert_personal_export(run_dir, tmp_path, personal, oracle):
     assert_merged_export(export(run_dir, "merged", tmp_path / "personal", client=0).out, logits, oracle)
     with pytest.raises(ExportInputError, match="DoRA's column norm"):
         export(run_dir, "adapter", tmp_path / "personal-adapter", client=0)
+
+
+def test_dora_fedsa_lora_keeps_the_magnitude_private_beside_b(data_files, tmp_path, monkeypatch):
+    """FedSA-LoRA under DoRA: neither B nor m is uploaded or downloaded; the global model keeps m = ‖W‖_c (the base
+    model); client k's model is ``m_k ⊙ (W + s·B_k Ā) / ‖·‖_c`` (float64 oracle from its stored B_k, m_k and the
+    averaged A); its merged export gives its logits and the oracle; its adapter export loads with peft."""
+    from peft import PeftModel
+
+    from fedllm.models.loading import load_base_model, load_tokenizer
+    from fedllm.recipe.schema import ModelConfig
+
+    seen = record_last_round(monkeypatch, strategies.get("fedsa_lora"))
+    raw = make_raw(data_files, tmp_path / "run", "fedsa_lora", {}, lora={"use_dora": True},
+                   federation={"clients_per_round": 3})
+    result = run(parse_recipe(raw))
+    layers = adapter_layers(result.model)
+    private = {k for layer in layers.values() for k in (layer.b_key, magnitude_key(layer))}
+    assert all(not (set(state) & private) for state, _, _ in seen["uploads"])
+    a_bytes = sum(v.numel() * 4 for k, v in result.global_state.items() if ".lora_A." in k)  # all that travels
+    assert all(set(h["bytes_up"].values()) == set(h["bytes_down"].values()) == {a_bytes} for h in result.history)
+    total = sum(n for _, n, _ in seen["uploads"])
+    for name, layer in layers.items():
+        norms = layer.base.weight.double().norm(dim=1)  # PEFT's init of m: the base's row norms
+        assert (result.global_state[magnitude_key(layer)].double() - norms).abs().max() <= 1e-6
+        a_bar = sum((n / total) * state[layer.a_key].double() for state, n, _ in seen["uploads"])
+        assert (result.global_state[layer.a_key].double() - a_bar).abs().max() <= 1e-6
+    for client in (0, 2):
+        entry = result.clients.get(client)
+        personal, tok, _, _ = model_from_checkpoint(result.run_dir, client=client)
+        got = effective_weights(personal)
+        oracle = {}
+        for name, layer in layers.items():
+            m = entry[magnitude_key(layer)]
+            assert (m.double() - layer.base.weight.double().norm(dim=1)).abs().max() > 1e-6  # m_k trained
+            v = layer.base.weight.double() + layer.scale * entry[layer.b_key].double() @ result.global_state[
+                layer.a_key].double()
+            oracle[name] = dora_weight(v, m)
+            assert (got[name].double() - oracle[name]).abs().max() <= 1e-5, name
+        with torch.no_grad():
+            logits = personal(input_ids=IDS).logits
+        assert_merged_export(export(result.run_dir, "merged", tmp_path / f"m{client}", client=client).out, logits,
+                             oracle)
+        out = export(result.run_dir, "adapter", tmp_path / f"a{client}", client=client).out
+        original = load_base_model(ModelConfig(name="tiny-llama"), load_tokenizer(ModelConfig(name="tiny-llama")),
+                                   num_labels=2, seed=0)
+        loaded = PeftModel.from_pretrained(original, str(out)).eval()
+        with torch.no_grad():
+            assert (loaded(input_ids=IDS).logits - logits).abs().max() <= 1e-5
