@@ -90,7 +90,7 @@ def private_products(model: Any, strategy: Any) -> dict[str, torch.Tensor]:
     each DoRA layer (:class:`fedllm.strategies.private_adapter.PrivateFactors`), those not zero; ``{}`` otherwise."""
     layers, attr = getattr(strategy, "private_layers", None), getattr(strategy, "private_attr", None)
     out = {}
-    for name, layer in (layers or {}).items():
+    for name in layers or {}:
         private = getattr(model.get_submodule(name), attr)
         product = private.scale * (private.L.double() @ private.U.double())
         if product.any():

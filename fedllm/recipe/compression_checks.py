@@ -34,7 +34,7 @@ DOWNLOAD_COMPRESSION_STRATEGIES = frozenset({
 #: ``fedsa_lora`` keeps the magnitude private beside ``B`` (fedllm/strategies/fedsa_lora.py says why).
 DORA_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedmedian",
-    "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local", "fedsa_lora",
+    "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local", "fedsa_lora", "fedlora_pfl",
 })
 
 #: Why DoRA is refused with a strategy that cannot hold it (others: the generic reason of :func:`dora_problems`).

@@ -6,7 +6,7 @@ oracle, the personal models, and PEFT's own DoRA merge of a nested mFedLoRU clie
 
 import pytest
 import torch
-from strategy_helpers import effective_weights, make_raw
+from strategy_helpers import effective_weights, make_raw, make_strategy
 
 from fedllm.common.registry import strategies
 from fedllm.engine.server import run
@@ -30,6 +30,11 @@ def magnitude_key(layer) -> str:
     return layer.a_key.replace(".lora_A.default.weight", ".lora_magnitude_vector.default.weight")
 
 
+def layers_of(strategy) -> dict:
+    """The strategy's adapter layers (``layers``, or a private-adapter strategy's ``private_layers``)."""
+    return getattr(strategy, "layers", None) or strategy.private_layers
+
+
 def record_last_round(monkeypatch, strategy_cls) -> dict:
     """Patch ``strategy_cls.aggregate``: keep the last round's received state, uploads (copies), example counts and
     every layer's base weight as it was before the round's merges (the strategy's ``layers``)."""
@@ -39,7 +44,7 @@ def record_last_round(monkeypatch, strategy_cls) -> dict:
     def spy(self, rnd, global_state, updates):
         seen.update(rnd=rnd, sent={k: v.clone() for k, v in global_state.items()},
                     uploads=[({k: v.clone() for k, v in u.state.items()}, u.num_examples, u.client_id) for u in updates],
-                    base={n: layer.base.weight.detach().clone() for n, layer in self.layers.items()})
+                    base={n: layer.base.weight.detach().clone() for n, layer in layers_of(self).items()})
         return original(self, rnd, global_state, updates)
 
     monkeypatch.setattr(strategy_cls, "aggregate", spy)
@@ -125,7 +130,7 @@ def test_dora_merging_strategy_round_replays_in_float64_and_exports(strategy, da
         personal, _, _, _ = model_from_checkpoint(result.run_dir, client=0)
         entry = result.clients.get(0)
         for name, weight in oracle.items():
-            private = getattr(personal.get_submodule(name), "pfedloru")
+            private = personal.get_submodule(name).pfedloru
             product = private.scale * entry[f"{name}.pfedloru.L"].double() @ entry[f"{name}.pfedloru.U"].double()
             assert product.abs().max() > 1e-6
             oracle[name] = weight + product
@@ -144,7 +149,7 @@ def assert_merged_export(out, run_logits, oracle):
         assert (plain.double() - weight).abs().max() <= 1e-5, name
 
 
-def assert_personal_export(run_dir, tmp_path, personal, oracle):
+def assert_personal_export(run_dir, tmp_path, personal, oracle, refusal="DoRA's column norm"):
     """Client 0's personal model equals the oracle, its merged export too; its adapter export is refused."""
     got = effective_weights(personal)
     for name, weight in oracle.items():
@@ -152,7 +157,7 @@ def assert_personal_export(run_dir, tmp_path, personal, oracle):
     with torch.no_grad():
         logits = personal(input_ids=IDS).logits
     assert_merged_export(export(run_dir, "merged", tmp_path / "personal", client=0).out, logits, oracle)
-    with pytest.raises(ExportInputError, match="DoRA's column norm"):
+    with pytest.raises(ExportInputError, match=refusal):
         export(run_dir, "adapter", tmp_path / "personal-adapter", client=0)
 
 
@@ -182,7 +187,7 @@ def test_dora_fedsa_lora_keeps_the_magnitude_private_beside_b(data_files, tmp_pa
         assert (result.global_state[layer.a_key].double() - a_bar).abs().max() <= 1e-6
     for client in (0, 2):
         entry = result.clients.get(client)
-        personal, tok, _, _ = model_from_checkpoint(result.run_dir, client=client)
+        personal, _, _, _ = model_from_checkpoint(result.run_dir, client=client)
         got = effective_weights(personal)
         oracle = {}
         for name, layer in layers.items():
@@ -202,3 +207,66 @@ def test_dora_fedsa_lora_keeps_the_magnitude_private_beside_b(data_files, tmp_pa
         loaded = PeftModel.from_pretrained(original, str(out)).eval()
         with torch.no_grad():
             assert (loaded(input_ids=IDS).logits - logits).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("shared", ["lora", "full"])
+def test_dora_fedlora_pfl_shares_the_magnitude_with_sigma(shared, data_files, tmp_path, monkeypatch):
+    """FedLoRA-PFL under DoRA: m is part of the shared σ (trained in σ's phase, averaged with eq. 8's plain mean);
+    the global layer is ``m̄ ⊙ V̄ / ‖V̄‖_c`` (``shared: lora``: ``V̄ = W + s·B̄Ā``; ``full``: ``V̄`` = the mean of the
+    uploaded weights), client k's model adds its private ``τ_k = L_k U_k`` after it (float64 oracle, 1e-5); the
+    personal merged export gives its logits and the oracle; its adapter export is refused."""
+    seen = record_last_round(monkeypatch, strategies.get("fedlora_pfl"))
+    raw = make_raw(data_files, tmp_path / "run", "fedlora_pfl", {"shared": shared, "e_lora": 1, "e_global": 2},
+                   lora={"use_dora": True})
+    result = run(parse_recipe(raw))
+    model, _, restored, _ = model_from_checkpoint(result.run_dir)
+    got, k = effective_weights(model), len(seen["uploads"])
+    entry = result.clients.get(0)
+    oracle = {}
+    for name, layer in adapter_layers(model).items():
+        mean = {key: sum(state[key].double() for state, _, _ in seen["uploads"]) / k
+                for key in (magnitude_key(layer), layer.a_key, layer.b_key, layer.base_key) if key in seen["uploads"][0][0]}
+        assert magnitude_key(layer) in mean and (layer.base_key in mean) == (shared == "full")
+        v = mean[layer.base_key] if shared == "full" else (
+            seen["base"][name].double() + layer.scale * mean[layer.b_key] @ mean[layer.a_key])
+        oracle[name] = dora_weight(v, mean[magnitude_key(layer)])
+        assert (got[name].double() - oracle[name]).abs().max() <= 1e-5, name
+        tau = getattr(layer.module, restored.private_attr).scale * (
+            entry[f"{name}.fedlora.L"].double() @ entry[f"{name}.fedlora.U"].double())
+        assert tau.abs().max() > 1e-6
+        oracle[name] = oracle[name] + tau
+    personal, _, _, _ = model_from_checkpoint(result.run_dir, client=0)
+    assert_personal_export(result.run_dir, tmp_path, personal, oracle,
+                           "merged its updates" if shared == "full" else "private adapter .* outside DoRA's column norm")
+
+
+@torch.no_grad()
+def test_dora_mfedloru_nested_client_computes_peft_dora_of_its_rebuilt_factors():
+    """A nested mFedLoRU client's layer (hooks on lora_A / lora_B, which PEFT's DoRA also calls for its column norm)
+    computes PEFT's DoRA of ``(B + α·Bd Bu, A + α·Ad Au)`` written into the adapter, and the float64 oracle."""
+    from fedllm.models.loading import load_model, write_state
+    from fedllm.recipe.schema import LoraConfig, ModelConfig
+
+    model = load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=4, alpha=8, use_dora=True), num_labels=2,
+                       seed=0).model.eval()
+    strategy = make_strategy("mfedloru", model, client_ranks=[2, 4, 4], tau=1)
+    gen = torch.Generator().manual_seed(7)
+    params = dict(model.named_parameters())
+    state = {k: 0.1 * torch.randn(params[k].shape, generator=gen) for k in strategy.nested_keys}
+    for layer in strategy.layers.values():  # a trained global adapter and magnitude
+        for key in (layer.a_key, layer.b_key):
+            state[key] = 0.1 * torch.randn(params[key].shape, generator=gen)
+        state[magnitude_key(layer)] = params[magnitude_key(layer)] * (1 + 0.1 * torch.rand(params[magnitude_key(layer)].shape, generator=gen))
+    write_state(model, state)
+    nested = effective_weights(model)
+    rebuilt = nested_rebuilt(strategy, state)
+    plain = {}
+    for name, layer in strategy.layers.items():
+        b, a = rebuilt(layer, {k: v for k, v in state.items() if ".mfedloru." in k}, 0)
+        plain[layer.b_key], plain[layer.a_key] = b.float(), a.float()
+        oracle = dora_weight(layer.base.weight.double() + layer.scale * b @ a, state[magnitude_key(layer)])
+        assert (nested[name].double() - oracle).abs().max() <= 1e-5, name
+    strategy.clear_nested()
+    write_state(model, plain)
+    peft = effective_weights(model)
+    assert all((peft[n] - nested[n]).abs().max() <= 1e-6 for n in nested)
