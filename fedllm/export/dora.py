@@ -12,7 +12,9 @@ the probe input.
 A personal model of pFedLoRU or FedLoRA-PFL adds its private adapter ``s_p·L·U`` after the DoRA layer (a forward
 hook, :mod:`fedllm.strategies.private_adapter`), as PEFT adds a plain adapter beside a DoRA one: the merged weight
 is ``m ⊙ V / ‖V‖_c + s_p·L·U``, PEFT's merge plus the private product (:func:`private_products`); as an adapter it
-is refused (one DoRA adapter cannot hold a term outside its norm).
+is refused (one DoRA adapter cannot hold a term outside its norm). FlexLoRA's global model stacks its kept pieces
+``Σ_j s_j·B_j A_j`` into the DoRA factors (:func:`fedllm.strategies.flexlora.stack_into_dora`): the merged export
+adds them to the base weight first (:func:`kept_products`), then PEFT merges ``m̄ ⊙ (W0 + ΔW) / ‖W0 + ΔW‖_c``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ def write_dora_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source
     if rank is not None:
         raise ExportInputError(f"--rank {rank}: a DoRA adapter is exported as trained (its change is no low-rank "
                                "product to truncate); leave --rank out")
+    if kept_products(strategy):
+        raise ExportInputError(f"--format adapter: the run's strategy {strategy.name!r} keeps its update as the "
+                               "clients' pieces inside DoRA's column norm, not in the rank-r adapter: export "
+                               "--format merged")
     if private_products(model, strategy):
         raise ExportInputError(f"--format adapter: this personal model of {strategy.name!r} adds its private adapter "
                                "after the DoRA layer, outside DoRA's column norm; one DoRA adapter cannot hold it: "
@@ -98,12 +104,27 @@ def private_products(model: Any, strategy: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def kept_products(strategy: Any) -> dict[str, torch.Tensor]:
+    """``{layer: Σ_j s_j·B_j A_j}`` (float64) of the pieces a strategy keeps beside the base and not in it."""
+    if strategy is None or getattr(strategy, "kept_in_base", False):
+        return {}
+    out = {}
+    for name, pieces in strategy.kept_factors().items():
+        if pieces:
+            out[name] = sum(s * (b.double().cpu() @ a.double().cpu()) for b, a, s in pieces)
+    return out
+
+
 @torch.no_grad()
 def merge_dora(model: Any, strategy: Any = None) -> Any:
     """The run's model with its DoRA adapter folded into the base weights by PEFT (``merge_and_unload``, in fp32),
-    plus a personal model's private products (:func:`private_products`)."""
+    after the strategy's kept pieces (:func:`kept_products`), plus a personal model's private products
+    (:func:`private_products`)."""
     to_fp32(model)
     private = private_products(model, strategy)
+    for name, product in kept_products(strategy).items():  # inside DoRA's norm: into the base before PEFT's merge
+        weight = model.get_submodule(name).get_base_layer().weight
+        weight.copy_((weight.double() + product.to(weight.device)).to(weight.dtype))
     merged = model.merge_and_unload()
     for name, product in private.items():
         weight = merged.get_submodule(name).weight

@@ -10,10 +10,10 @@ What cannot hold is refused at recipe load, with the reason:
 * download compression with a strategy whose server maths reads what the clients received (FedOpt's
   pseudo-gradient, the merges of FRLoRA, FedLoRU, FedEx-LoRA, FLoRA ...): those assume the download is the
   server's state cast to ``comm_dtype``;
-* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (the others rebuild
-  factors by SVD or stacking, add residual corrections, or keep factors or products beside the base: DoRA's column
-  norm of ``W + s·B·A`` makes each of those non-linear, and none is implemented for it); a merging one on a
-  half-precision base or with its merges kept beside the base.
+* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (the reason per strategy
+  in :data:`DORA_REFUSALS`, or: it rebuilds factors by SVD or keeps factors or products beside the base, which DoRA's
+  column norm of ``W + s·B·A`` makes non-linear, and none is implemented for it); a merging one on a half-precision
+  base or with its merges kept beside the base.
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ DOWNLOAD_COMPRESSION_STRATEGIES = frozenset({
 })
 
 #: Strategies that train B, A and DoRA's magnitude vector as plain tensors and aggregate them tensor by tensor,
-#: never changing the base: DoRA holds unchanged (the magnitude is averaged as any trainable tensor).
-#: ``fedsa_lora`` keeps the magnitude private beside ``B`` (fedllm/strategies/fedsa_lora.py says why).
+#: never merging into the base: DoRA holds unchanged (the magnitude is averaged as any trainable tensor). Beside
+#: them: ``fedsa_lora`` keeps the magnitude private beside ``B``; ``fedlora_pfl`` averages it with σ (its ``full``
+#: σ is the base weight itself, averaged as a tensor) and adds the private τ after the DoRA layer; ``flexlora``
+#: stacks its kept pieces inside DoRA's column norm (each strategy's module docstring says why).
 DORA_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedmedian",
     "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local", "fedsa_lora", "fedlora_pfl",
+    "flexlora",
 })
 
 #: Why DoRA is refused with a strategy that cannot hold it (others: the generic reason of :func:`dora_problems`).
 DORA_REFUSALS = {
-    "flexlora": ("its global model adds the clients' products Σ_k p_k·s·B_k·A_k by a forward hook after the layer, "
-                 "outside DoRA's column norm, while each client trains W0 plus its own rank-r_k SVD share; the "
-                 "global DoRA layer m ⊙ (W0 + ΔW) / ‖W0 + ΔW‖_c is not implemented"),
     "pflmf": ("θ = U·v is computed by forward hooks on the nn.Linear modules owning θ's tensors; DoRA's magnitude "
               "vector is read inside PEFT's DoRA forward (beside its column norm), no nn.Linear, so it cannot be a slice "
               "of U·v"),

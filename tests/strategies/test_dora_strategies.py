@@ -87,6 +87,7 @@ def nested_rebuilt(strategy, sent):
 
 MERGE_CASES = {
     "fedex_lora": ({}, mean_of_products),
+    "flexlora": ({"client_ranks": [4, 2, 1]}, mean_of_products),
     "flora": ({"client_ranks": [2, 4, 1]}, mean_of_products),
     "mfedloru": ({"tau": 1, "client_ranks": [4, 2, 1]}, product_of_means),
     "pfedloru": ({"tau": 1, "personal_r": 2, "personal_steps": 1, "global_steps": 2}, product_of_means),
@@ -109,7 +110,7 @@ def test_dora_merging_strategy_round_replays_in_float64_and_exports(strategy, da
     factors = nested_rebuilt(restored, seen["sent"]) if strategy == "mfedloru" else uploaded
     if strategy == "mfedloru":  # a nested client is among the round's
         assert any(".mfedloru." in k for state, _, _ in seen["uploads"] for k in state)
-    if strategy == "flora":  # the round's clients have different ranks
+    if strategy in ("flora", "flexlora"):  # the round's clients have different ranks
         assert len({next(v.shape for k, v in state.items() if ".lora_A." in k) for state, _, _ in seen["uploads"]}) == 2
     total = sum(n for _, n, _ in seen["uploads"])
     oracle = {}
@@ -121,11 +122,15 @@ def test_dora_merging_strategy_round_replays_in_float64_and_exports(strategy, da
         oracle[name] = dora_weight(direction(layer, seen, factors), m_bar)
         assert (got[name].double() - oracle[name]).abs().max() <= 1e-5, name
         assert torch.equal(live[name], got[name]), name  # the checkpoint rebuilds the live model
-        assert not torch.allclose(seen["base"][name], layer.base.weight)  # the round did merge into the base
+        merged_into_base = not torch.allclose(seen["base"][name], layer.base.weight)
+        assert merged_into_base == (strategy != "flexlora")  # FlexLoRA keeps ΔW in pieces, not in the base
     with torch.no_grad():
         run_logits = model(input_ids=IDS).logits
     out = export(result.run_dir, "merged", tmp_path / "merged", client="global").out
     assert_merged_export(out, run_logits, oracle)
+    if strategy == "flexlora":  # ΔW lives in the clients' pieces, not in a rank-r DoRA adapter
+        with pytest.raises(ExportInputError, match="pieces inside DoRA's column norm"):
+            export(result.run_dir, "adapter", tmp_path / "adapter")
     if strategy == "pfedloru":  # client 0's personal model adds its private s_p·L_0·U_0 after the DoRA layer
         personal, _, _, _ = model_from_checkpoint(result.run_dir, client=0)
         entry = result.clients.get(0)
