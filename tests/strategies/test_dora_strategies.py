@@ -275,3 +275,29 @@ def test_dora_mfedloru_nested_client_computes_peft_dora_of_its_rebuilt_factors()
     write_state(model, plain)
     peft = effective_weights(model)
     assert all((peft[n] - nested[n]).abs().max() <= 1e-6 for n in nested)
+
+
+def test_dora_pfedloru_on_flower_matches_the_simulation(data_files, tmp_path, monkeypatch):
+    """pFedLoRU under DoRA over the Flower apps (loopback grid, real ClientApp): the global adapter with its averaged
+    magnitudes, the server's merged base, every node's replayed base and its client's private factors equal the
+    simulation's (tol 0)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedllm.flower.executor import FlowerExecutor
+    from tests.test_flower_apps import LoopbackGrid, assert_close, node_state, nodes, parts
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    raw = make_raw(data_files, tmp_path / "sim", "pfedloru", MERGE_CASES["pfedloru"][0], lora={"use_dora": True})
+    sim = run(parse_recipe(raw))
+    grid = LoopbackGrid(nodes(tmp_path, 3))
+    flower = run(parse_recipe({**raw, "output_dir": str(tmp_path / "flower")}), executor=FlowerExecutor(grid))
+    expected, got = parts(sim.run_dir), parts(flower.run_dir)
+    assert any(MAGNITUDE in k for k in expected["adapter"])
+    assert_close(expected["adapter"], got["adapter"], "global adapter", tol=0)
+    assert_close(expected["base"], got["base"], "server base", tol=0)
+    for cid in sorted({c for h in sim.history for c in h["clients"]}):
+        on_node = node_state(tmp_path, cid)
+        assert_close(expected["base"], on_node["base"], f"base on node {cid}", tol=0)
+        sim_entry = {k.split("/", 1)[1]: v for k, v in expected["clients"].items() if k.startswith(f"client{cid}/")}
+        assert_close(sim_entry, {k.split("/", 1)[1]: v for k, v in on_node["clients"].items()}, f"client {cid}", tol=0)
