@@ -14,7 +14,9 @@ hook, :mod:`fedllm.strategies.private_adapter`), as PEFT adds a plain adapter be
 is ``m ⊙ V / ‖V‖_c + s_p·L·U``, PEFT's merge plus the private product (:func:`private_products`); as an adapter it
 is refused (one DoRA adapter cannot hold a term outside its norm). FlexLoRA's global model stacks its kept pieces
 ``Σ_j s_j·B_j A_j`` into the DoRA factors (:func:`fedllm.strategies.flexlora.stack_into_dora`): the merged export
-adds them to the base weight first (:func:`kept_products`), then PEFT merges ``m̄ ⊙ (W0 + ΔW) / ‖W0 + ΔW‖_c``.
+adds them to the base weight first (:func:`kept_products`), then PEFT merges ``m̄ ⊙ (W0 + ΔW) / ‖W0 + ΔW‖_c``; the
+adapter export is the same stack as one DoRA adapter of rank ``Σ_k r_k`` on the original base
+(:func:`stacked_factors`).
 """
 
 from __future__ import annotations
@@ -52,10 +54,6 @@ def write_dora_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source
     if rank is not None:
         raise ExportInputError(f"--rank {rank}: a DoRA adapter is exported as trained (its change is no low-rank "
                                "product to truncate); leave --rank out")
-    if kept_products(strategy):
-        raise ExportInputError(f"--format adapter: the run's strategy {strategy.name!r} keeps its update as the "
-                               "clients' pieces inside DoRA's column norm, not in the rank-r adapter: export "
-                               "--format merged")
     if private_products(model, strategy):
         raise ExportInputError(f"--format adapter: this personal model of {strategy.name!r} adds its private adapter "
                                "after the DoRA layer, outside DoRA's column norm; one DoRA adapter cannot hold it: "
@@ -66,12 +64,17 @@ def write_dora_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source
         tokenizer.save_pretrained(str(out / "base"))
     to_fp32(original)
     config = copy.deepcopy(model.peft_config[model.active_adapter])
+    stacks = stacked_factors(model, strategy)
+    if stacks:  # the pieces and the adapter side by side, at scaling 1 (lora_alpha = r)
+        config.r = config.lora_alpha = next(iter(stacks.values()))[1].shape[0]
     exported = get_peft_model(original, config).eval()
     exported.peft_config["default"].base_model_name_or_path = source.recipe.model.name
     params = dict(exported.named_parameters())
     marker = f".{model.active_adapter}."
     trained = {n.replace(marker, ".default."): p for n, p in model.named_parameters()
                if ".lora_" in n or ".modules_to_save." in n}
+    for name, (b, a) in stacks.items():
+        trained[f"{name}.lora_B.default.weight"], trained[f"{name}.lora_A.default.weight"] = b, a
     missing = sorted(set(trained) - set(params))
     if missing:
         raise RuntimeError(f"the exported DoRA model lacks {missing[:3]}")
@@ -86,6 +89,7 @@ def write_dora_adapter(model: Any, tokenizer: Any, strategy: Any, source: Source
     tokenizer.save_pretrained(str(out))
     layers = sum(1 for n in trained if ".lora_magnitude_vector." in n)
     return {"layers": layers, "rank_min": config.r, "rank_max": config.r, "exact_rank_max": config.r, "exact": True,
+            "stacked_layers": len(stacks),
             "truncated_layers": [], "rel_error_max": 0.0, "methods": {"dora": layers}, "use_dora": True,
             "max_logit_diff": diff, "checked": True, "r": config.r, "alpha": config.lora_alpha}
 
@@ -101,6 +105,31 @@ def private_products(model: Any, strategy: Any) -> dict[str, torch.Tensor]:
         product = private.scale * (private.L.double() @ private.U.double())
         if product.any():
             out[name.removeprefix(PEFT_PREFIX)] = product
+    return out
+
+
+def stacked_factors(model: Any, strategy: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{layer: (B', A')}`` with ``B'A' = s·B A + Σ_j s_j·B_j A_j`` (``B' = [s·B, s_1 B_1, …]``, ``A' = [A; A_1; …]``):
+    the adapter and the strategy's kept pieces stacked as one DoRA adapter of scaling 1 (FlexLoRA), the adapter
+    left out where it is zero; ``{}`` when nothing is kept outside the base.
+
+    Raises:
+        ExportInputError: the stacks have different ranks in different layers (one adapter rank for all)."""
+    if not kept_products(strategy):
+        return {}
+    out = {}
+    for name, pieces in strategy.kept_factors().items():
+        module = model.get_submodule(name)
+        b, a = module.lora_B[model.active_adapter].weight, module.lora_A[model.active_adapter].weight
+        scaling = module.scaling[model.active_adapter]
+        parts = [(pb.float().cpu() * s, pa.float().cpu()) for pb, pa, s in pieces]
+        if b.any():
+            parts.insert(0, (b.detach().float().cpu() * scaling, a.detach().float().cpu()))
+        out[name] = (torch.cat([pb for pb, _ in parts], 1), torch.cat([pa for _, pa in parts], 0))
+    ranks = {a.shape[0] for _, a in out.values()}
+    if len(ranks) > 1:
+        raise ExportInputError(f"--format adapter: the kept pieces stack to ranks {sorted(ranks)} in different "
+                               "layers; one DoRA adapter has one rank: export --format merged")
     return out
 
 

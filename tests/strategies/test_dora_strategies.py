@@ -128,9 +128,8 @@ def test_dora_merging_strategy_round_replays_in_float64_and_exports(strategy, da
         run_logits = model(input_ids=IDS).logits
     out = export(result.run_dir, "merged", tmp_path / "merged", client="global").out
     assert_merged_export(out, run_logits, oracle)
-    if strategy == "flexlora":  # ΔW lives in the clients' pieces, not in a rank-r DoRA adapter
-        with pytest.raises(ExportInputError, match="pieces inside DoRA's column norm"):
-            export(result.run_dir, "adapter", tmp_path / "adapter")
+    if strategy == "flexlora":  # ΔW in the clients' pieces: a DoRA adapter of rank Σ r_k on the original base
+        assert_stacked_adapter_export(result.run_dir, tmp_path, run_logits, seen)
     if strategy == "pfedloru":  # client 0's personal model adds its private s_p·L_0·U_0 after the DoRA layer
         personal, _, _, _ = model_from_checkpoint(result.run_dir, client=0)
         entry = result.clients.get(0)
@@ -140,6 +139,27 @@ def test_dora_merging_strategy_round_replays_in_float64_and_exports(strategy, da
             assert product.abs().max() > 1e-6
             oracle[name] = weight + product
         assert_personal_export(result.run_dir, tmp_path, personal, oracle)
+
+
+def assert_stacked_adapter_export(run_dir, tmp_path, run_logits, seen):
+    """FlexLoRA's DoRA adapter export: rank = the round's Σ r_k, loads with peft on the original base, gives the
+    run's logits (1e-5)."""
+    import json
+
+    from peft import PeftModel
+
+    from fedllm.models.loading import load_base_model, load_tokenizer
+    from fedllm.recipe.schema import ModelConfig
+
+    out = export(run_dir, "adapter", tmp_path / "adapter").out
+    config = json.loads((out / "adapter_config.json").read_text())
+    ranks = sum(next(v.shape[0] for k, v in state.items() if ".lora_A." in k) for state, _, _ in seen["uploads"])
+    assert config["use_dora"] is True and config["r"] == config["lora_alpha"] == ranks
+    original = load_base_model(ModelConfig(name="tiny-llama"), load_tokenizer(ModelConfig(name="tiny-llama")),
+                               num_labels=2, seed=0)
+    loaded = PeftModel.from_pretrained(original, str(out)).eval()
+    with torch.no_grad():
+        assert (loaded(input_ids=IDS).logits - run_logits).abs().max() <= 1e-5
 
 
 def assert_merged_export(out, run_logits, oracle):
