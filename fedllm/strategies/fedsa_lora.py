@@ -41,22 +41,22 @@ class FedSALoRA(FedAvg):
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
         self.layers = adapter_layers(model)
         names = {id(p): n for n, p in model.named_parameters()}
-        self.initial_b = {layer.b_key: torch.zeros_like(layer.module.lora_B["default"].weight)
+        self.initial_private = {layer.b_key: torch.zeros_like(layer.module.lora_B["default"].weight)
                           for layer in self.layers.values()}
         for layer in self.layers.values():  # DoRA: the magnitude is private too, from its init ‖W‖_c
             if "default" in layer.module.lora_magnitude_vector:
                 m = layer.module.lora_magnitude_vector["default"].weight
-                self.initial_b[names[id(m)]] = m.detach().clone()
-        self.private_keys = list(self.initial_b)
+                self.initial_private[names[id(m)]] = m.detach().clone()
+        self.private_keys = list(self.initial_private)
 
     def configure_client(self, rnd: int, client_id: int, global_state: StateDict) -> ClientPlan:
-        shared = {k: v for k, v in global_state.items() if k not in self.initial_b}
+        shared = {k: v for k, v in global_state.items() if k not in self.initial_private}
         return ClientPlan(client_id, rnd, shared, [Phase(keys=list(shared) + self.private_keys)])
 
     def personal_state(self, client_id: int, client_state: StateDict) -> StateDict | None:
         """Client ``client_id``'s private ``B`` (and DoRA magnitude) of every layer (their init if it never trained)."""
         return {k: (client_state[k].to(v.device, copy=True) if k in client_state else v.clone())
-                for k, v in self.initial_b.items()}
+                for k, v in self.initial_private.items()}
 
     def open_client(self, plan: ClientPlan) -> None:
         """Load the client's own ``B`` beside the received shared keys."""
