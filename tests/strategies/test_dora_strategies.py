@@ -321,3 +321,39 @@ def test_dora_pfedloru_on_flower_matches_the_simulation(data_files, tmp_path, mo
         assert_close(expected["base"], on_node["base"], f"base on node {cid}", tol=0)
         sim_entry = {k.split("/", 1)[1]: v for k, v in expected["clients"].items() if k.startswith(f"client{cid}/")}
         assert_close(sim_entry, {k.split("/", 1)[1]: v for k, v in on_node["clients"].items()}, f"client {cid}", tol=0)
+
+
+def test_dora_pflmf_personal_model_is_u_v_with_its_magnitudes_and_exports(data_files, tmp_path):
+    """pFL^MF under DoRA: client k's model is θ_k = U v_k (A, B and every magnitude sliced from it in
+    ``named_parameters`` order), each layer ``m ⊙ (W + s·B A) / ‖·‖_c`` (float64 oracle, 1e-5); its merged export
+    gives its logits and the oracle, its adapter export loads with peft on the original base."""
+    from peft import PeftModel
+
+    from fedllm.models.loading import load_base_model, load_tokenizer
+    from fedllm.recipe.schema import ModelConfig
+    from fedllm.strategies.pflmf import U_KEY, V_KEY
+
+    raw = make_raw(data_files, tmp_path / "run", "pflmf", {"rank": 3, "eta_u": 0.5}, lora={"use_dora": True},
+                   train={"optimizer": "sgd"})
+    result = run(parse_recipe(raw))
+    personal, _, strategy, _ = model_from_checkpoint(result.run_dir, client=0)
+    theta = result.global_state[U_KEY].double() @ result.clients.get(0)[V_KEY].double()
+    sliced, at = {}, 0
+    for name, p in personal.named_parameters():
+        if any(name == s.name for s in strategy.slices):
+            sliced[name], at = theta[at:at + p.numel()].view(p.shape), at + p.numel()
+    assert at == theta.numel()
+    got, oracle = effective_weights(personal), {}
+    for name, layer in adapter_layers(personal).items():
+        m = sliced[magnitude_key(layer)]
+        assert (m - layer.base.weight.double().norm(dim=1)).abs().max() > 1e-6  # the magnitude moved with v
+        oracle[name] = dora_weight(layer.base.weight.double() + layer.scale * sliced[layer.b_key] @ sliced[layer.a_key], m)
+        assert (got[name].double() - oracle[name]).abs().max() <= 1e-5, name
+    with torch.no_grad():
+        logits = personal(input_ids=IDS).logits
+    assert_merged_export(export(result.run_dir, "merged", tmp_path / "merged", client=0).out, logits, oracle)
+    out = export(result.run_dir, "adapter", tmp_path / "adapter", client=0).out
+    original = load_base_model(ModelConfig(name="tiny-llama"), load_tokenizer(ModelConfig(name="tiny-llama")),
+                               num_labels=2, seed=0)
+    with torch.no_grad():
+        assert (PeftModel.from_pretrained(original, str(out)).eval()(input_ids=IDS).logits - logits).abs().max() <= 1e-5
