@@ -1,7 +1,8 @@
-"""DoRA (``lora.use_dora``) with the strategies that merge into the base or keep private state: one round recomputed
-by hand in float64 from the uploads the server received (the layer function ``m ⊙ V / ‖V‖_c`` of Liu et al. 2024,
-Eq. 5, with the directions ``V`` each strategy defines), the merged export against the run's own model and that
-oracle, the personal models, and PEFT's own DoRA merge of a nested mFedLoRU client.
+"""DoRA (``lora.use_dora``) with the strategies that merge into the base, keep pieces or keep private state
+(FedEx-LoRA, FLoRA, FlexLoRA, mFedLoRU, pFedLoRU, FedSA-LoRA, FedLoRA-PFL, pFL^MF): one round recomputed by hand in
+float64 from the uploads the server received (the layer function ``m ⊙ V / ‖V‖_c`` of Liu et al. 2024, Eq. 5, with
+the directions ``V`` each strategy defines), the merged and adapter exports against the run's own model and that
+oracle, the personal models, PEFT's own DoRA of a nested mFedLoRU client, and pFedLoRU on the Flower apps.
 """
 
 import pytest
