@@ -66,6 +66,9 @@ STATEFUL = {
                                                  "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5}}),
     # A and B go to a client once and stay in its per-client state, whichever rank trains it later
     "fed_sb": ("fed_sb", {}, {"train": {"optimizer_state": "per_client"}}),
+    # DoRA: FedSA-LoRA's private magnitude follows its client; FlexLoRA's pieces inside DoRA's norm on every rank
+    "fedsa_lora-dora": ("fedsa_lora", {}, {"lora": {"use_dora": True}}),
+    "flexlora-dora": ("flexlora", {"client_ranks": [4, 1, 2, 4]}, {"lora": {"use_dora": True}}),
 }
 RESUMED = ["frlora-moments", "scaffold"]  # checkpointed by 1 process and resumed by 2, and the reverse
 

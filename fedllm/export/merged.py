@@ -55,7 +55,7 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
         inputs = probe_inputs(tokenizer)
         reference = probe_logits(model, inputs)
         layers_merged = len(wrapped_layers(model))
-        base = merge_dora(model)
+        base = merge_dora(model, strategy)
         diff = check_probe(reference, probe_logits(base, inputs), str(source.checkpoint))
         return save_merged(base, tokenizer, source, out, dtype, {
             "layers": layers_merged, "observed_layers": 0, "max_logit_diff": diff, "checked": True,

@@ -10,10 +10,9 @@ What cannot hold is refused at recipe load, with the reason:
 * download compression with a strategy whose server maths reads what the clients received (FedOpt's
   pseudo-gradient, the merges of FRLoRA, FedLoRU, FedEx-LoRA, FLoRA ...): those assume the download is the
   server's state cast to ``comm_dtype``;
-* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (the others rebuild
-  factors by SVD or stacking, add residual corrections, or keep factors or products beside the base: DoRA's column
-  norm of ``W + s·B·A`` makes each of those non-linear, and none is implemented for it); a merging one on a
-  half-precision base or with its merges kept beside the base.
+* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (HetLoRA, RoLoRA,
+  LoRA-FAIR, FedSVD, Fed-SB: their server maths is not worked out for DoRA's column norm of ``W + s·B·A``); a
+  merging one on a half-precision base or with its merges kept beside the base.
 """
 
 from __future__ import annotations
@@ -30,10 +29,15 @@ DOWNLOAD_COMPRESSION_STRATEGIES = frozenset({
 })
 
 #: Strategies that train B, A and DoRA's magnitude vector as plain tensors and aggregate them tensor by tensor,
-#: never changing the base: DoRA holds unchanged (the magnitude is averaged as any trainable tensor).
+#: never merging into the base: DoRA holds unchanged (the magnitude is averaged as any trainable tensor). Beside
+#: them: ``fedsa_lora`` keeps the magnitude private beside ``B``; ``fedlora_pfl`` averages it with σ (its ``full``
+#: σ is the base weight itself, averaged as a tensor) and adds the private τ after the DoRA layer; ``flexlora``
+#: stacks its kept pieces inside DoRA's column norm; ``pflmf`` slices the magnitudes from ``U v`` with A and B (each
+#: strategy's module docstring says how).
 DORA_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedmedian",
-    "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local",
+    "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local", "fedsa_lora", "fedlora_pfl", "pflmf",
+    "flexlora",
 })
 
 
@@ -79,10 +83,10 @@ def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
             p.append((f"federation.strategy_args.{key}", args[key], ("the default (merge into the base) with "
                       "lora.use_dora: factors or residuals kept beside the base are left out of DoRA's column norm")))
     elif r.federation.strategy not in DORA_STRATEGIES:
-        p.append(("lora.use_dora", True, (f"false with federation.strategy: {r.federation.strategy} (it merges "
-                  "products into the base, rebuilds factors by SVD or stacking, or keeps factors beside the base; "
-                  "DoRA's column norm of W + s*B*A makes that non-linear and fedllm does not implement it; DoRA "
-                  f"works with {', '.join(sorted(DORA_STRATEGIES | DORA_MERGE_STRATEGIES))})")))
+        p.append(("lora.use_dora", True, (f"false with federation.strategy: {r.federation.strategy} (its server "
+                  "maths (SVD refactorisations, corrections of B, per-client ranks or alternating factors) is not "
+                  "worked out for DoRA's column norm of W + s*B*A, which makes it non-linear; DoRA works with "
+                  f"{', '.join(sorted(DORA_STRATEGIES | DORA_MERGE_STRATEGIES))})")))
     if r.model.quantization != "none":
         p.append(("lora.use_dora", True, f"false with model.quantization: {r.model.quantization} (not tested here)"))
     if r.train.clients_per_pass > 1:

@@ -62,10 +62,13 @@ class ModelConfig:
     trust_remote_code: bool = doc(False, "allow custom model code from the hub")
 
 
-#: Merge-and-reinit strategies that hold DoRA exactly on an fp32 base merged in place: the base becomes
-#: ``W + s·(B̄Ā − B_new A_new)`` while the averaged magnitude ``m`` stays, so ``m ⊙ (W + s·B·A) / ‖W + s·B·A‖_c`` is
-#: unchanged by the merge (and FRLoRA's init ``Ŵ0 = W0 − s·B0A0`` leaves ``W0``, whose norms PEFT's ``m`` starts from).
-DORA_MERGE_STRATEGIES = frozenset({"frlora", "frlora_v1", "frlora_v2", "frlora_v3", "fedloru"})
+#: Strategies that merge into an fp32 base in place and hold DoRA exactly there: the merge moves a product from the
+#: adapter into ``W`` (FRLoRA, FedLoRU, mFedLoRU, pFedLoRU: ``W + s·(B̄Ā − B_new A_new)``; FLoRA: the stack, then
+#: ``B = 0``) or adds FedEx-LoRA's residual, while the averaged magnitude ``m`` stays, so the layer computes
+#: ``m ⊙ V / ‖V‖_c`` of the directions ``V`` the strategy defines (FRLoRA's init ``Ŵ0 = W0 − s·B0A0`` leaves ``W0``,
+#: whose norms PEFT's ``m`` starts from). docs/compression.md, "DoRA".
+DORA_MERGE_STRATEGIES = frozenset({"frlora", "frlora_v1", "frlora_v2", "frlora_v3", "fedloru", "mfedloru", "pfedloru",
+                                   "fedex_lora", "flora"})
 
 
 @dataclass

@@ -13,6 +13,12 @@ zero), so evaluation and export see the full average (a merged export is exact; 
 pieces exactly, or ``--rank R`` truncates with the error reported). While a client trains, the hook is off:
 the client's model is ``W0 + s·B A`` at its rank. The SVD is taken of the stacked factors through two thin QR
 decompositions in float64 (no dense ``out × in`` SVD), so it stays cheap for large layers.
+
+DoRA (``lora.use_dora``): the magnitude ``m`` is averaged with the example weights as any trainable tensor (it goes
+down to every client beside its SVD share), and the global layer is ``m̄ ⊙ (W0 + ΔW) / ‖W0 + ΔW‖_c``: ΔW must sit
+inside DoRA's column norm, so instead of adding it after the layer the kept pieces are stacked beside the (zero)
+global adapter in the factors PEFT's DoRA forward reads (:func:`stack_into_dora`, a pre-hook on each layer's
+magnitude module). A client's layer is ``m ⊙ (W0 + s·B A) / ‖·‖_c`` at its rank, as without the pieces.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fedllm.common.registry import register_strategy
 from fedllm.models.state import StateDict, weighted_mean
@@ -42,6 +49,38 @@ def stacked_svd(b_cat: torch.Tensor, a_cat: torch.Tensor) -> tuple[torch.Tensor,
     qa, ra = torch.linalg.qr(a_cat.double().mT)
     u, s, vh = torch.linalg.svd(rb @ ra.mT, full_matrices=False)
     return qb @ u, s, vh @ qa.mT
+
+
+class _Factor(torch.nn.Module):
+    """A LoRA factor as PEFT's DoRA forward uses one: ``weight`` (for shapes) and ``x ↦ x·weightᵀ``."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+def stack_into_dora(kept: KeptFactors, name: str):
+    """A forward pre-hook (with kwargs) for layer ``name``'s DoRA magnitude module: while ``kept`` is active, PEFT's
+    DoRA forward gets ``[A; A_1; …; A_K]`` and ``[B, s_1 B_1/s, …, s_K B_K/s]``, so that ``s·B A + Σ_j s_j B_j A_j``
+    enters both its column norm and its output (DoRA, Liu et al. 2024, Eq. 5)."""
+    def stacked(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        pieces = kept.factors.get(name)
+        if not kept.active or not pieces:
+            return None
+        a, b, scaling = kwargs["lora_A"].weight, kwargs["lora_B"].weight, kwargs["scaling"]
+        a_cat = torch.cat([a] + [pa.to(a.device, a.dtype) for _, pa, _ in pieces], 0)
+        b_cat = torch.cat([b] + [(pb * (s / scaling)).to(b.device, b.dtype) for pb, _, s in pieces], 1)
+        return args, {**kwargs, "lora_A": _Factor(a_cat), "lora_B": _Factor(b_cat)}
+
+    return stacked
+
+
+def is_dora_layer(layer: Any) -> bool:
+    """True when the PEFT layer's ``default`` adapter uses DoRA (a magnitude vector)."""
+    return "default" in getattr(layer.module, "lora_magnitude_vector", {})
 
 
 @register_strategy("flexlora")
@@ -72,7 +111,12 @@ class FlexLoRA(RankedClients, FedAvg):
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
         self.layers = adapter_layers(model)
         self.setup_ranks(len(clients))
-        self.kept = KeptFactors(self.layers, live=True)
+        dora = any(is_dora_layer(layer) for layer in self.layers.values())
+        self.kept = KeptFactors(self.layers, live=not dora)
+        for name, layer in self.layers.items():
+            if dora:  # ΔW inside DoRA's column norm (module docstring)
+                layer.module.lora_magnitude_vector["default"].register_forward_pre_hook(
+                    stack_into_dora(self.kept, name), with_kwargs=True)
         self._svd: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def svd(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -25,6 +25,13 @@ is ``θ_i = U v_i`` (``personal_state``).
 
 Memory: the server holds ``U`` (d·r) and the round's uploads, never the d × n matrix of all ``θ_i``;
 a client stores ``v_i`` (r numbers) between rounds and holds ``U``, ``θ`` and ``G_i`` while it trains.
+
+DoRA (``lora.use_dora``): θ also holds each layer's magnitude vector ``m`` (``...lora_magnitude_vector.default.weight``),
+read inside PEFT's DoRA module rather than through an ``nn.Linear``. While a client trains, a forward hook on that
+module calls it again with ``m`` = its slice of ``U v`` (``torch.func.functional_call``), so the layer computes
+``m ⊙ (W + s·B A) / ‖W + s·B A‖_c`` with every tensor from ``U v`` (PEFT's DoRA reads ``B A`` through the factors'
+hooked forwards) and autograd carries ``m``'s gradient into ``v`` and ``G_i``; it costs a second DoRA forward of
+each layer while training.
 """
 
 from __future__ import annotations
@@ -125,11 +132,19 @@ class PFLMF(Strategy):
         self.slices: list[Slice] = []
         owners: dict[str, list[Slice]] = {}
         start = 0
+        from peft.tuners.lora.dora import DoraLinearLayer
+
+        dora: dict[str, Slice] = {}
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
             owner, attr = name.rsplit(".", 1)
             module = model.get_submodule(owner)
+            if isinstance(module, DoraLinearLayer) and attr == "weight":  # DoRA's magnitude (module docstring)
+                dora[owner] = piece = Slice(name, attr, start, tuple(p.shape))
+                self.slices.append(piece)
+                start = piece.stop
+                continue
             if not isinstance(module, torch.nn.Linear) or attr not in ("weight", "bias"):
                 raise InputError(f"{source}: lora.modules_to_save: trainable {name} is not the weight or bias of a "
                                  "linear layer; expected linear layers only (pflmf factorises those)")
@@ -155,6 +170,9 @@ class PFLMF(Strategy):
         self.model = model
         for owner, pieces in owners.items():
             model.get_submodule(owner).register_forward_hook(self._hook({p.attr: p for p in pieces}))
+        self._in_dora = False
+        for owner, piece in dora.items():
+            model.get_submodule(owner).register_forward_hook(self._dora_hook(piece), with_kwargs=True)
 
     def v0(self) -> torch.Tensor:
         """Every client's initial ``v`` (``e_1``)."""
@@ -174,6 +192,19 @@ class PFLMF(Strategy):
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
         return factorised
+
+    def _dora_hook(self, piece: Slice):
+        def factorised_magnitude(module: Any, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+            if self._live is None or self._in_dora:
+                return None
+            m = (self._u()[piece.start:piece.stop] @ self.factors.v).view(piece.shape)
+            self._in_dora = True  # the call below runs this hook again: let it pass
+            try:
+                return torch.func.functional_call(module, {"weight": m.to(module.weight.dtype)}, args, kwargs)
+            finally:
+                self._in_dora = False
+
+        return factorised_magnitude
 
     def _u(self) -> torch.Tensor:
         """``U`` as the hooks use it: during the first step a copy that collects ``G_i``."""

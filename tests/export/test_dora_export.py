@@ -145,9 +145,11 @@ def test_dora_merges_into_the_base_exactly_as_peft_merges(tmp_path, strategy, ar
 
 
 @pytest.mark.parametrize("strategy,args,sections,key", [
-    ("fedex_lora", {}, {}, "lora.use_dora"), ("flora", {}, {}, "lora.use_dora"),
-    ("flexlora", {}, {}, "lora.use_dora"), ("mfedloru", {}, {}, "lora.use_dora"),
+    ("hetlora", {}, {}, "lora.use_dora"), ("fedsvd", {}, {}, "lora.use_dora"),
     ("fedloru", {"accumulate": "keep"}, {}, "federation.strategy_args.accumulate"),
+    ("pfedloru", {"accumulate": "keep"}, {}, "federation.strategy_args.accumulate"),
+    ("fedex_lora", {"residual": "dense"}, {}, "federation.strategy_args.residual"),
+    ("flora", {}, {"model": {"dtype": "bf16"}}, "model.dtype"),
     ("frlora", {}, {"model": {"dtype": "bf16"}}, "model.dtype"),
 ])
 def test_dora_refused_where_it_cannot_hold(tmp_path, strategy, args, sections, key):

@@ -47,6 +47,13 @@ CASES = {
     "lora_fair": ("lora_fair", {}, {}),
     "fedsvd": ("fedsvd", {}, {"train": {"optimizer_state": "per_client"}}),
     "fed_sb": ("fed_sb", {}, {"train": {"optimizer_state": "per_client"}}),
+    # DoRA: a private magnitude in the client store, a merge in aggregate, a merge after it with private factors
+    "fedsa_lora_dora": ("fedsa_lora", {}, {"lora": {"use_dora": True}, "train": {"optimizer_state": "per_client"}}),
+    "flora_dora": ("flora", {"client_ranks": [2, 4, 1]}, {"lora": {"use_dora": True}}),
+    "flexlora_dora": ("flexlora", {"client_ranks": [4, 2, 1]}, {"lora": {"use_dora": True}}),
+    "pfedloru_dora": ("pfedloru", {"tau": 1, "personal_r": 2, "personal_steps": 1, "global_steps": 2},
+                      {"lora": {"use_dora": True}, "train": {"optimizer_state": "per_client"}}),
+    "pflmf_dora": ("pflmf", {"rank": 3, "eta_u": 0.5}, {"lora": {"use_dora": True}, "train": {"optimizer": "sgd"}}),
 }
 FULL: dict = {}
 

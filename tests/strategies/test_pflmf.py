@@ -17,10 +17,10 @@ from fedllm.strategies.pflmf import U_KEY, V_KEY
 ETA_V, ETA_U, K, SEED = 0.05, 0.5, 3, 1234
 
 
-def one_client(data_files, tmp_path, classification=False, **args):
+def one_client(data_files, tmp_path, classification=False, lora=None, **args):
     raw = make_raw(data_files, tmp_path, "pflmf", {"rank": 3, "eta_u": ETA_U, **args}, classification=classification,
                    federation={"num_clients": 1, "clients_per_round": 1},
-                   train={"optimizer": "sgd", "local_steps": K, "lr": ETA_V})
+                   train={"optimizer": "sgd", "local_steps": K, "lr": ETA_V}, **({"lora": lora} if lora else {}))
     recipe = parse_recipe(raw)
     return recipe, build_federation(recipe)
 
@@ -58,9 +58,15 @@ def collate_batch(coll, fed, stream):
     return coll([fed.data.examples[i] for i in stream.next()])
 
 
-@pytest.mark.parametrize("classification", [False, True])
-def test_one_client_plain_sgd_matches_autograd_on_theta(classification, data_files, tmp_path):
-    recipe, fed = one_client(data_files, tmp_path, classification)
+@pytest.mark.parametrize("classification,lora", [(False, None), (True, None), (False, {"use_dora": True})],
+                         ids=["causal", "classification", "causal-dora"])
+def test_one_client_plain_sgd_matches_autograd_on_theta(classification, lora, data_files, tmp_path):
+    """The reference trains PEFT's own model with θ = U v written into its parameters (under DoRA: A, B and each
+    layer's magnitude vector, through PEFT's DoRA forward and its detached column norm)."""
+    recipe, fed = one_client(data_files, tmp_path, classification, lora)
+    if lora:
+        assert sum(".lora_magnitude_vector." in s.name for s in fed.strategy.slices) == len(
+            [s for s in fed.strategy.slices if ".lora_A." in s.name])
     model, strategy = fed.loaded.model, fed.strategy
     global_state = read_state(model, fed.global_keys)
     u0 = global_state[U_KEY].clone()

@@ -42,7 +42,7 @@ def dpo_raw(out_dir, data_path, /, strategy="fedavg", args=None, **sections):
     return tiny_raw(out_dir, data_path, **own)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(c for c, (_, _, sections) in CASES.items() if "lora" not in sections))
 def test_preference_dpo_runs_with_every_strategy(case, pref_file, tmp_path, monkeypatch):
     import fedllm.engine.client as client_module
     import fedllm.engine.server as server_module
