@@ -1,0 +1,178 @@
+"""SecAgg+ on Flower's apps (``pytest -k secagg``): the ServerApp's executor and the real ClientApp over the loopback
+grid of tests/test_flower_apps.py, every node signing its keys with its node key (``fedllm flower certs``) and
+verifying its neighbours' against the registered public keys.
+
+- the Flower run equals the one-process SecAgg+ run bit for bit (FedAvg, FRLoRA): the masks cancel exactly modulo
+  2^32 and quantisation rounds with the same (seed, round, client) generator on the node as in simulation;
+- what the ServerApp receives (masked words) is uncorrelated with each client's true encoded change, while the sum
+  recovers the clients' mean;
+- a key substituted by the server (man in the middle) is refused by the nodes, the round fails loudly;
+- a node whose worker lost the round's secrets (restarted after the share exchange) drops out and the round completes.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from fedllm.engine.client_faults import RoundStopped
+from fedllm.engine.server import run
+from fedllm.flower import records, secagg_stages
+from fedllm.flower.certs import write_node_keys
+from fedllm.flower.executor import FlowerExecutor
+from fedllm.flower.server_app import read_node_keys
+from fedllm.privacy.secagg.encoding import decode, encode
+from fedllm.recipe.checks import parse_recipe
+from fedllm.recipe.schedule import derived_seed
+from tests.test_flower_apps import LoopbackGrid, assert_close, flower_identity, nodes, parts  # noqa: F401 (a fixture)
+
+CLIENTS = 4
+SECAGG = {"secure_aggregation": "secagg_plus", "secagg": {"neighbours": 3, "max_dropouts": 1}}
+
+
+@pytest.fixture(scope="module")
+def node_keys(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("keys")
+    write_node_keys(directory, CLIENTS)
+    return directory
+
+
+def signed_nodes(tmp_path, keys):
+    """Node configs as ``fedllm flower supernode --auth-key`` gives them: the node key and the peers' public keys."""
+    return [{**cfg, "node-key": str(keys / f"client-{i}.key"), "peer-keys": str(keys)}
+            for i, cfg in enumerate(nodes(tmp_path, CLIENTS))]
+
+
+def raw_recipe(tiny_recipe, strategy="fedavg", rounds=2, **federation):
+    return tiny_recipe(federation={"num_clients": CLIENTS, "clients_per_round": CLIENTS, "rounds": rounds,
+                                   "strategy": strategy, **federation}, privacy=SECAGG)
+
+
+def flower_run(raw, tmp_path, keys, grid=None, name="flower"):
+    grid = grid or LoopbackGrid(signed_nodes(tmp_path, keys))
+    executor = FlowerExecutor(grid, node_keys=read_node_keys(str(keys)))
+    return run(parse_recipe({**raw, "output_dir": str(tmp_path / name)}), executor=executor), grid
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "frlora"])
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_on_flower_equals_the_simulation_bit_for_bit(strategy, tiny_recipe, tmp_path,
+                                                           node_keys):
+    raw = raw_recipe(tiny_recipe, strategy)
+    sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")}))
+    flower, grid = flower_run(raw, tmp_path, node_keys)
+    expected, got = parts(sim.run_dir), parts(flower.run_dir)
+    assert_close(expected["adapter"], got["adapter"], "global adapter", tol=0.0)
+    if "base" in expected:  # FRLoRA: the base merged from the unmasked mean
+        assert_close(expected["base"], got["base"], "server base", tol=0.0)
+    for s, f in zip(sim.history, flower.history, strict=True):
+        assert s["secure_aggregation"]["masked_bytes_per_client"] == f["secure_aggregation"]["masked_bytes_per_client"]
+        assert f["secure_aggregation"]["dropped_after_sharing"] == [] and "dropped" not in f
+    assert grid.sent.count("query.secagg") == 3 * CLIENTS * 2  # advertise, share, unmask; 2 rounds
+    # every train reply carried masked words only (never the client's update)
+    for reply in grid.replies:
+        if "update" in reply.content.array_records:
+            assert list(records.decode(reply.content.array_records["update"])) == ["secagg/masked"]
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_the_serverapp_receives_masked_words_uncorrelated_with_each_update(
+        tiny_recipe, tmp_path, node_keys, monkeypatch):
+    """Capture, on the node, each client's true encoded change (what it would send in the clear) and, on the server,
+    the train replies: no reply equals or correlates with its client's change, and the decoded sum is their mean."""
+    truth, start = {}, {}
+    original = secagg_stages.mask_upload
+
+    def spy(update, reference, weight, seed, rnd, layout, params, client, shares):
+        rng = np.random.default_rng(derived_seed(seed, rnd, update.client_id, 0x5EC))
+        truth[(rnd, update.client_id)] = (encode(update.state, reference, weight, layout, params, rng)[0], params,
+                                          layout)
+        start.update(reference)
+        return original(update, reference, weight, seed, rnd, layout, params, client, shares)
+
+    monkeypatch.setattr(secagg_stages, "mask_upload", spy)
+    flower, grid = flower_run(raw_recipe(tiny_recipe, rounds=1), tmp_path, node_keys)
+    received = {}
+    for message, reply in zip(grid.messages, grid.replies, strict=True):
+        if message.metadata.message_type == "train":
+            cid = int(message.content.config_records["fedllm"]["client_id"])
+            received[cid] = records.decode(reply.content.array_records["update"])["secagg/masked"].numpy()
+    assert sorted(received) == list(range(CLIENTS))
+    total = None
+    for cid, masked in received.items():
+        x, params, layout = truth[(1, cid)]
+        y = masked.view(np.uint32)
+        assert y.size == x.size > 1000 and not np.array_equal(y, x)
+        assert abs(np.corrcoef(y.astype(np.float64), x.astype(np.float64))[0, 1]) < 0.1  # n ≈ 2.6k: std 0.02
+        assert abs(y.mean() / 2**32 - 0.5) < 0.05  # uniform words; the encoded change sits near 2^19
+        total = y.copy() if total is None else total + y
+    words = sum(truth[(1, c)][0] for c in range(CLIENTS))  # the true sum of the encoded changes
+    assert abs(np.corrcoef(total.astype(np.float64), words.astype(np.float64))[0, 1]) < 0.1  # still masked
+    # the sum recovers: the global adapter the server applied is the start plus the mean decoded from the true sum
+    decoded = decode(words, layout, params)
+    assert decoded.count == CLIENTS and decoded.clipped == 0
+    got = parts(flower.run_dir)["adapter"]
+    for key, mean in decoded.means(layout).items():
+        expected = (start[key].double() + mean).to(got[key].dtype)
+        assert torch.equal(got[key], expected), key
+    assert any(torch.count_nonzero(m) for m in decoded.means(layout).values())
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_a_key_substituted_by_the_server_is_refused_by_the_nodes(tiny_recipe, tmp_path,
+                                                                        node_keys, monkeypatch, caplog):
+    """The server forwards client 2's neighbours a key pair of its own (a man in the middle): every node verifies
+    the signature against client 2's registered node key and refuses to share; the round fails loudly."""
+    from fedllm.privacy.secagg import crypto
+
+    _, forged = crypto.new_key_pair()
+    ask = secagg_stages.FlowerSecureRound._ask
+
+    def substitute(self, clients, stage, fields):
+        if stage != "share":
+            return ask(self, clients, stage, fields)
+
+        def forged_fields(c):
+            out = fields(c)
+            out["encryption_keys"] = [forged if i == 2 else k for i, k in zip(out["ids"], out["encryption_keys"])]
+            return out
+        return ask(self, clients, stage, forged_fields)
+
+    monkeypatch.setattr(secagg_stages.FlowerSecureRound, "_ask", substitute)
+    with pytest.raises(RoundStopped):
+        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys)
+    assert "client 2's SecAgg+ keys are not signed by its registered node key" in caplog.text
+    assert "secure aggregation cannot start" in caplog.text
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_a_worker_that_lost_its_secrets_drops_out_and_the_round_completes(
+        tiny_recipe, tmp_path, node_keys):
+    """Client 1's worker restarts after the share exchange (its in-memory secrets are gone): its train message is
+    answered with an error, it counts as lost after sharing, and the three others' sum is unmasked."""
+
+    from flwr.app import Message
+    from flwr.app.error import Error
+
+    class RestartingGrid(LoopbackGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = []
+            for m in messages:
+                if m.metadata.message_type == "train" and m.metadata.dst_node_id == 101:
+                    secagg_stages._ROUNDS.pop((str(m.content.config_records["fedllm"]["token"]), 1))
+                try:  # as fedllm's worker (fedllm.flower.runtime.run_client_task): a raising app answers an error
+                    replies += super().send_and_receive([m], timeout=timeout)
+                except Exception as e:  # noqa: BLE001
+                    replies.append(Message(Error(code=1, reason=str(e)), reply_to=m))
+            return replies
+
+    grid = RestartingGrid(signed_nodes(tmp_path, node_keys))
+    flower, _ = flower_run(raw_recipe(tiny_recipe, rounds=1), tmp_path, node_keys, grid=grid)
+    record = flower.history[0]
+    assert record["secure_aggregation"]["dropped_after_sharing"] == [1]
+    assert "no SecAgg+ secrets for round 1" in record["dropped"]["1"]
+    assert sorted(record["bytes_up"]) == ["0", "2", "3"]
+    assert json.dumps(record)  # the run's record stays JSON
