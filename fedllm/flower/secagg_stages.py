@@ -106,7 +106,11 @@ def answer_stage(msg: Message, context: Any) -> Message:
             keys = identity.load_peer_keys(str(peers))
             for advert, signature in zip(adverts, cfg["signatures"], strict=True):
                 identity.verify(keys, ctx, advert, bytes(signature))
+        else:
+            log.warning("client %d: SecAgg+ keys of its neighbours taken unverified (no peer keys: fedllm flower "
+                        "supernode --auth-key/--peer-keys): a server could substitute them", cid)
         shares = current.client.share_keys(adverts)
+        log.info("client %d: SecAgg+ round %d: keys verified, %d shares sent", cid, rnd, len(shares))
         out = {"receivers": [s.receiver for s in shares], "sealed": [s.sealed for s in shares]}
     elif stage == "unmask":
         current = _open_round(token, cid, rnd, ctx)
@@ -115,6 +119,7 @@ def answer_stage(msg: Message, context: Any) -> Message:
                                                       tuple(int(c) for c in cfg["dropped"])))
         out = {"owners": [r.owner for r in reveals], "kinds": [r.kind for r in reveals],
                "indices": [r.index for r in reveals], "shares": [r.share for r in reveals]}
+        log.info("client %d: SecAgg+ round %d: %d shares revealed", cid, rnd, len(reveals))
     else:
         raise SecAggError(f"client {cid}: unknown SecAgg+ stage {stage!r}")
     return Message(RecordDict({RECORD: ConfigRecord({"client_id": cid, **out})}), reply_to=msg)
@@ -126,6 +131,7 @@ def check_secrets(msg: Message, cid: int) -> None:
     if cfg is not None:
         head = msg.content.config_records["fedllm"]
         _open_round(str(head["token"]), cid, int(head["round"]), bytes(cfg["context"]))
+        log.info("client %d: SecAgg+ round %d: training (secrets held)", cid, int(head["round"]))
 
 
 def masked_update(msg: Message, node: Any, update: Any, reference: dict) -> Any:
