@@ -9,6 +9,10 @@ update) is a dropout after sharing. The server's steps then unmask the *sum*, an
 round's mean upload (:meth:`fedllm.strategies.Strategy.aggregate_mean`) — no process's round loop ever holds a
 client's update in the clear. Quantisation rounds stochastically with a generator seeded by (seed, round,
 client): it hides nothing (the mask does), and it makes a run on N processes equal to the one-process run.
+
+The server's side (:class:`SecureRoundServer`: parameters, layout, unmasking into the mean upload) and the client's
+masking (:func:`mask_upload`) are shared with Flower (:mod:`fedllm.flower.secagg_stages`), where the same stages
+travel as messages between the ServerApp and the node workers: a Flower run equals the one-process run bit for bit.
 """
 
 from __future__ import annotations
