@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--train", type=int, default=400, help="training problems (split over the clients)")
     p.add_argument("--json", help="write the trials and medians here")
+    p.add_argument("--work", help="keep the runs and logs in this directory (default: a temporary one)")
     p.add_argument("--flower", choices=["loopback", "deployment"],
                    help="through fedllm's Flower apps in process (loopback) or a real SuperLink and SuperNodes")
     args = p.parse_args(argv)
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     clock = ProtocolClock(args.flower == "loopback")
     trials = []
     with tempfile.TemporaryDirectory(prefix="fedllm-secagg-bench-") as tmp:
-        root = Path(tmp)
+        root = Path(args.work or tmp)
+        root.mkdir(parents=True, exist_ok=True)
         data = root / "arith.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in arith_splits(args.train, 10, 0)[0]))
         deployed = deployment_trials(args, data, root) if args.flower == "deployment" else None

@@ -101,7 +101,7 @@ def test_secagg_the_serverapp_receives_masked_words_uncorrelated_with_each_updat
             cid = int(message.content.config_records["fedllm"]["client_id"])
             received[cid] = records.decode(reply.content.array_records["update"])["secagg/masked"].numpy()
     assert sorted(received) == list(range(CLIENTS))
-    total = None
+    total, pooled = None, ([], [])
     for cid, masked in received.items():
         x, params, layout = truth[(1, cid)]
         y = masked.view(np.uint32)
@@ -109,6 +109,10 @@ def test_secagg_the_serverapp_receives_masked_words_uncorrelated_with_each_updat
         assert abs(np.corrcoef(y.astype(np.float64), x.astype(np.float64))[0, 1]) < 0.1  # n ≈ 2.6k: std 0.02
         assert abs(y.mean() / 2**32 - 0.5) < 0.05  # uniform words; the encoded change sits near 2^19
         total = y.copy() if total is None else total + y
+        pooled[0].append(y.astype(np.float64))
+        pooled[1].append(x.astype(np.float64))
+    # all clients' words together (n ≈ 10k: the estimate's standard deviation is 0.01)
+    assert abs(np.corrcoef(np.concatenate(pooled[0]), np.concatenate(pooled[1]))[0, 1]) < 0.05
     words = sum(truth[(1, c)][0] for c in range(CLIENTS))  # the true sum of the encoded changes
     assert abs(np.corrcoef(total.astype(np.float64), words.astype(np.float64))[0, 1]) < 0.1  # still masked
     # the sum recovers: the global adapter the server applied is the start plus the mean decoded from the true sum
