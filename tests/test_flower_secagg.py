@@ -46,9 +46,15 @@ def signed_nodes(tmp_path, keys):
             for i, cfg in enumerate(nodes(tmp_path, CLIENTS))]
 
 
-def raw_recipe(tiny_recipe, strategy="fedavg", rounds=2, **federation):
+# client-side DP under SecAgg+: clients clip, the adaptive norm's unclipped bits are summed securely, the server adds
+# the noise to the unmasked sum
+CLIENT_DP = {"mechanism": "central_client_clipping", "noise_multiplier": 0.5, "clipping_norm": 0.05, "noise_seed": 3,
+             "adaptive_clipping": {"enabled": True, "count_stddev": 1}}
+
+
+def raw_recipe(tiny_recipe, strategy="fedavg", rounds=2, privacy=None, **federation):
     return tiny_recipe(federation={"num_clients": CLIENTS, "clients_per_round": CLIENTS, "rounds": rounds,
-                                   "strategy": strategy, **federation}, privacy=SECAGG)
+                                   "strategy": strategy, **federation}, privacy={**SECAGG, **(privacy or {})})
 
 
 def flower_run(raw, tmp_path, keys, grid=None, name="flower"):
@@ -57,11 +63,10 @@ def flower_run(raw, tmp_path, keys, grid=None, name="flower"):
     return run(parse_recipe({**raw, "output_dir": str(tmp_path / name)}), executor=executor), grid
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "frlora"])
+@pytest.mark.parametrize("case", ["fedavg", "frlora", "fedavg-client-dp"])
 @pytest.mark.usefixtures("flower_identity")
-def test_secagg_on_flower_equals_the_simulation_bit_for_bit(strategy, tiny_recipe, tmp_path,
-                                                           node_keys):
-    raw = raw_recipe(tiny_recipe, strategy)
+def test_secagg_on_flower_equals_the_simulation_bit_for_bit(case, tiny_recipe, tmp_path, node_keys):
+    raw = raw_recipe(tiny_recipe, case.split("-")[0], privacy=CLIENT_DP if case.endswith("dp") else None)
     sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")}))
     flower, grid = flower_run(raw, tmp_path, node_keys)
     expected, got = parts(sim.run_dir), parts(flower.run_dir)
