@@ -185,3 +185,28 @@ def test_secagg_a_worker_that_lost_its_secrets_drops_out_and_the_round_completes
     assert "no SecAgg+ secrets for round 1" in record["dropped"]["1"]
     assert sorted(record["bytes_up"]) == ["0", "2", "3"]
     assert json.dumps(record)  # the run's record stays JSON
+
+
+def test_secagg_supernode_gives_its_worker_the_node_key_and_the_peers_public_keys(node_keys, tmp_path):
+    """``fedllm flower supernode --auth-key`` hands the worker (``--node-config``) the key that signs the node's SecAgg+
+    keys and the directory of every client's public key (default: beside the key); a ``--peer-keys`` without
+    ``client-K.pub`` files is refused with what is expected."""
+    import argparse
+
+    from fedllm.commands.flower import add_flower_arguments, supernode_command
+    from fedllm.common.errors import InputError
+
+    (tmp_path / "ca.crt").write_text("x")
+
+    def command(*extra):
+        parser = argparse.ArgumentParser()
+        add_flower_arguments(parser)
+        args = parser.parse_args(["supernode", "--superlink", "127.0.0.1:9092", "--client", "2", "--root-certificates",
+                                  str(tmp_path / "ca.crt"), "--auth-key", str(node_keys / "client-2.key"), *extra])
+        cmd = supernode_command(args, None)
+        return cmd[cmd.index("--node-config") + 1]
+
+    config = command()
+    assert f"node-key='{node_keys / 'client-2.key'}'" in config and f"peer-keys='{node_keys}'" in config
+    with pytest.raises(InputError, match=r"--peer-keys=.*: no client-K.pub files; expected the nodes/ directory"):
+        command("--peer-keys", str(tmp_path))
