@@ -7,7 +7,10 @@ verifying its neighbours' against the registered public keys.
 - what the ServerApp receives (masked words) is uncorrelated with each client's true encoded change, while the sum
   recovers the clients' mean;
 - a key substituted by the server (man in the middle) is refused by the nodes, the round fails loudly;
-- a node whose worker lost the round's secrets (restarted after the share exchange) drops out and the round completes.
+- a node whose worker lost the round's secrets (restarted after the share exchange) drops out and the round completes;
+  two such nodes (more than max_dropouts) stop the run after a checkpoint, and the resumed run ends equal to the
+  uninterrupted simulation bit for bit;
+- ``fedllm flower supernode`` hands its worker the node key and the peers' public keys.
 """
 
 import json
@@ -157,34 +160,63 @@ def test_secagg_a_key_substituted_by_the_server_is_refused_by_the_nodes(tiny_rec
     assert "secure aggregation cannot start" in caplog.text
 
 
+class RestartingGrid(LoopbackGrid):
+    """A loopback grid whose nodes in ``lose[round]`` restart their worker after the share exchange (their in-memory
+    SecAgg+ secrets are gone when the round's train message arrives)."""
+
+    def __init__(self, node_configs, lose):
+        super().__init__(node_configs)
+        self.lose = lose
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.app import Message
+        from flwr.app.error import Error
+
+        replies = []
+        for m in messages:
+            if m.metadata.message_type == "train":
+                head = m.content.config_records["fedllm"]
+                cid = int(head["client_id"])
+                if cid in self.lose.get(int(head["round"]), ()):
+                    secagg_stages._ROUNDS.pop((str(head["token"]), cid), None)
+            try:  # as fedllm's worker (fedllm.flower.runtime.run_client_task): a raising app answers an error
+                replies += super().send_and_receive([m], timeout=timeout)
+            except Exception as e:  # noqa: BLE001
+                replies.append(Message(Error(code=1, reason=str(e)), reply_to=m))
+        return replies
+
+
 @pytest.mark.usefixtures("flower_identity")
 def test_secagg_a_worker_that_lost_its_secrets_drops_out_and_the_round_completes(
         tiny_recipe, tmp_path, node_keys):
     """Client 1's worker restarts after the share exchange (its in-memory secrets are gone): its train message is
     answered with an error, it counts as lost after sharing, and the three others' sum is unmasked."""
 
-    from flwr.app import Message
-    from flwr.app.error import Error
-
-    class RestartingGrid(LoopbackGrid):
-        def send_and_receive(self, messages, *, timeout=None):
-            replies = []
-            for m in messages:
-                if m.metadata.message_type == "train" and m.metadata.dst_node_id == 101:
-                    secagg_stages._ROUNDS.pop((str(m.content.config_records["fedllm"]["token"]), 1))
-                try:  # as fedllm's worker (fedllm.flower.runtime.run_client_task): a raising app answers an error
-                    replies += super().send_and_receive([m], timeout=timeout)
-                except Exception as e:  # noqa: BLE001
-                    replies.append(Message(Error(code=1, reason=str(e)), reply_to=m))
-            return replies
-
-    grid = RestartingGrid(signed_nodes(tmp_path, node_keys))
+    grid = RestartingGrid(signed_nodes(tmp_path, node_keys), lose={1: {1}})
     flower, _ = flower_run(raw_recipe(tiny_recipe, rounds=1), tmp_path, node_keys, grid=grid)
     record = flower.history[0]
     assert record["secure_aggregation"]["dropped_after_sharing"] == [1]
     assert "no SecAgg+ secrets for round 1" in record["dropped"]["1"]
     assert sorted(record["bytes_up"]) == ["0", "2", "3"]
     assert json.dumps(record)  # the run's record stays JSON
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_more_lost_nodes_than_max_dropouts_stop_the_run_and_it_resumes_bit_for_bit(
+        tiny_recipe, tmp_path, node_keys, caplog):
+    """Round 2 loses two workers' secrets (max_dropouts=1): the round fails loudly, the run stops after round 1's
+    checkpoint; resumed with the nodes back, it ends equal to the uninterrupted one-process SecAgg+ run."""
+    raw = raw_recipe(tiny_recipe, rounds=2, round_retries=0)
+    sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")}))
+    configs = signed_nodes(tmp_path, node_keys)
+    with pytest.raises(RoundStopped):
+        flower_run(raw, tmp_path, node_keys, grid=RestartingGrid(configs, lose={2: {1, 2}}))
+    assert "secure aggregation failed: 2 clients ([1, 2]) were lost after sharing their keys, more than " \
+           "max_dropouts=1" in caplog.text
+    executor = FlowerExecutor(LoopbackGrid(configs), node_keys=read_node_keys(str(node_keys)))
+    resumed = run(parse_recipe({**raw, "output_dir": str(tmp_path / "flower")}), resume=True, executor=executor)
+    assert [h["secure_aggregation"]["dropped_after_sharing"] for h in resumed.history] == [[], []]
+    assert_close(parts(sim.run_dir)["adapter"], parts(resumed.run_dir)["adapter"], "resumed adapter", tol=0.0)
 
 
 def test_secagg_supernode_gives_its_worker_the_node_key_and_the_peers_public_keys(node_keys, tmp_path):
