@@ -15,6 +15,18 @@ The secure run's protocol alone is also timed (``SecureRound``'s key exchange, m
     python bench/secagg.py --model smollm2-135m-instruct --clients 10 --per-round 5 --rounds 2 --trials 3 \\
         --local-steps 6 --batch 4 --max-length 96 --lora-r 8
 
+With ``--flower loopback`` both runs go through fedllm's Flower apps in this process: the ServerApp's executor and
+the real ClientApp (tests/test_flower_apps.py's loopback grid, no network; every node signs its SecAgg+ keys with a
+node key and verifies its neighbours'): the protocol's stages as Flower messages and records. With ``--flower
+deployment`` they run on a real SuperLink with one ``fedllm flower supernode`` per client on 127.0.0.1 (``--insecure``:
+no TLS, so the SecAgg+ keys are not signed; bench/scaling.py's loopback federation), the plain and the SecAgg+ recipe
+alternating on the same federation (round 1 is left out of the medians: it includes the workers building the model).
+
+    python bench/secagg.py --flower loopback --model smollm2-135m-instruct --clients 5 --per-round 5 --rounds 2 \
+        --trials 2 --local-steps 6 --batch 4 --max-length 96 --lora-r 8 --neighbours 4
+    python bench/secagg.py --flower deployment --model tiny-llama --clients 4 --per-round 4 --rounds 3 --trials 3 \
+        --neighbours 3
+
 Prints one line per trial and the medians (docs/privacy.md has the figures).
 """
 
@@ -70,15 +82,23 @@ def recipe(args: argparse.Namespace, data: Path, out: Path, secure: bool) -> dic
 
 
 class ProtocolClock:
-    """Seconds spent in the protocol's steps (key/share exchange, masking, unmasking), patched around them."""
+    """Seconds spent in the protocol's steps (key/share exchange, masking, unmasking), patched around them: the
+    simulation's ``SecureRound``, and on Flower the ServerApp's stages (``FlowerSecureRound``: they include the
+    nodes' answers, in process) and the nodes' masking."""
 
-    def __init__(self) -> None:
+    def __init__(self, flower: bool = False) -> None:
         self.seconds = 0.0
         for name in ("__init__", "mask", "finish"):
-            self.wrap(name)
+            self.wrap(secure_rounds.SecureRound, name)
+        if flower:
+            from fedllm.flower import secagg_stages
 
-    def wrap(self, name: str) -> None:
-        original = getattr(secure_rounds.SecureRound, name)
+            for owner, name in ((secagg_stages.FlowerSecureRound, "__init__"),
+                                (secagg_stages.FlowerSecureRound, "finish"), (secagg_stages, "masked_update")):
+                self.wrap(owner, name)
+
+    def wrap(self, owner, name: str) -> None:
+        original = getattr(owner, name)
 
         def timed(*a, **k):
             t0 = time.perf_counter()
@@ -87,13 +107,86 @@ class ProtocolClock:
             finally:
                 self.seconds += time.perf_counter() - t0
 
-        setattr(secure_rounds.SecureRound, name, timed)
+        setattr(owner, name, timed)
+
+
+def loopback_executor(args, root: Path):
+    """fedllm's Flower ServerApp executor over an in-process grid of the real ClientApp (one node per client, each
+    with a node key that signs its SecAgg+ keys)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedllm.flower.certs import write_node_keys
+    from fedllm.flower.executor import FlowerExecutor
+    from fedllm.flower.server_app import read_node_keys
+    from tests.test_flower_apps import LoopbackGrid
+
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 1, 1
+    keys = root / "node-keys"
+    if not keys.is_dir():
+        write_node_keys(keys, args.clients)
+    nodes = [{"partition-id": c, "state-dir": str(root / f"node{c}"), "node-key": str(keys / f"client-{c}.key"),
+              "peer-keys": str(keys)} for c in range(args.clients)]
+    return FlowerExecutor(LoopbackGrid(nodes), node_keys=read_node_keys(str(keys)))
+
+
+def rounds_of(history: list[dict], skip_first: bool) -> list[dict]:
+    return [h for h in history if h.get("round", 0) > (1 if skip_first else 0)]
+
+
+def summary(rounds: list[dict], secure: bool, protocol_seconds: float | None) -> dict:
+    """Median round seconds and bytes of a run's rounds (and the SecAgg+ figures of a secure run)."""
+    up = [b for h in rounds for b in h["bytes_up"].values()]
+    out = {"round_seconds": statistics.median(h["seconds"] for h in rounds), "bytes_up": statistics.median(up),
+           "down": statistics.median(b for h in rounds for b in h["bytes_down"].values())}
+    if secure:
+        info = rounds[-1]["secure_aggregation"]
+        out.update(
+            protocol_seconds_per_round=protocol_seconds,
+            plain_bytes=info["plain_bytes_per_client"],
+            masked_bytes=info["masked_bytes_per_client"],
+            protocol_up=statistics.median(int(b) for b in info["protocol_bytes_up"].values()),
+            clipped=info["clipped_values"],
+            mod_bits=info["mod_bits"],
+            step=info["quantization_step"],
+        )
+    return out
+
+
+def deployment_trials(args, data: Path, root: Path) -> list[dict]:
+    """Plain and SecAgg+ runs alternating (plain, secure, secure, plain, ...) on one real loopback federation."""
+    import os
+
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from scaling import ROOT, flower_run
+
+    path = root / "recipe.yaml"
+    order = [i % 4 in (1, 2) for i in range(2 * args.trials)]
+
+    def write(i: int) -> None:
+        path.write_text(yaml.safe_dump(recipe(args, data, root / f"unused-{i}", order[i])))
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    write(0)
+    outs = flower_run(path, [], args.clients, root, env, 3600, repeats=len(order), between=write)
+    runs = []
+    for secure, out in zip(order, outs, strict=True):
+        history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        runs.append((secure, summary(rounds_of(history, skip_first=True), secure, None)))
+    return [{"plain" if not s else "secure": r for s, r in runs[2 * t: 2 * t + 2]} for t in range(args.trials)]
 
 
 def one_run(args, data, root, secure, clock) -> dict:
     before = clock.seconds
-    result = run(parse_recipe(recipe(args, data, root / ("secure" if secure else "plain"), secure)), overwrite=True)
+    raw = parse_recipe(recipe(args, data, root / ("secure" if secure else "plain"), secure))
+    executor = loopback_executor(args, root / ("secure-nodes" if secure else "plain-nodes")) if args.flower else None
+    result = run(raw, overwrite=True, executor=executor)
     rounds = [h for h in result.history if h.get("round", 0) > 0]
+    if args.flower:
+        return summary(rounds, secure, (clock.seconds - before) / len(rounds) if secure else None)
     up = [b for h in rounds for b in h["bytes_up"].values()]
     out = {"round_seconds": statistics.median(h["seconds"] for h in rounds), "bytes_up": statistics.median(up)}
     if secure:
@@ -129,17 +222,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--train", type=int, default=400, help="training problems (split over the clients)")
     p.add_argument("--json", help="write the trials and medians here")
+    p.add_argument("--work", help="keep the runs and logs in this directory (default: a temporary one)")
+    p.add_argument("--flower", choices=["loopback", "deployment"],
+                   help="through fedllm's Flower apps in process (loopback) or a real SuperLink and SuperNodes")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    clock = ProtocolClock()
+    clock = ProtocolClock(args.flower == "loopback")
     trials = []
     with tempfile.TemporaryDirectory(prefix="fedllm-secagg-bench-") as tmp:
-        root = Path(tmp)
+        root = Path(args.work or tmp)
+        root.mkdir(parents=True, exist_ok=True)
         data = root / "arith.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in arith_splits(args.train, 10, 0)[0]))
+        deployed = deployment_trials(args, data, root) if args.flower == "deployment" else None
         for trial in range(args.trials):
             order = (False, True) if trial % 2 == 0 else (True, False)
-            got = {("secure" if s else "plain"): one_run(args, data, root, s, clock) for s in order}
+            if deployed is not None:
+                got = deployed[trial]
+                got["secure"]["protocol_seconds_per_round"] = float("nan")  # not measured across processes
+            else:
+                got = {("secure" if s else "plain"): one_run(args, data, root, s, clock) for s in order}
             got["ratio_seconds"] = got["secure"]["round_seconds"] / got["plain"]["round_seconds"]
             got["ratio_bytes_up"] = got["secure"]["bytes_up"] / got["plain"]["bytes_up"]
             trials.append(got)

@@ -103,6 +103,7 @@ def tiny_recipe(tmp_path, arith_file):
 SHARED_GROUPS = {
     "tests/test_flower_deployment.py": "flower-deployment",  # one SuperLink + SuperNodes (tests/flower_cluster.py)
     "tests/test_flower_security.py": "flower-deployment",
+    "tests/test_flower_secagg_deployment.py": "flower-deployment",
     "tests/test_quickstart.py": "smollm2",  # the session's one SmolLM2 GGUF conversion (smollm2_first_load)
     "tests/test_preference_quickstart.py": "smollm2",
     "tests/test_gguf_cache.py": "smollm2",

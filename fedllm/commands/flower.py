@@ -117,6 +117,7 @@ def supernode_command(args: argparse.Namespace, secret: Path | None) -> list[str
     node_config = f"partition-id={args.client} state-dir='{Path(args.state_dir).resolve()}'"
     if args.data is not None:
         node_config += f" data-path='{Path(args.data).resolve()}'"
+    node_config += secagg_identity(args)
     processes.tool("flower-supernode")  # Flower is installed (else: how to install it)
     cmd = [sys.executable, "-m", "fedllm.flower.supernode", "--superlink", _address(args.superlink, "--superlink"),
            "--host", "127.0.0.1", "--port", str(args.port), "--node-config", node_config]
@@ -134,6 +135,20 @@ def supernode_command(args: argparse.Namespace, secret: Path | None) -> list[str
     else:
         raise InputError("fedllm flower supernode: give --root-certificates CA (TLS) or --insecure")
     return cmd
+
+
+def secagg_identity(args: argparse.Namespace) -> str:
+    """``--node-config`` entries binding the node's SecAgg+ keys to its identity (:mod:`fedllm.flower.secagg_stages`):
+    its ``--auth-key`` signs them, and its neighbours' are verified against ``--peer-keys`` (default: the directory of
+    ``--auth-key`` when it holds the clients' ``client-K.pub``, as ``fedllm flower certs`` writes them)."""
+    peers = getattr(args, "peer_keys", None)
+    if peers is not None and not sorted(Path(peers).glob("client-*.pub")):
+        raise InputError(f"--peer-keys={peers}: no client-K.pub files; expected the nodes/ directory of fedllm flower "
+                         "certs (every client's registered node public key)")
+    if peers is None and args.auth_key and sorted(Path(args.auth_key).expanduser().parent.glob("client-*.pub")):
+        peers = str(Path(args.auth_key).expanduser().parent)
+    out = f" node-key='{Path(args.auth_key).expanduser().resolve()}'" if args.auth_key else ""
+    return out + (f" peer-keys='{Path(peers).expanduser().resolve()}'" if peers else "")
 
 
 def run_config(args: argparse.Namespace) -> dict:
@@ -443,6 +458,8 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true", help="no TLS (and no node authentication)")
     p.add_argument("--auth-key", help="this node's private key (nodes/client-K.key from fedllm flower certs)")
     p.add_argument("--insecure-nodes", action="store_true", help="connect without a node key (TLS only)")
+    p.add_argument("--peer-keys", help="directory of every client's node public key (client-K.pub): SecAgg+ keys of "
+                   "other clients are verified against them; default: the directory of --auth-key when it has them")
     p.add_argument("--warm-runs", type=int, default=2,
                    help="how many runs' federations (model, data) the worker keeps in memory at once")
     p.add_argument("--no-worker", action="store_true",

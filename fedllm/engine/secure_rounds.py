@@ -9,6 +9,10 @@ update) is a dropout after sharing. The server's steps then unmask the *sum*, an
 round's mean upload (:meth:`fedllm.strategies.Strategy.aggregate_mean`) — no process's round loop ever holds a
 client's update in the clear. Quantisation rounds stochastically with a generator seeded by (seed, round,
 client): it hides nothing (the mask does), and it makes a run on N processes equal to the one-process run.
+
+The server's side (:class:`SecureRoundServer`: parameters, layout, unmasking into the mean upload) and the client's
+masking (:func:`mask_upload`) are shared with Flower (:mod:`fedllm.flower.secagg_stages`), where the same stages
+travel as messages between the ServerApp and the node workers: a Flower run equals the one-process run bit for bit.
 """
 
 from __future__ import annotations
@@ -24,8 +28,18 @@ import torch
 
 from fedllm.engine import client_faults
 from fedllm.models.state import DTYPES, StateDict, cast
-from fedllm.privacy.secagg import MaskedInput, SecAggClient, SecAggError, SecAggServer
-from fedllm.privacy.secagg.encoding import decode, encode, layout_of
+from fedllm.privacy.secagg import (
+    EncryptedShare,
+    MaskedInput,
+    SecAggClient,
+    SecAggError,
+    SecAggParams,
+    SecAggServer,
+    ShareReveal,
+    UnmaskRequest,
+)
+from fedllm.privacy.secagg.encoding import Layout, decode, encode, layout_of
+from fedllm.privacy.secagg.quantize import word_dtype
 from fedllm.privacy.secagg.settings import round_params
 from fedllm.recipe.schedule import derived_seed
 from fedllm.strategies import ClientUpdate
@@ -44,25 +58,48 @@ class SummedUpdate(ClientUpdate):
     wire_bytes: int = 0
 
 
-class SecureRound:
-    """One round's protocol on this process: the server's state and the secrets of the clients trained here.
+def round_names(seed: int, rnd: int, sampled: list[int], salt: bytes = b"") -> tuple[bytes, bytes]:
+    """``(graph_seed, context)`` of a round: public, computed alike by every process (``salt``: what else names the
+    round on a transport, e.g. Flower's run token and a fresh nonce per attempt)."""
+    name = hashlib.sha256(repr(("fedllm-secagg", seed, rnd, sorted(sampled))).encode() + salt).digest()
+    return name[:16], name[16:]
+
+
+def mask_upload(update: ClientUpdate, reference: StateDict, weight: int, seed: int, rnd: int, layout: Layout,
+                params: SecAggParams, client: SecAggClient, shares: list[EncryptedShare]) -> ClientUpdate:
+    """Client side (simulated or a Flower node): ``update`` (valid, in the wire dtype, trained from ``reference``)
+    as its masked words only (``MASKED_KEY``). Quantisation rounds with a generator seeded by (seed, round, client),
+    so every transport computes the same words."""
+    rng = np.random.default_rng(derived_seed(seed, rnd, update.client_id, 0x5EC))
+    words, _ = encode(update.state, reference, weight, layout, params, rng)
+    masked = client.mask(words, shares)
+    signed = masked.vector.view(np.int32 if masked.vector.dtype == np.uint32 else np.int64)
+    return dataclasses.replace(update, state={MASKED_KEY: torch.from_numpy(signed.copy())})
+
+
+def masked_words(update: ClientUpdate, params: SecAggParams) -> MaskedInput:
+    """The server's view of a masked upload: its words as unsigned integers modulo ``2^mod_bits``."""
+    return MaskedInput(update.client_id, update.state[MASKED_KEY].numpy().view(word_dtype(params)))
+
+
+class SecureRoundServer:
+    """The server's side of one round, whatever carries the messages: the public parameters, the layout of the
+    uploads, the protocol's server state, and unmasking the sum into the surviving clients' mean upload.
 
     Args:
         loop: the round loop (recipe, strategy, model, global state, data).
         rnd: the round.
-        sampled: the round's clients (all processes).
-        local: those trained on this process.
-        exchange: every process's list of messages, concatenated in rank order (the identity on one process).
+        sampled: the round's clients.
+        salt: more bytes naming the round (:func:`round_names`).
     """
 
-    def __init__(self, loop: Any, rnd: int, sampled: list[int], local: list[int], exchange: Callable[[list], list]):
+    def __init__(self, loop: Any, rnd: int, sampled: list[int], salt: bytes = b""):
         recipe, strategy = loop.recipe, loop.fed.strategy
-        self.loop, self.rnd, self.exchange = loop, rnd, exchange
+        self.loop, self.rnd = loop, rnd
         sizes = [len(loop.fed.data.clients[c]) for c in sampled]
         total = sum(strategy.sum_weight(ClientUpdate(c, {}, n, 0.0, 0)) for c, n in zip(sampled, sizes, strict=True))
         self.params = round_params(recipe.privacy.secagg, len(sampled), total)
-        name = hashlib.sha256(repr(("fedllm-secagg", recipe.seed, rnd, sorted(sampled))).encode()).digest()
-        graph_seed, context = name[:16], name[16:]  # public, the same on every process
+        self.graph_seed, self.context = round_names(recipe.seed, rnd, sampled, salt)
         plan = strategy.configure_client(rnd, sampled[0], loop.global_state)
         expected = client_faults.expected_upload(strategy, plan, loop.model)
         if expected is None:
@@ -75,38 +112,24 @@ class SecureRound:
             {k: torch.empty(shape, device="meta") for k, (shape, _) in expected.items()},
             lambda k: not strategy.summed_unweighted(k),
         )
-        self.server = SecAggServer(self.params, sampled, graph_seed, context)
-        self.clients = {c: SecAggClient(c, self.params, sampled, graph_seed, context) for c in local}
-        self.sent: dict[int, int] = dict.fromkeys(local, 0)  # protocol bytes each local client sent
-        self.received: dict[int, int] = dict.fromkeys(local, 0)
-        adverts = exchange([c.advertise() for c in self.clients.values()])
-        keys = self.server.route_keys(adverts)
-        shares = exchange([s for c in self.clients.values() for s in c.share_keys(keys[c.id])])
-        self.routed = self.server.route_shares(shares)
-        for c in self.clients:
-            self.sent[c] += 64 + sum(len(s.sealed) + 16 for s in shares if s.sender == c)
-            self.received[c] += 64 * len(keys[c]) + sum(len(s.sealed) + 16 for s in self.routed.get(c, []))
+        self.server = SecAggServer(self.params, sampled, self.graph_seed, self.context)
+        self.sent: dict[int, int] = {}  # protocol bytes each counted client sent
+        self.received: dict[int, int] = {}
 
-    def mask(self, update: ClientUpdate, reference: StateDict) -> ClientUpdate:
-        """Client side: ``update`` (a valid one, trained here from ``reference``) as its masked words only."""
-        strategy = self.loop.fed.strategy
-        rng = np.random.default_rng(derived_seed(self.loop.recipe.seed, self.rnd, update.client_id, 0x5EC))
-        words, _ = encode(update.state, reference, strategy.sum_weight(update), self.layout, self.params, rng)
-        masked = self.clients[update.client_id].mask(words, self.routed.get(update.client_id, []))
-        signed = masked.vector.view(np.int32 if masked.vector.dtype == np.uint32 else np.int64)
-        return dataclasses.replace(update, state={MASKED_KEY: torch.from_numpy(signed.copy())})
+    def masked_upload_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What a client's masked upload must look like (:func:`fedllm.engine.client_faults.update_problem`)."""
+        return {MASKED_KEY: ((self.layout.size,), torch.int32 if self.params.mod_bits == 32 else torch.int64)}
 
-    def finish(self, updates: list[ClientUpdate]) -> tuple[list[ClientUpdate], dict[int, str], dict[str, Any]]:
-        """Server side, on every process: the survivors as :class:`SummedUpdate` s carrying the round's mean upload,
-        the clients dropped by the protocol (all of them when it fails: the round is then retried or stopped as
-        any round without enough updates), and the round's ``secure_aggregation`` record."""
+    def finish(self, updates: list[ClientUpdate], reveal: Callable[[UnmaskRequest], list[ShareReveal]]
+               ) -> tuple[list[ClientUpdate], dict[int, str], dict[str, Any]]:
+        """The survivors as :class:`SummedUpdate` s carrying the round's mean upload, the clients dropped by the
+        protocol (all of them when it fails: the round is then retried or stopped as any round without enough
+        updates), and the round's ``secure_aggregation`` record. ``reveal(request)``: the surviving clients' share
+        reveals for the unmasking request (however they travel)."""
         comm = self.loop.recipe.federation.comm_dtype
-        inputs = [MaskedInput(u.client_id, u.state[MASKED_KEY].numpy().view(self._words())) for u in updates]
         try:
-            request = self.server.collect_masked(inputs)
-            reveals = self.exchange(
-                [r for c in request.survivors if c in self.clients for r in self.clients[c].unmask(request)]
-            )
+            request = self.server.collect_masked([masked_words(u, self.params) for u in updates])
+            reveals = reveal(request)
             decoded = decode(self.server.unmask(reveals), self.layout, self.params)
         except SecAggError as e:
             log.warning("round %d: secure aggregation failed: %s", self.rnd, e)
@@ -135,16 +158,10 @@ class SecureRound:
             "neighbours": self.params.effective_neighbours(len(self.server.graph)),
             "dropped_after_sharing": list(request.dropped),
             "clipped_values": decoded.clipped,
-            "masked_bytes_per_client": self.layout.size * self._words().itemsize,
+            "masked_bytes_per_client": self.layout.size * word_dtype(self.params).itemsize,
             "plain_bytes_per_client": plain,
         }
         return out, {c: "lost after the secure-aggregation share exchange" for c in request.dropped}, record
-
-    def protocol_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
-        """``(sent, received)`` protocol bytes (keys, shares, the unmasking request and reveals) of every client of
-        the round, from every process (call on every process)."""
-        rows = self.exchange([(c, self.sent[c], self.received[c]) for c in self.clients])
-        return {c: s for c, s, _ in rows}, {c: r for c, _, r in rows}
 
     def reference(self, survivors: tuple[int, ...]) -> StateDict:
         """What the survivors started from (their plans' states as the wire carried them): one state for all, as a
@@ -159,5 +176,46 @@ class SecureRound:
                 )
         return states[0]
 
-    def _words(self) -> np.dtype:
-        return np.dtype(np.uint32 if self.params.mod_bits == 32 else np.uint64)
+
+class SecureRound(SecureRoundServer):
+    """One round's protocol on this process (simulation): the server's state and the secrets of the clients
+    trained here.
+
+    Args:
+        loop: the round loop (recipe, strategy, model, global state, data).
+        rnd: the round.
+        sampled: the round's clients (all processes).
+        local: those trained on this process.
+        exchange: every process's list of messages, concatenated in rank order (the identity on one process).
+    """
+
+    def __init__(self, loop: Any, rnd: int, sampled: list[int], local: list[int], exchange: Callable[[list], list]):
+        super().__init__(loop, rnd, sampled)
+        self.exchange = exchange
+        self.clients = {c: SecAggClient(c, self.params, sampled, self.graph_seed, self.context) for c in local}
+        self.sent, self.received = dict.fromkeys(local, 0), dict.fromkeys(local, 0)
+        adverts = exchange([c.advertise() for c in self.clients.values()])
+        keys = self.server.route_keys(adverts)
+        shares = exchange([s for c in self.clients.values() for s in c.share_keys(keys[c.id])])
+        self.routed = self.server.route_shares(shares)
+        for c in self.clients:
+            self.sent[c] += 64 + sum(len(s.sealed) + 16 for s in shares if s.sender == c)
+            self.received[c] += 64 * len(keys[c]) + sum(len(s.sealed) + 16 for s in self.routed.get(c, []))
+
+    def mask(self, update: ClientUpdate, reference: StateDict) -> ClientUpdate:
+        """Client side: ``update`` (a valid one, trained here from ``reference``) as its masked words only."""
+        cid = update.client_id
+        return mask_upload(update, reference, self.loop.fed.strategy.sum_weight(update), self.loop.recipe.seed,
+                           self.rnd, self.layout, self.params, self.clients[cid], self.routed.get(cid, []))
+
+    def finish(self, updates: list[ClientUpdate]) -> tuple[list[ClientUpdate], dict[int, str], dict[str, Any]]:
+        """Server side, on every process (:meth:`SecureRoundServer.finish`); the reveals of the clients trained
+        here, exchanged between the processes."""
+        return super().finish(updates, lambda request: self.exchange(
+            [r for c in request.survivors if c in self.clients for r in self.clients[c].unmask(request)]))
+
+    def protocol_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
+        """``(sent, received)`` protocol bytes (keys, shares, the unmasking request and reveals) of every client of
+        the round, from every process (call on every process)."""
+        rows = self.exchange([(c, self.sent[c], self.received[c]) for c in self.clients])
+        return {c: s for c, s, _ in rows}, {c: r for c, _, r in rows}

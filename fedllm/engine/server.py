@@ -180,6 +180,8 @@ class LocalExecutor:
     :class:`fedllm.flower.executor.FlowerExecutor` on Flower's grid); everything else in a round is shared.
     """
 
+    runs_secure_aggregation = True  # privacy.secure_aggregation: secagg_plus (fedllm.engine.secure_rounds)
+
     def __init__(self) -> None:
         self.dispatch = Dispatch()
 
@@ -329,9 +331,9 @@ class RoundLoop:
         self.accepted_norms: list[float] = []  # update norms of the last round (outlier reference)
         self.final_written = False  # resumed from final/ (stopped before summary.json): only the summary is left
         self.secure_record: dict[str, Any] = {}  # the last round's secure-aggregation figures (metrics.jsonl)
-        if secure_aggregation(self.recipe.privacy) and not isinstance(self.executor, LocalExecutor):
+        if secure_aggregation(self.recipe.privacy) and not getattr(self.executor, "runs_secure_aggregation", False):
             raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus runs in simulation (one "
-                             f"or N processes) only; {type(self.executor).__name__} does not run it yet")
+                             f"or N processes) and on Flower; {type(self.executor).__name__} does not run it")
         if secure_aggregation(self.recipe.privacy):
             from fedllm.common.registry import strategies
 

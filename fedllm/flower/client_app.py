@@ -4,7 +4,8 @@ Messages it answers (all built by :class:`fedllm.flower.adapter.FedllmStrategy`)
 
 - ``query.fedllm``: which client this node is (and an echo of an optional transport probe);
 - ``train``: catch up on missed rounds, train through :func:`fedllm.engine.client.run_client`, reply with the upload;
-- ``train.sync``: catch up only (after the last round, so every node ends with the server's model).
+- ``train.sync``: catch up only (after the last round, so every node ends with the server's model);
+- ``query.secagg``: a SecAgg+ stage (:mod:`fedllm.flower.secagg_stages`; a SecAgg+ ``train`` answers masked words).
 
 The per-client state stays in the node's state directory (:mod:`fedllm.flower.node`). Under Flower's own
 per-message process (plain ``flower-supernode``) each message builds the node afresh; inside fedllm's node
@@ -62,6 +63,12 @@ def train(msg: Message, context: Context) -> Message:
 
     from fedllm.flower import records
 
+    secure = "secagg" in msg.content.config_records  # SecAgg+: only the masked change goes back
+    if secure:
+        from fedllm.flower import secagg_stages
+        from fedllm.flower.node import NodeConfig
+
+        secagg_stages.check_secrets(msg, NodeConfig.parse(dict(context.node_config)).client_id)
     node, cfg = _open_node(msg, context)
     content = msg.content.array_records
     state = records.decode(content["plan"])
@@ -73,6 +80,8 @@ def train(msg: Message, context: Context) -> Message:
                                str(cfg["extra"]))
     local = records.decode(content["local"]) if "local" in content else {}
     update = node.train(int(cfg["round"]), float(cfg["lr"]), state, json.loads(str(cfg["phases"])), extra, local)
+    if secure:
+        update = secagg_stages.masked_update(msg, node, update, state)
     node.save(int(cfg["round"]), state)
     comm = node.recipe.federation.comm_dtype
     loss = {} if update.loss is None else {"loss": float(update.loss)}  # DP-SGD uploads no loss
@@ -90,6 +99,14 @@ def train(msg: Message, context: Context) -> Message:
     if packed:
         reply["fedllm"] = ConfigRecord(packed)
     return Message(reply, reply_to=msg)
+
+
+@app.query("secagg")
+def secagg(msg: Message, context: Context) -> Message:
+    """A SecAgg+ stage (key advertisement, share exchange, unmasking: :mod:`fedllm.flower.secagg_stages`)."""
+    from fedllm.flower.secagg_stages import answer_stage
+
+    return answer_stage(msg, context)
 
 
 @app.train("sync")

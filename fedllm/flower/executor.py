@@ -48,6 +48,7 @@ class FlowerExecutor:
     """
 
     is_main = True
+    runs_secure_aggregation = True  # privacy.secure_aggregation: secagg_plus (fedllm.flower.secagg_stages)
 
     def __init__(self, grid: Grid, timeout: float = 3600.0, probe_mb: float = 0.0, wait_nodes: float = 120.0,
                  node_keys: dict[int, bytes] | None = None, report_s: float = 5.0, poll_s: float = 0.25,
@@ -287,6 +288,10 @@ class FlowerExecutor:
         missing = [c for c in sampled if c not in adapter.nodes]
         if missing:
             raise ClientFailed(f"round {rnd}: no SuperNode serves client(s) {missing}")
+        if loop.recipe.privacy.secure_aggregation == "secagg_plus":  # SecAgg+'s stages around the train messages
+            from fedllm.flower.secagg_stages import train_secure
+
+            return train_secure(self, loop, rnd, sampled, lr, bar)
         messages = adapter.configure_train(rnd, ArrayRecord(), ConfigRecord({"sampled": sampled, "lr": lr}),
                                            self.grid)
         down = dict(adapter.bytes_down)

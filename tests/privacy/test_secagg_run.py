@@ -142,10 +142,11 @@ def test_secagg_more_losses_than_max_dropouts_fail_the_round_loudly(tiny_recipe,
 
 
 def test_secagg_is_refused_by_an_executor_that_does_not_run_it(tiny_recipe, tmp_path):
-    """Flower's executor does not run the protocol yet: the run refuses to start rather than aggregate in the clear."""
+    """An executor that does not run the protocol (not fedllm's local or Flower executor): the run refuses to start
+    rather than aggregate in the clear."""
     from fedllm.common.errors import InputError
 
-    with pytest.raises(InputError, match="secagg_plus runs in simulation .* object does not run it yet"):
+    with pytest.raises(InputError, match="secagg_plus runs in simulation .* and on Flower; object does not run it"):
         run(recipe(tiny_recipe, tmp_path, "flower", SECAGG), executor=object())
 
 

@@ -2,8 +2,8 @@
 Overhead"): the server learns only the sum of the surviving clients' (quantised, weighted) uploads.
 
 One concern per module, every stage a pure step on serialisable messages (:mod:`.messages`) so that the same
-code runs between simulated clients in one process, across torch.distributed processes and, later, as message
-exchanges between a Flower ServerApp and its nodes:
+code runs between simulated clients in one process, across torch.distributed processes and as message exchanges
+between fedllm's Flower ServerApp and its node workers (:mod:`fedllm.flower.secagg_stages`):
 
 - :mod:`.params`: the protocol's public parameters (threshold, neighbours, quantisation, modulus, dropouts);
 - :mod:`.quantize`: stochastic, unbiased quantisation of floats to integers and back, with its error bound;
@@ -12,7 +12,9 @@ exchanges between a Flower ServerApp and its nodes:
 - :mod:`.graph`: the neighbour graph (a random Harary graph from a public round seed);
 - :mod:`.client` / :mod:`.server`: the four stages on each side — key advertisement, encrypted share exchange,
   masked input collection, unmasking;
-- :mod:`.rounds`: one whole run of the stages among in-process clients (tests, benchmarks).
+- :mod:`.rounds`: one whole run of the stages among in-process clients (tests, benchmarks);
+- :mod:`.identity`: a client's public keys signed with its node key and verified against the registered ones
+  (Flower deployments: :mod:`fedllm.flower.secagg_stages`).
 """
 
 from fedllm.privacy.secagg.client import SecAggClient

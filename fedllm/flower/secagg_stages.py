@@ -1,0 +1,283 @@
+"""SecAgg+ on Flower (``privacy.secure_aggregation: secagg_plus``): the protocol's stages as messages between fedllm's
+ServerApp and the node workers, around the round's ``train`` message.
+
+Per round (Bell et al., CCS 2020, Fig. 4; the same code as in simulation, :mod:`fedllm.engine.secure_rounds`):
+
+1. ``query.secagg`` ``advertise`` → every sampled node: the round's public parameters; the node makes its client's
+   secrets (:class:`fedllm.privacy.secagg.SecAggClient`, kept in the worker's memory only) and answers its two public
+   keys, signed with its node key (:mod:`fedllm.privacy.secagg.identity`).
+2. ``query.secagg`` ``share`` → each node that advertised: its neighbours' keys and signatures; the node verifies
+   every signature against its own copy of the registered node public keys (a key substituted by the server is
+   refused) and answers its encrypted shares.
+3. ``train`` with a ``secagg`` record: the shares routed to the node; it trains as always and answers only its
+   masked, quantised change (``secagg/masked``) instead of its update.
+4. ``query.secagg`` ``unmask`` → the nodes whose masked input arrived: who survived and who dropped; each answers its
+   shares (of seeds for survivors, of masking keys for the dropped) and forgets the round's secrets.
+
+The server's steps (:class:`fedllm.engine.secure_rounds.SecureRoundServer`) unmask the sum; the round loop hands
+the strategy the round's mean upload (``aggregate_mean``), as in simulation, so a Flower run equals the one-process
+SecAgg+ run. A node lost after stage 2 (its worker killed, its SuperNode gone, an error) is a dropout: up to
+``privacy.secagg.max_dropouts`` of them the round completes; beyond, it fails like a round with too few updates
+(retried or stopped, then resumed). A restarted worker has lost its client's secrets (they are never written to
+disk, its journal included): it answers the round's remaining messages with an error, i.e. it drops out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from fedllm.engine.secure_rounds import SecureRoundServer, mask_upload
+from fedllm.privacy.secagg import (
+    EncryptedShare,
+    KeyAdvert,
+    SecAggClient,
+    SecAggError,
+    SecAggParams,
+    ShareReveal,
+    UnmaskRequest,
+    identity,
+)
+from fedllm.privacy.secagg.encoding import Layout
+
+log = logging.getLogger("fedllm")
+
+RECORD = "secagg"
+"""Name of the ConfigRecord that carries a stage's fields (and the shares of a ``train`` message)."""
+MESSAGE_TYPE = "query.secagg"
+NODE_KEY, PEER_KEYS = "node-key", "peer-keys"
+"""``--node-config`` entries: this node's private key (it signs its SecAgg+ keys) and the directory of every client's
+registered node public key (``client-K.pub``: the signatures of its neighbours' keys are checked against them)."""
+
+
+# ----- the node side (the worker keeps each client's secrets in memory)
+@dataclass
+class NodeRound:
+    """A client's secrets and parameters of its current SecAgg+ round (in the worker's memory only)."""
+
+    rnd: int
+    context: bytes
+    client: SecAggClient
+
+
+_ROUNDS: dict[tuple[str, int], NodeRound] = {}  # (run token, client id) -> its round in progress
+
+
+def _open_round(token: str, cid: int, rnd: int, context: bytes) -> NodeRound:
+    current = _ROUNDS.get((token, cid))
+    if current is None or current.rnd != rnd or current.context != context:
+        raise SecAggError(f"client {cid}: no SecAgg+ secrets for round {rnd} on this node (its worker restarted since "
+                          "the key exchange, or it runs each message in a fresh process: SecAgg+ needs fedllm's node "
+                          "worker): it drops out of the round")
+    return current
+
+
+def answer_stage(msg: Message, context: Any) -> Message:
+    """A node's answer to a ``query.secagg`` message (stages 1, 2 and 4)."""
+    from fedllm.flower.node import NodeConfig
+
+    cid = NodeConfig.parse(dict(context.node_config)).client_id
+    cfg = msg.content.config_records[RECORD]
+    stage, token, rnd, ctx = str(cfg["stage"]), str(cfg["token"]), int(cfg["round"]), bytes(cfg["context"])
+    if stage == "advertise":
+        params = SecAggParams(**json.loads(str(cfg["params"])))
+        sampled = [int(c) for c in cfg["sampled"]]
+        problems = params.problems(len(sampled))
+        if problems or cid not in sampled:
+            raise SecAggError(f"client {cid}: refused SecAgg+ parameters {params} for clients {sampled}: "
+                              + ("; ".join(f"{k} must be {w}" for k, w in problems) or "this client is not sampled"))
+        client = SecAggClient(cid, params, sampled, bytes(cfg["graph_seed"]), ctx)
+        _ROUNDS[(token, cid)] = NodeRound(rnd, ctx, client)
+        advert = client.advertise()
+        key_path = context.node_config.get(NODE_KEY)
+        signature = identity.sign(identity.load_signing_key(str(key_path)), ctx, advert) if key_path else b""
+        out = {"encryption_key": advert.encryption_key, "masking_key": advert.masking_key, "signature": signature}
+    elif stage == "share":
+        current = _open_round(token, cid, rnd, ctx)
+        adverts = [KeyAdvert(int(c), bytes(e), bytes(m)) for c, e, m in
+                   zip(cfg["ids"], cfg["encryption_keys"], cfg["masking_keys"], strict=True)]
+        peers = context.node_config.get(PEER_KEYS)
+        if peers:
+            keys = identity.load_peer_keys(str(peers))
+            for advert, signature in zip(adverts, cfg["signatures"], strict=True):
+                identity.verify(keys, ctx, advert, bytes(signature))
+        else:
+            log.warning("client %d: SecAgg+ keys of its neighbours taken unverified (no peer keys: fedllm flower "
+                        "supernode --auth-key/--peer-keys): a server could substitute them", cid)
+        shares = current.client.share_keys(adverts)
+        log.info("client %d: SecAgg+ round %d: keys verified, %d shares sent", cid, rnd, len(shares))
+        out = {"receivers": [s.receiver for s in shares], "sealed": [s.sealed for s in shares]}
+    elif stage == "unmask":
+        current = _open_round(token, cid, rnd, ctx)
+        del _ROUNDS[(token, cid)]  # asked once: a second request (other survivors) finds no secret to reveal
+        reveals = current.client.unmask(UnmaskRequest(tuple(int(c) for c in cfg["survivors"]),
+                                                      tuple(int(c) for c in cfg["dropped"])))
+        out = {"owners": [r.owner for r in reveals], "kinds": [r.kind for r in reveals],
+               "indices": [r.index for r in reveals], "shares": [r.share for r in reveals]}
+        log.info("client %d: SecAgg+ round %d: %d shares revealed", cid, rnd, len(reveals))
+    else:
+        raise SecAggError(f"client {cid}: unknown SecAgg+ stage {stage!r}")
+    return Message(RecordDict({RECORD: ConfigRecord({"client_id": cid, **out})}), reply_to=msg)
+
+
+def check_secrets(msg: Message, cid: int) -> None:
+    """Before a ``train`` message of a SecAgg+ round is trained: this worker still holds the client's secrets."""
+    cfg = msg.content.config_records.get(RECORD)
+    if cfg is not None:
+        head = msg.content.config_records["fedllm"]
+        _open_round(str(head["token"]), cid, int(head["round"]), bytes(cfg["context"]))
+        log.info("client %d: SecAgg+ round %d: training (secrets held)", cid, int(head["round"]))
+
+
+def masked_update(msg: Message, node: Any, update: Any, reference: dict) -> Any:
+    """Stage 3 on the node: ``update`` as its masked words (the shares routed to it opened, the mask added)."""
+    from fedllm.engine import client_faults
+    from fedllm.models.state import cast
+
+    cfg, head = msg.content.config_records[RECORD], msg.content.config_records["fedllm"]
+    cid = node.config.client_id
+    current = _open_round(str(head["token"]), cid, int(head["round"]), bytes(cfg["context"]))
+    update.state = cast(update.state, node.recipe.federation.comm_dtype)
+    problem = client_faults.update_problem(update, None)
+    if problem is not None:
+        raise SecAggError(f"client {cid}: its update cannot be aggregated ({problem}): it drops out of the round")
+    shares = [EncryptedShare(int(s), cid, bytes(b)) for s, b in zip(cfg["senders"], cfg["sealed"], strict=True)]
+    keys, shapes, weighted = json.loads(str(cfg["layout"]))
+    layout = Layout(tuple(keys), tuple(tuple(s) for s in shapes), tuple(weighted))
+    return mask_upload(update, reference, node.fed.strategy.sum_weight(update), node.recipe.seed, int(head["round"]),
+                       layout, current.client.params, current.client, shares)
+
+
+# ----- the server side
+class FlowerSecureRound(SecureRoundServer):
+    """Stages 1-2 over the grid at construction, then the shares for the ``train`` messages (:meth:`attach`) and
+    stage 4 in :meth:`finish`. ``lost``: the sampled clients dropped before their shares were routed, and why.
+
+    Args:
+        executor: the :class:`fedllm.flower.executor.FlowerExecutor` (its grid, nodes and registered node keys).
+        loop: the round loop.
+        rnd: the round.
+        sampled: the round's clients (each served by a node).
+    """
+
+    def __init__(self, executor: Any, loop: Any, rnd: int, sampled: list[int]):
+        super().__init__(loop, rnd, sampled, salt=executor.token.encode() + os.urandom(16))
+        self.executor, self.token = executor, executor.token
+        self.sent, self.received = dict.fromkeys(sampled, 0), dict.fromkeys(sampled, 0)
+        self.lost: dict[int, str] = {}
+        self.peer_keys = None
+        if executor.node_keys:
+            from cryptography.hazmat.primitives import serialization
+
+            self.peer_keys = {c: serialization.load_pem_public_key(k) for c, k in executor.node_keys.items()}
+        answers = self._ask(sampled, "advertise", lambda c: {
+            "sampled": list(sampled), "params": json.dumps(self.params.to_dict()), "graph_seed": self.graph_seed})
+        adverts, signatures = [], {}
+        for cid, a in sorted(answers.items()):
+            advert = KeyAdvert(cid, bytes(a["encryption_key"]), bytes(a["masking_key"]))
+            try:
+                if self.peer_keys is not None:
+                    identity.verify(self.peer_keys, self.context, advert, bytes(a["signature"]))
+            except SecAggError as e:
+                self.lost[cid] = str(e)
+                continue
+            adverts.append(advert)
+            signatures[cid] = bytes(a["signature"])
+            self.sent[cid] += 64 + len(signatures[cid])
+        keys = self.server.route_keys(adverts)
+        answers = self._ask(sorted(keys), "share", lambda c: {
+            "ids": [a.client_id for a in keys[c]], "encryption_keys": [a.encryption_key for a in keys[c]],
+            "masking_keys": [a.masking_key for a in keys[c]], "signatures": [signatures[a.client_id] for a in keys[c]]})
+        for c in keys:
+            self.received[c] += sum(64 + len(signatures[a.client_id]) for a in keys[c])
+        shares = [EncryptedShare(cid, int(v), bytes(b)) for cid, a in sorted(answers.items())
+                  for v, b in zip(a["receivers"], a["sealed"], strict=True)]
+        self.routed = self.server.route_shares(shares)
+        for s in shares:
+            if s.sender in self.server.u2:
+                self.sent[s.sender] += len(s.sealed) + 16
+        for c, got in self.routed.items():
+            self.received[c] += sum(len(s.sealed) + 16 for s in got)
+        for cid in sampled:
+            if cid not in self.server.u2:
+                self.lost.setdefault(cid, "lost during the secure-aggregation key and share exchange")
+
+    def _ask(self, clients: list[int], stage: str, fields) -> dict[int, Any]:
+        """Send ``stage`` to the nodes of ``clients``; the ``secagg`` record of each client that answered."""
+        nodes = self.executor.adapter.nodes
+        messages = [Message(RecordDict({RECORD: ConfigRecord({
+            "stage": stage, "token": self.token, "round": self.rnd, "context": self.context, **fields(c)})}),
+            dst_node_id=nodes[c], message_type=MESSAGE_TYPE) for c in clients]
+        by_node = {nodes[c]: c for c in clients}
+        out = {}
+        for m in self.executor.send(messages):
+            cid = by_node.get(m.metadata.src_node_id, by_node.get(self.executor.origin.get(m.metadata.reply_to_message_id)))
+            if cid is None:
+                continue
+            if m.has_error():
+                self.lost[cid] = f"secure aggregation ({stage}) failed on its node: {m.error.reason}"
+                log.warning("round %d: client %d: %s", self.rnd, cid, self.lost[cid])
+                continue
+            out[cid] = m.content.config_records[RECORD]
+        return out
+
+    def attach(self, messages: list[Message], sent: dict[int, int]) -> None:
+        """Add to each ``train`` message (``sent``: node -> client) the shares routed to its client, the round's
+        context and the layout the client encodes its change by."""
+        layout = json.dumps([list(self.layout.keys), [list(s) for s in self.layout.shapes], list(self.layout.weighted)])
+        for m in messages:
+            got = self.routed.get(sent[m.metadata.dst_node_id], [])
+            m.content[RECORD] = ConfigRecord({"context": self.context, "layout": layout,
+                                              "senders": [s.sender for s in got], "sealed": [s.sealed for s in got]})
+
+    def finish(self, updates: list[Any]) -> tuple[list[Any], dict[int, str], dict[str, Any]]:
+        """Stage 4 with the nodes of the survivors, then :meth:`SecureRoundServer.finish`."""
+        return super().finish(updates, self.reveal)
+
+    def reveal(self, request: UnmaskRequest) -> list[ShareReveal]:
+        answers = self._ask(list(request.survivors), "unmask", lambda c: {
+            "survivors": list(request.survivors), "dropped": list(request.dropped)})
+        for c in request.survivors:
+            self.received[c] += 8 * (len(request.survivors) + len(request.dropped))
+        return [ShareReveal(cid, int(o), str(k), int(i), bytes(s)) for cid, a in sorted(answers.items())
+                for o, k, i, s in zip(a["owners"], a["kinds"], a["indices"], a["shares"], strict=True)]
+
+
+def train_secure(executor: Any, loop: Any, rnd: int, sampled: list[int], lr: float,
+                 bar: Any) -> tuple[list[Any], dict[int, int], dict[int, str]]:
+    """:meth:`FlowerExecutor.train` under SecAgg+: the four stages around the ``train`` messages."""
+    from flwr.app import ArrayRecord
+
+    adapter = executor.adapter
+    try:
+        secure = FlowerSecureRound(executor, loop, rnd, sampled)
+    except SecAggError as e:  # too few nodes answered the key or share exchange: this sample fails
+        log.warning("round %d: secure aggregation cannot start: %s", rnd, e)
+        return [], {}, {cid: f"secure aggregation cannot start: {e}" for cid in sampled}
+    trained = sorted(secure.server.u2)
+    messages = list(adapter.configure_train(rnd, ArrayRecord(), ConfigRecord({"sampled": trained, "lr": lr}),
+                                            executor.grid))
+    secure.attach(messages, adapter.sent)
+    adapter.expected = dict.fromkeys(trained, secure.masked_upload_layout())
+    down = dict(adapter.bytes_down)
+    updates, dropped = adapter.decode_updates(rnd, executor.send(messages))
+    if bar is not None:
+        bar.update(sum(u.steps for u in updates))
+    updates, lost, record = secure.finish(updates)
+    for cid, why in {**secure.lost, **lost}.items():
+        dropped.setdefault(cid, why)  # a client that failed on its node keeps that reason
+    for u in updates:
+        u.wire_bytes += secure.sent.get(u.client_id, 0)
+    for cid, extra in secure.received.items():
+        down[cid] = down.get(cid, 0) + extra
+    if record:
+        record["protocol_bytes_up"] = {str(c): b for c, b in sorted(secure.sent.items())}
+    loop.secure_record = record
+    for cid, why in dropped.items():
+        log.warning("round %d: client %d dropped: %s", rnd, cid, why)
+    return updates, down, dropped
