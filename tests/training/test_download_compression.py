@@ -1,0 +1,190 @@
+"""Compressed downloads (``federation.compression.download``) with strategies whose server maths measures the clients'
+progress from what they received: FedOpt's pseudo-gradient and FRLoRA's merge read the dequantised download, FedLoRU
+and FLoRA drop the server residual of the factors they re-initialise. Rounds are replayed by hand from the recorded
+uploads and downloads recomputed with bitsandbytes' own quantize -> dequantize (called here directly)."""
+
+import json
+import math
+
+import bitsandbytes.functional as bnbf
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedllm.engine.server import RoundLoop, run
+from fedllm.recipe.checks import parse_recipe
+from fedllm.strategies import get_strategy
+from fedllm.strategies.base import ClientUpdate
+from fedllm.strategies.fedadam import FedAdam
+from fedllm.strategies.frlora import FRLoRA
+from tests.conftest import crashing_round, tiny_raw
+
+BLOCK = 64
+
+
+def nf4_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What a client reads back from an nf4 download of ``x`` (bitsandbytes, blocks of 64, fp32)."""
+    flat = x.detach().float().reshape(-1).contiguous()
+    codes, state = bnbf.quantize_4bit(flat, blocksize=BLOCK, quant_type="nf4")
+    return bnbf.dequantize_4bit(codes, state).reshape(x.shape)
+
+
+def downloads(thetas: list[dict]) -> tuple[list[dict], dict]:
+    """The dequantised download of each round's global state with the server's error feedback
+    (``x = θ + e; sent = Q(x); e ← x − sent``), and the residual after the last round."""
+    e = {k: torch.zeros_like(v) for k, v in thetas[0].items()}
+    sent = []
+    for theta in thetas:
+        x = {k: theta[k].float() + e[k] for k in theta}
+        sent.append({k: nf4_round_trip(v) for k, v in x.items()})
+        e = {k: x[k] - sent[-1][k] for k in x}
+    return sent, e
+
+
+def nf4_bytes(numel: int) -> int:
+    return (numel + 1) // 2 + 4 * math.ceil(numel / BLOCK)
+
+
+def record(monkeypatch, cls, hook):
+    """Record ``(rnd, state in, state out, base weights before, after)`` of every call of ``cls.<hook>``."""
+    seen = []
+    original = getattr(cls, hook)
+
+    def spy(self, rnd, *args):
+        state = args[-2] if hook == "aggregate" else args[-1]
+        layers = getattr(self, "layers", {})
+        before = {n: layer.base.weight.detach().clone() for n, layer in layers.items()}
+        kept = {k: v.clone() for k, v in state.items()}
+        out = original(self, rnd, *args)
+        after = {n: layer.base.weight.detach().clone() for n, layer in layers.items()}
+        seen.append((rnd, kept, {k: v.clone() for k, v in out.items()}, before, after, args[-1]))
+        return out
+
+    monkeypatch.setattr(cls, hook, spy)
+    return seen
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def test_download_compression_fedadam_replay_pseudo_gradient_from_the_dequantised_download(tmp_path, arith_file,
+                                                                                           monkeypatch):
+    """FedAdam (Reddi et al. 2021, Alg. 2) by hand: ``Δ = Σ_k n_k θ_k / n − θ_sent`` with ``θ_sent`` the nf4 download
+    the clients started from (with the server's residual), the moments and bias-corrected step in float64."""
+    rounds = record(monkeypatch, FedAdam, "aggregate")
+    raw = tiny_raw(tmp_path / "run", arith_file, federation={
+        "strategy": "fedadam", "rounds": 2, "compression": {"download": "nf4"}})
+    result = run(parse_recipe(raw))
+    assert [r[0] for r in rounds] == [1, 2]
+    sent, residual = downloads([r[1] for r in rounds])
+    eta, b1, b2, tau = 0.1, 0.9, 0.99, 1e-3
+    m = {k: 0.0 for k in rounds[0][1]}
+    v, off = dict(m), 0.0
+    for (rnd, theta, after, _, _, updates), down in zip(rounds, sent, strict=True):
+        n = sum(u.num_examples for u in updates)
+        eta_t = eta * math.sqrt(1 - b2 ** (rnd + 1)) / (1 - b1 ** (rnd + 1))
+        for key in theta:
+            mean = sum(u.num_examples * u.state[key].double() for u in updates) / n
+            delta = mean - down[key].double()
+            m[key] = b1 * m[key] + (1 - b1) * delta
+            v[key] = b2 * v[key] + (1 - b2) * delta ** 2
+            assert max_diff(after[key], theta[key].double() + eta_t * m[key] / (v[key].sqrt() + tau)) <= 1e-6, (rnd, key)
+            if rnd == 1:  # the pseudo-gradient against the server's own θ: a visibly different step (A; B starts 0)
+                unsent = mean - theta[key].double()
+                off = max(off, max_diff(after[key] - theta[key], eta_t * unsent / (unsent.abs() + tau / 0.1)))
+    assert off > 1e-4
+    strategy = load_file(str(result.run_dir / "final" / "strategy.safetensors"))
+    for key, e in residual.items():  # the server's residual after round 2, as the replay's (same fp32 maths)
+        assert torch.equal(strategy[f"compression/{key}"], e), key
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    down = sum(nf4_bytes(t.numel()) for t in rounds[0][1].values())
+    assert all(set(line["bytes_down"].values()) == {down} for line in lines)
+    assert all(set(line["bytes_up"].values()) == {4 * sum(t.numel() for t in rounds[0][1].values())} for line in lines)
+
+
+def test_download_compression_frlora_replay_merge_from_the_factors_the_clients_started_from(
+        tmp_path, arith_file, monkeypatch):
+    """FRLoRA (seed 001, Alg. 1) with an nf4 download: each round's merge is ``Ŵ^t − Ŵ^{t−1} = s·(B̄Ā − B_s·A_s)``,
+    ``(B̄, Ā)`` the uniform mean of the uploads, ``(B_s, A_s)`` the dequantised download of ``(B0, A0)`` the clients
+    started from; every round restarts from ``(B0, A0)``."""
+    rounds = record(monkeypatch, FRLoRA, "after_aggregate")
+    starts = record(monkeypatch, FRLoRA, "aggregate")
+    raw = tiny_raw(tmp_path / "run", arith_file, federation={
+        "strategy": "frlora", "rounds": 2, "compression": {"download": "nf4"}})
+    result = run(parse_recipe(raw))
+    layers = result.strategy.layers
+    sent, _ = downloads([s[1] for s in starts])
+    for (rnd, bar, out, before, after, _), (_, theta, _, _, _, updates), down in zip(rounds, starts, sent, strict=True):
+        for name, layer in layers.items():
+            b_bar = sum(u.state[layer.b_key].double() for u in updates) / len(updates)
+            a_bar = sum(u.state[layer.a_key].double() for u in updates) / len(updates)
+            assert max_diff(bar[layer.b_key], b_bar) <= 1e-6 and max_diff(bar[layer.a_key], a_bar) <= 1e-6
+            b_s, a_s = down[layer.b_key].double(), down[layer.a_key].double()
+            want = layer.scale * (b_bar @ a_bar - b_s @ a_s)
+            assert max_diff(after[name] - before[name], want) <= 1e-6, (rnd, name)
+            # against the unquantised start (B0, A0) the merge is visibly different: the download's error is not in Ŵ
+            b0, a0 = theta[layer.b_key].double(), theta[layer.a_key].double()
+            assert max_diff(after[name] - before[name], layer.scale * (b_bar @ a_bar - b0 @ a0)) > 1e-5
+            assert torch.equal(out[layer.b_key], theta[layer.b_key]) and torch.equal(out[layer.a_key], theta[layer.a_key])
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    plan = sum(nf4_bytes(t.numel()) for t in starts[0][1].values())
+    sync = 4 * sum(t.numel() for t in starts[0][1].values())  # the merge factors reach the third client as fp32
+    for line in lines:
+        assert {int(c): b for c, b in line["bytes_down"].items()} == {c: plan if c in line["clients"] else sync
+                                                                      for c in range(3)}
+
+
+@pytest.mark.parametrize("name,args", [("fedavgm", {"server_momentum": 0.9}), ("fedadagrad", {}), ("fedyogi", {}),
+                                       ("fedadam", {})])
+def test_download_compression_fedopt_steps_from_what_the_clients_received(name, args):
+    """Every server optimiser measures Δ from the received state: with the download ``θ_s`` handed over, the step
+    and moments equal those of a server whose θ is ``θ_s`` itself, over two rounds."""
+    gen = torch.Generator().manual_seed(0)
+    theta = {"a": torch.randn(6, 70, generator=gen), "b": torch.randn(70, generator=gen)}
+    compressed, reference = get_strategy(name, **args), get_strategy(name, **args)
+    for rnd in (1, 2):
+        received = {k: nf4_round_trip(v) for k, v in theta.items()}
+        ups = [ClientUpdate(c, {k: received[k] + 0.01 * torch.randn(v.shape, generator=gen) for k, v in theta.items()},
+                            10 + c, 0.0, 1) for c in range(3)]
+        compressed.downloaded = received
+        got = compressed.aggregate(rnd, theta, ups)
+        want = reference.aggregate(rnd, received, ups)
+        for k in theta:
+            assert max_diff(got[k] - theta[k], want[k] - received[k]) <= 1e-6, (rnd, k)
+        theta = got
+    assert compressed.state_dict().keys() == reference.state_dict().keys()
+    assert all(torch.equal(compressed.state_dict()[k], reference.state_dict()[k]) for k in reference.state_dict())
+
+
+def test_download_compression_fedloru_resume_is_bit_exact_and_an_accumulation_drops_the_residual(tmp_path, arith_file):
+    """FedLoRU (τ = 2, ``reinit: random``) with both directions compressed: the accumulation after round 2 re-draws A
+    and zeroes B, so the server's download residual of both restarts (none in round 2's checkpoint, all in round
+    1's); the merge reaches every client as fp32 factors; a run cut in round 3 and resumed ends bit for bit as one
+    that was not."""
+    raw = tiny_raw(tmp_path / "whole", arith_file, federation={
+        "strategy": "fedloru", "strategy_args": {"tau": 2}, "rounds": 3,
+        "compression": {"upload": "int8", "download": "nf4"}}, checkpoint={"every": 1})
+    whole = run(parse_recipe(raw))
+    ckpt = whole.run_dir / "checkpoints"
+    first, second = (load_file(str(ckpt / f"round-000{r}" / "strategy.safetensors")) for r in (1, 2))
+    assert sorted(k for k in first if k.startswith("compression/")) == sorted(f"compression/{k}"
+                                                                            for k in whole.global_state)
+    assert not [k for k in second if k.startswith("compression/")]
+    numel = [t.numel() for t in whole.global_state.values()]
+    plan, merge = sum(nf4_bytes(n) for n in numel), 4 * sum(numel)
+    for line in whole.history:
+        extra = merge if line["round"] == 2 else 0
+        assert {int(c): b for c, b in line["bytes_down"].items()} == {
+            c: (plan if c in line["clients"] else 0) + extra for c in range(3) if c in line["clients"] or extra}
+        assert set(line["bytes_up"].values()) == {sum(n + 4 * math.ceil(n / BLOCK) for n in numel)}
+    cut = {**raw, "output_dir": str(tmp_path / "cut")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RoundLoop, "run_round", crashing_round(RoundLoop.run_round, 3))
+        with pytest.raises(RuntimeError, match="power cut"):
+            run(parse_recipe(cut))
+    resumed = run(parse_recipe(cut), resume=True)
+    for part in ("adapter", "clients", "strategy", "base"):
+        a = load_file(str(whole.run_dir / "final" / f"{part}.safetensors"))
+        b = load_file(str(resumed.run_dir / "final" / f"{part}.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
