@@ -20,8 +20,8 @@ the download; ``-noef``: no error feedback) and reports it as ``--all`` does (do
     python bench/repro_small.py --compression none int8 int8-noef nf4 nf4-noef fp4 fp4-noef --seeds 0 1 2 \
         --threads 1 --plot docs/compression_small.png --json bench/out/compression_small.json
 
-(``--compression-strategies fedadam frlora --compression none down:nf4``: those strategies, the download alone
-compressed.)
+(``--compression-strategies 'fedadam:{"eta": 0.003}' frlora --compression none down:nf4``: those strategies
+with those arguments, the download alone compressed.)
 
 ``--all`` instead runs every registered strategy that has a global model (personalized ones are
 left out), each with its documented defaults (FedLoRU: ``tau = --tau``), on the same task and split,
@@ -288,16 +288,18 @@ def main() -> None:
                         help="FedAvg with each federation.compression SPEC instead (none, int8, nf4, fp4 on upload and "
                              "download; a -noef suffix turns error feedback off), reported as --all reports")
     parser.add_argument("--compression-strategies", nargs="+", default=["fedavg"], metavar="NAME",
-                        help="the strategies each --compression SPEC runs with (default: fedavg)")
+                        help="the strategies each --compression SPEC runs with, NAME or NAME:JSON of its "
+                             "strategy_args (default: fedavg)")
     add_task_arguments(parser, 400, 200)
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     methods = global_methods() if opts.all else METHODS
     if opts.compression:
-        methods = {f"{'FedAvg' if name == 'fedavg' else name} {spec}": (name, {"weighting": "uniform"},
-                                                                          compression_section(spec))
-                   for name in opts.compression_strategies for spec in opts.compression}
+        named = [n.partition(":") for n in opts.compression_strategies]  # NAME or NAME:JSON (its strategy_args)
+        methods = {f"{'FedAvg' if name == 'fedavg' else name} {spec}": (
+            name, {"weighting": "uniform", **json.loads(extra or "{}")}, compression_section(spec))
+            for name, _, extra in named for spec in opts.compression}
         opts.all = True  # one evaluation after the last round, the side-by-side table with bytes
     unknown = [m for m in opts.methods or [] if m not in methods]
     if unknown:

@@ -145,13 +145,13 @@ def test_download_compression_fedopt_steps_from_what_the_clients_received(name, 
     compressed, reference = get_strategy(name, **args), get_strategy(name, **args)
     for rnd in (1, 2):
         received = {k: nf4_round_trip(v) for k, v in theta.items()}
-        ups = [ClientUpdate(c, {k: received[k] + 0.01 * torch.randn(v.shape, generator=gen) for k, v in theta.items()},
+        ups = [ClientUpdate(c, {k: r + 0.01 * torch.randn(r.shape, generator=gen) for k, r in received.items()},
                             10 + c, 0.0, 1) for c in range(3)]
         compressed.downloaded = received
         got = compressed.aggregate(rnd, theta, ups)
         want = reference.aggregate(rnd, received, ups)
-        for k in theta:
-            assert max_diff(got[k] - theta[k], want[k] - received[k]) <= 1e-6, (rnd, k)
+        for k, before in theta.items():
+            assert max_diff(got[k] - before, want[k] - received[k]) <= 1e-6, (rnd, k)
         theta = got
     assert compressed.state_dict().keys() == reference.state_dict().keys()
     assert all(torch.equal(compressed.state_dict()[k], reference.state_dict()[k]) for k in reference.state_dict())
