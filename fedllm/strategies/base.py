@@ -256,6 +256,10 @@ class Strategy(abc.ABC):
         """After aggregation, with the model at hand (merge into the base, re-init ...)."""
         return global_state
 
+    after_aggregate_reads_download = False
+    """True when ``after_aggregate`` reads :attr:`downloaded` (FRLoRA's merge): a Flower node replaying it is sent the
+    round's compressed download too."""
+
     downloaded: StateDict | None = None
     """The round's global state as its clients received it when the download is compressed
     (``federation.compression.download``: the dequantised values, set by the round loop for ``aggregate`` and

@@ -45,6 +45,7 @@ from fedllm.strategies.residual import (
     adapter_layers,
     drop_moments,
     layer_seed,
+    recipe_value,
     resolve_residual_mode,
     standard_factors,
     to_wire,
@@ -70,6 +71,7 @@ class FRLoRA(FedAvg):
 
     name = "frlora"
     client_batching = True  # client side: FedAvg's plus dropping stale moments (batched passes start without moments)
+    after_aggregate_reads_download = True  # the merge subtracts the factors the clients started from
     init = "principal"  # how the run starts: "principal" (SVD init) or "gaussian" (B = 0, A ~ N(0, 1/r²))
     reinit = "principal"  # where each round starts: principal (B0, A0) | gaussian | resvd | none (no merge)
 
@@ -185,10 +187,17 @@ class FRLoRA(FedAvg):
         return drop_moments(state, [k for layer in self.layers.values() for k in (layer.a_key, layer.b_key)])
 
     def extra_download_bytes(self, rnd: int, sampled: list[int], num_clients: int, comm_dtype: str) -> dict[int, int]:
-        """Clients outside the round receive ``(B̄^t, Ā^t)`` to apply ``ΔW^t`` too (seed 001, Table 14)."""
+        """Clients outside the round receive ``(B̄^t, Ā^t)`` to apply ``ΔW^t`` too (seed 001, Table 14), and under a
+        compressed download the round's compressed ``(B_s, A_s)`` the merge subtracts (codes and absmax)."""
         if self.reinit == "none":
             return {}
         size = self.sync_numel * DTYPES[comm_dtype].itemsize
+        c = recipe_value(self.recipe, "federation.compression", None)
+        if c is not None and c.download != "none":
+            from fedllm.models.compression import packed_bytes
+
+            size += sum(packed_bytes(w.numel(), c.download, c.block_size) for layer in self.layers.values()
+                        for w in (layer.module.lora_A["default"].weight, layer.module.lora_B["default"].weight))
         return {c: size for c in range(num_clients) if c not in set(sampled)}
 
     def base_residuals(self) -> dict[str, torch.Tensor]:

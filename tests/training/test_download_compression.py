@@ -129,7 +129,7 @@ def test_download_compression_frlora_replay_merge_from_the_factors_the_clients_s
             assert torch.equal(out[layer.b_key], theta[layer.b_key]) and torch.equal(out[layer.a_key], theta[layer.a_key])
     lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     plan = sum(nf4_bytes(t.numel()) for t in starts[0][1].values())
-    sync = 4 * sum(t.numel() for t in starts[0][1].values())  # the merge factors reach the third client as fp32
+    sync = 4 * sum(t.numel() for t in starts[0][1].values()) + plan  # the third client: (B̄, Ā) in fp32, (B_s, A_s)
     for line in lines:
         assert {int(c): b for c, b in line["bytes_down"].items()} == {c: plan if c in line["clients"] else sync
                                                                       for c in range(3)}
@@ -188,3 +188,36 @@ def test_download_compression_fedloru_resume_is_bit_exact_and_an_accumulation_dr
         a = load_file(str(whole.run_dir / "final" / f"{part}.safetensors"))
         b = load_file(str(resumed.run_dir / "final" / f"{part}.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+
+
+def test_download_compression_frlora_on_flower_matches_the_simulation(tiny_recipe, tmp_path, monkeypatch):
+    """Over the Flower apps (loopback grid, real ClientApp): FRLoRA with an nf4 download carries codes and absmax in
+    its plans, and the server's model, base, download residual and bytes, and every node's base rebuilt from the
+    merges it replayed (with each round's compressed download), equal the simulation's bit for bit."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedllm.flower.executor import FlowerExecutor
+    from tests.test_flower_apps import LoopbackGrid, assert_close, node_state, nodes, parts
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 2, "strategy": "frlora",
+                                  "compression": {"download": "nf4"}})
+    sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")}))
+    grid = LoopbackGrid(nodes(tmp_path, 3))
+    flower = run(parse_recipe({**raw, "output_dir": str(tmp_path / "flower")}), executor=FlowerExecutor(grid))
+    expected, got = parts(sim.run_dir), parts(flower.run_dir)
+    for part in ("adapter", "base", "strategy"):
+        assert_close(expected[part], got[part], part, tol=0)
+    assert any(k.startswith("compression/") for k in got["strategy"])
+    for cid in range(3):  # every node, participating or not, ends with the server's base
+        assert_close(expected["base"], node_state(tmp_path, cid)["base"], f"base on node {cid}", tol=0)
+    assert [h["bytes_up"] for h in flower.history] == [h["bytes_up"] for h in sim.history]
+    catch_up = [n for m in grid.messages for n in m.content.array_records if n.startswith("sync.")]
+    assert catch_up  # a node replaying a round's merge was sent that round's compressed download (codes, absmax)
+    assert all(any(k.startswith("download/") and k.endswith("/codes") for k in
+                   m.content.array_records[n]) for m in grid.messages for n in m.content.array_records
+               if n.startswith("sync."))
+    sent = [m.content.array_records["plan.packed"] for m in grid.messages if m.metadata.message_type == "train"]
+    assert len(sent) == 4 and all({n.rsplit("|", 1)[1]: str(a.dtype) for n, a in r.items()} ==
+                                  {"codes": "uint8", "absmax": "float32"} for r in sent)
