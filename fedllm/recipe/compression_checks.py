@@ -37,10 +37,15 @@ DOWNLOAD_REFUSED = {
     "fedex_lora": ("its residual W ← W + Σ_k p_k·s·B_k·A_k − s·B̄·Ā must hold the factors every client continues from, "
                    "which a compressed download fixes only when the next round is sent, with the server's residual: "
                    "the effective weight would no longer be the clients' exact mean"),
+    "rolora": ("each round's clients train one factor against the dequantised other while the server keeps its own "
+               "copy of it: s·B̄·A would no longer be the clients' mean product, RoLoRA's exactness"),
+    "fedsvd": ("its server refactorises svd(B̄·A) with its own A while the clients trained B against the dequantised "
+               "A: the product would not be the clients'"),
+    "flexlora": ("each client starts from its own SVD hand-back of the kept average, not from the global state: those "
+                 "factors travel uncompressed, so a compressed download would save nothing on them"),
 }
-DOWNLOAD_REFUSED_DEFAULT = ("its server maths reads what the clients received as the state cast to comm_dtype, and "
-                            "fedllm has not made it read the dequantised download")
-
+DOWNLOAD_REFUSED_DEFAULT = ("fedllm has not worked out which state its server maths assumes the clients started from "
+                            "under a compressed download")
 
 #: Strategies that train B, A and DoRA's magnitude vector as plain tensors and aggregate them tensor by tensor,
 #: never changing the base: DoRA holds unchanged (the magnitude is averaged as any trainable tensor).
