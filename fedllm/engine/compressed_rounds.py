@@ -78,8 +78,8 @@ class Downlink:
         """Drop the residual of ``keys``: tensors the strategy re-initialised after aggregating
         (:meth:`fedllm.strategies.base.Strategy.reinitialised_at`), whose next download starts without the error
         of the value they replaced."""
-        if keys:
-            self.residual = {k: v for k, v in self.residual.items() if k not in set(keys)}
+        dropped = set(keys)
+        self.residual = {k: v for k, v in self.residual.items() if k not in dropped}
 
     def plan_state(self, state: StateDict, global_state: StateDict) -> tuple[StateDict, int, dict[str, Packed]]:
         """``(what the client receives, bytes of plan.state on the wire, packed tensors)``: each of the plan's
