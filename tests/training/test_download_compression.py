@@ -221,3 +221,74 @@ def test_download_compression_frlora_on_flower_matches_the_simulation(tiny_recip
     sent = [m.content.array_records["plan.packed"] for m in grid.messages if m.metadata.message_type == "train"]
     assert len(sent) == 4 and all({n.rsplit("|", 1)[1]: str(a.dtype) for n, a in r.items()} ==
                                   {"codes": "uint8", "absmax": "float32"} for r in sent)
+
+
+@pytest.mark.parametrize("name", ["frlora", "frlora_v2", "frlora_v3"])
+def test_download_compression_frlora_variants_move_the_model_by_the_progress_from_the_received_factors(name):
+    """FRLoRA and its re-initialising ablations with the round's download handed over: the model after the merge,
+    ``Ŵ^t + s·B_next·A_next``, is the model before the round plus the clients' progress from what they received,
+    ``Ŵ^{t−1} + s·B·A + s·(B̄Ā − B_s·A_s)`` (v3's re-SVD and v2's draw only choose ``B_next, A_next``); v2 and v3 drop
+    the download residual of the adapter they replace, FRLoRA keeps that of its fixed start."""
+    from fedllm.models.loading import read_state
+    from tests.strategies.strategy_helpers import make_strategy, tiny
+
+    model = tiny().model
+    strategy = make_strategy(name, model)
+    keys = [k for layer in strategy.layers.values() for k in (layer.a_key, layer.b_key)]
+    theta = read_state(model, keys)
+    gen = torch.Generator().manual_seed(1)
+    bar = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in theta.items()}
+    before = {n: layer.base.weight.detach().double().clone() for n, layer in strategy.layers.items()}
+    strategy.downloaded = {k: nf4_round_trip(v) for k, v in theta.items()}
+    out = strategy.after_aggregate(1, model, bar)
+    for n, layer in strategy.layers.items():
+        s = layer.scale
+        b, a, b_s, a_s = (d[k].double() for d, k in ((theta, layer.b_key), (theta, layer.a_key),
+                                                     (strategy.downloaded, layer.b_key),
+                                                     (strategy.downloaded, layer.a_key)))
+        want = before[n] + s * b @ a + s * (bar[layer.b_key].double() @ bar[layer.a_key].double() - b_s @ a_s)
+        got = layer.base.weight.double() + s * out[layer.b_key].double() @ out[layer.a_key].double()
+        assert max_diff(got, want) <= 1e-5, n
+    assert strategy.reinitialised_at(1) == ([] if name == "frlora" else keys)
+
+
+def test_download_compression_mfedloru_rebuilds_nested_clients_on_the_received_factors():
+    """mFedLoRU (seed 003, App. C.3, Eq. 82): a nested client's ``A_k = A_s + α·A_d·A_u`` and ``B_k = B_s + α·B_d·B_u``
+    on the ``(A_s, B_s)`` it received (the dequantised download), not the server's own copy."""
+    from fedllm.models.loading import read_state
+    from tests.strategies.strategy_helpers import make_strategy, tiny
+
+    model = tiny().model
+    strategy = make_strategy("mfedloru", model, client_ranks=[2, 4, 4], nested_scale=0.5)
+    keys = [k for layer in strategy.layers.values() for k in (layer.a_key, layer.b_key)]
+    theta = read_state(model, keys)
+    gen = torch.Generator().manual_seed(2)
+    received = {k: nf4_round_trip(v + 0.01 * torch.randn(v.shape, generator=gen)) for k, v in theta.items()}
+    parts = {}
+    for name, layer in strategy.layers.items():
+        (out, inp), r = layer.shape, layer.rank
+        for part, shape in (("a_down", (r, 2)), ("a_up", (2, inp)), ("b_down", (out, 2)), ("b_up", (2, r))):
+            parts[f"{name}.mfedloru.{part}"] = torch.randn(shape, generator=gen)
+    strategy.downloaded = received
+    rebuilt = strategy.rebuild(theta, ClientUpdate(0, parts, 10, 0.0, 1)).state
+    for name, layer in strategy.layers.items():
+        p = {part: parts[f"{name}.mfedloru.{part}"].double() for part in ("a_down", "a_up", "b_down", "b_up")}
+        assert max_diff(rebuilt[layer.a_key], received[layer.a_key].double() + 0.5 * p["a_down"] @ p["a_up"]) <= 1e-6
+        assert max_diff(rebuilt[layer.b_key], received[layer.b_key].double() + 0.5 * p["b_down"] @ p["b_up"]) <= 1e-6
+        assert max_diff(rebuilt[layer.a_key], theta[layer.a_key]) > 1e-4  # the server's A is not what it started from
+
+
+def test_download_compression_flora_redraws_its_adapter_without_the_download_residual(tmp_path, arith_file):
+    """FLoRA re-draws the adapter every round (``B = 0``): its download residual restarts each round, so no checkpoint
+    holds one, and each round's plan still travels as nf4 codes beside the fp32 stack every client merges."""
+    raw = tiny_raw(tmp_path / "run", arith_file, federation={
+        "strategy": "flora", "rounds": 2, "compression": {"download": "nf4"}}, checkpoint={"every": 1})
+    result = run(parse_recipe(raw))
+    for kept in (result.run_dir / "checkpoints" / "round-0001", result.run_dir / "final"):  # (written when not empty)
+        state = load_file(str(kept / "strategy.safetensors")) if (kept / "strategy.safetensors").exists() else {}
+        assert not [k for k in state if k.startswith("compression/")]  # FedAvg's run keeps one per tensor
+    numel = [t.numel() for t in result.global_state.values()]
+    plan, stack = sum(nf4_bytes(n) for n in numel), 4 * 2 * sum(numel)  # the stack: rank 2·r of two clients, fp32
+    for line in result.history:
+        assert {int(c): b for c, b in line["bytes_down"].items()} == {
+            c: (plan if c in line["clients"] else 0) + stack for c in range(3)}
