@@ -278,17 +278,21 @@ def test_download_compression_mfedloru_rebuilds_nested_clients_on_the_received_f
         assert max_diff(rebuilt[layer.a_key], theta[layer.a_key]) > 1e-4  # the server's A is not what it started from
 
 
-def test_download_compression_flora_redraws_its_adapter_without_the_download_residual(tmp_path, arith_file):
-    """FLoRA re-draws the adapter every round (``B = 0``): its download residual restarts each round, so no checkpoint
-    holds one, and each round's plan still travels as nf4 codes beside the fp32 stack every client merges."""
+@pytest.mark.parametrize("name,args", [("flora", {}), ("pfedloru", {"tau": 1, "personal_r": 2, "personal_steps": 1})])
+def test_download_compression_redrawn_adapter_keeps_no_download_residual(name, args, tmp_path, arith_file):
+    """FLoRA re-draws the adapter every round, pFedLoRU (τ = 1) accumulates and re-initialises it every round
+    (``B = 0``): the download residual restarts each round, so no checkpoint holds one, and each round's plan still
+    travels as nf4 codes beside the fp32 factors every client merges (FLoRA's stack of two clients' rank-r factors,
+    pFedLoRU's ``(B, A)``)."""
     raw = tiny_raw(tmp_path / "run", arith_file, federation={
-        "strategy": "flora", "rounds": 2, "compression": {"download": "nf4"}}, checkpoint={"every": 1})
+        "strategy": name, "strategy_args": args, "rounds": 2, "compression": {"download": "nf4"}},
+        checkpoint={"every": 1})
     result = run(parse_recipe(raw))
     for kept in (result.run_dir / "checkpoints" / "round-0001", result.run_dir / "final"):  # (written when not empty)
         state = load_file(str(kept / "strategy.safetensors")) if (kept / "strategy.safetensors").exists() else {}
         assert not [k for k in state if k.startswith("compression/")]  # FedAvg's run keeps one per tensor
     numel = [t.numel() for t in result.global_state.values()]
-    plan, stack = sum(nf4_bytes(n) for n in numel), 4 * 2 * sum(numel)  # the stack: rank 2·r of two clients, fp32
+    plan, stack = sum(nf4_bytes(n) for n in numel), 4 * (2 if name == "flora" else 1) * sum(numel)
     for line in result.history:
         assert {int(c): b for c, b in line["bytes_down"].items()} == {
             c: (plan if c in line["clients"] else 0) + stack for c in range(3)}
