@@ -20,6 +20,9 @@ the download; ``-noef``: no error feedback) and reports it as ``--all`` does (do
     python bench/repro_small.py --compression none int8 int8-noef nf4 nf4-noef fp4 fp4-noef --seeds 0 1 2 \
         --threads 1 --plot docs/compression_small.png --json bench/out/compression_small.json
 
+(``--compression-strategies 'fedadam:{"eta": 0.003}' frlora --compression none down:nf4``: those strategies
+with those arguments, the download alone compressed.)
+
 ``--all`` instead runs every registered strategy that has a global model (personalized ones are
 left out), each with its documented defaults (FedLoRU: ``tau = --tau``), on the same task and split,
 and prints them side by side: final accuracy and held-out loss (evaluated once, after the last
@@ -127,9 +130,10 @@ def add_task_arguments(parser: argparse.ArgumentParser, n_train: int, n_test: in
 
 def compression_section(spec: str) -> dict:
     """``federation.compression`` of a ``--compression`` SPEC: ``none``, or ``int8`` / ``nf4`` / ``fp4`` on the upload
-    and the download, with error feedback unless the SPEC ends in ``-noef``."""
+    and the download (``down:nf4``: the download only), with error feedback unless the SPEC ends in ``-noef``."""
+    direction, _, spec = spec.rpartition(":")
     kind, _, flag = spec.partition("-")
-    return {"upload": kind, "download": kind, "error_feedback": flag != "noef"}
+    return {"upload": "none" if direction == "down" else kind, "download": kind, "error_feedback": flag != "noef"}
 
 
 def run_one(strategy: str, args: dict, seed: int, data_dir: Path, opts: argparse.Namespace,
@@ -283,14 +287,19 @@ def main() -> None:
     parser.add_argument("--compression", nargs="+", default=None, metavar="SPEC",
                         help="FedAvg with each federation.compression SPEC instead (none, int8, nf4, fp4 on upload and "
                              "download; a -noef suffix turns error feedback off), reported as --all reports")
+    parser.add_argument("--compression-strategies", nargs="+", default=["fedavg"], metavar="NAME",
+                        help="the strategies each --compression SPEC runs with, NAME or NAME:JSON of its "
+                             "strategy_args (default: fedavg)")
     add_task_arguments(parser, 400, 200)
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     methods = global_methods() if opts.all else METHODS
     if opts.compression:
-        methods = {f"FedAvg {spec}": ("fedavg", {"weighting": "uniform"}, compression_section(spec))
-                   for spec in opts.compression}
+        named = [n.partition(":") for n in opts.compression_strategies]  # NAME or NAME:JSON (its strategy_args)
+        methods = {f"{'FedAvg' if name == 'fedavg' else name} {spec}": (
+            name, {"weighting": "uniform", **json.loads(extra or "{}")}, compression_section(spec))
+            for name, _, extra in named for spec in opts.compression}
         opts.all = True  # one evaluation after the last round, the side-by-side table with bytes
     unknown = [m for m in opts.methods or [] if m not in methods]
     if unknown:

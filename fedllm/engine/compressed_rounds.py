@@ -11,6 +11,12 @@ Download (server side, :class:`Downlink`): once a round the server quantises its
 ``e_s`` and keeps ``e_s ← x + e_s − Q(x + e_s)`` (checkpointed with the strategy's state under ``compression/``);
 every sampled client whose plan carries a global tensor unchanged receives the read-back value. A plan's tensor
 that differs from the global state (a per-client one) travels uncompressed and is counted so.
+
+The round's read-back global state is handed to the strategy for its aggregation
+(:attr:`fedllm.strategies.base.Strategy.downloaded`): server maths that measures the clients' progress against
+what they started from (FedOpt's pseudo-gradient, FRLoRA's merge) reads the dequantised download, so the server's
+and the clients' views agree bit for bit. A factor the strategy re-initialises after aggregating drops its
+residual (:meth:`Downlink.forget`).
 """
 
 from __future__ import annotations
@@ -61,6 +67,19 @@ class Downlink:
         self.sent, self.residual, self.packed, _ = compress_state(
             global_state, {}, self.residual, self.kind, self.block_size, self.error_feedback)
         self.round = rnd
+
+    def received(self, rnd: int) -> StateDict | None:
+        """The dequantised global state the clients of round ``rnd`` received (what a strategy's server maths
+        reads as their starting point, :attr:`fedllm.strategies.base.Strategy.downloaded`), or None when the
+        download is not compressed (or round ``rnd`` sent nothing)."""
+        return self.sent if self.enabled and self.round == rnd else None
+
+    def forget(self, keys: list[str]) -> None:
+        """Drop the residual of ``keys``: tensors the strategy re-initialised after aggregating
+        (:meth:`fedllm.strategies.base.Strategy.reinitialised_at`), whose next download starts without the error
+        of the value they replaced."""
+        dropped = set(keys)
+        self.residual = {k: v for k, v in self.residual.items() if k not in dropped}
 
     def plan_state(self, state: StateDict, global_state: StateDict) -> tuple[StateDict, int, dict[str, Packed]]:
         """``(what the client receives, bytes of plan.state on the wire, packed tensors)``: each of the plan's

@@ -204,6 +204,8 @@ class LocalExecutor:
             except SecAggError as e:  # e.g. a retried sample too small for the threshold: this sample fails
                 log.warning("round %d: secure aggregation cannot start: %s", rnd, e)
                 return [], {}, {cid: f"secure aggregation cannot start: {e}" for cid in sampled}
+        if loop.downlink.enabled:  # on every rank, one with no client of this round too (its residual moves alike)
+            loop.downlink.prepare(rnd, loop.global_state)
         for group in client_passes(local, recipe.train, [len(ix) for ix in data.clients]):
             planned = []
             for cid in group:
@@ -212,7 +214,6 @@ class LocalExecutor:
                 plan.state = cast(plan.state, comm)
                 down[cid] = strategy.download_bytes(plan, comm)
                 if loop.downlink.enabled:  # the plan's global tensors travel compressed
-                    loop.downlink.prepare(rnd, loop.global_state)
                     plain = num_bytes(plan.state, comm)
                     plan.state, wire, _ = loop.downlink.plan_state(plan.state, loop.global_state)
                     down[cid] += wire - plain
@@ -426,12 +427,17 @@ class RoundLoop:
     def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> StateDict:
         """The round's aggregation: ``aggregate`` then ``after_aggregate``; returns what ``aggregate`` gave."""
         strategy = self.fed.strategy
-        if updates and isinstance(updates[0], SummedUpdate):  # secure aggregation: only the round's mean is known
-            aggregated = strategy.aggregate_mean(rnd, self.global_state, updates[0].state, updates)
-        else:
-            aggregated = strategy.aggregate(rnd, self.global_state, updates)
-        self.refuse_non_finite(rnd, aggregated)
-        self.global_state = strategy.after_aggregate(rnd, self.model, aggregated)
+        strategy.downloaded = self.downlink.received(rnd)  # what the clients started from (compressed download)
+        try:
+            if updates and isinstance(updates[0], SummedUpdate):  # secure aggregation: only the round's mean is known
+                aggregated = strategy.aggregate_mean(rnd, self.global_state, updates[0].state, updates)
+            else:
+                aggregated = strategy.aggregate(rnd, self.global_state, updates)
+            self.refuse_non_finite(rnd, aggregated)
+            self.global_state = strategy.after_aggregate(rnd, self.model, aggregated)
+        finally:
+            strategy.downloaded = None
+        self.downlink.forget(strategy.reinitialised_at(rnd))
         self.refuse_non_finite(rnd, self.global_state)
         write_state(self.model, self.global_state)
         return aggregated

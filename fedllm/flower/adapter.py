@@ -20,7 +20,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from fedllm.flower import records
-from fedllm.flower.node import needs_sync, phases_json, replays_after_aggregate
+from fedllm.flower.node import DOWNLOAD_PREFIX, needs_sync, phases_json, replays_after_aggregate
 from fedllm.models.state import StateDict, cast
 from fedllm.strategies.base import ClientUpdate
 
@@ -58,7 +58,8 @@ class FedllmStrategy(FlowerStrategy):
     # ----- aggregates the nodes must replay (catch-up)
     def keep_aggregate(self, rnd: int, aggregated: StateDict) -> None:
         """Keep what the nodes replay for round ``rnd`` until every node has applied it: the aggregate (as the
-        wire carries it) for ``after_aggregate``, the round's logged low-rank merges for a strategy that changes
+        wire carries it) for ``after_aggregate`` (with the round's compressed download, codes and absmax, when
+        ``after_aggregate`` reads it: FRLoRA's merge), the round's logged low-rank merges for a strategy that changes
         the base in ``aggregate``."""
         import os
 
@@ -69,6 +70,10 @@ class FedllmStrategy(FlowerStrategy):
         if not self.sync_needed:
             return
         kept = dict(cast(aggregated, self.comm)) if replays_after_aggregate(self.strategy) else {}
+        if replays_after_aggregate(self.strategy) and self.strategy.after_aggregate_reads_download \
+                and self.loop.downlink.received(rnd) is not None:  # the round's compressed download, as sent
+            for key, p in self.loop.downlink.packed.items():
+                kept[f"{DOWNLOAD_PREFIX}{key}/codes"], kept[f"{DOWNLOAD_PREFIX}{key}/absmax"] = p.codes, p.absmax
         history = history_of(self.strategy)
         if getattr(self.strategy, "merges_in_aggregate", False) and history is not None:
             kept.update(merges_to_state(history.round_merges(rnd)))

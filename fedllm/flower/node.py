@@ -55,6 +55,10 @@ class NodeConfig:
         return cls(cid, Path(str(state_dir)).expanduser(), str(data_path) if data_path else None)
 
 
+DOWNLOAD_PREFIX = "download/"
+"""Catch-up entries holding a round's compressed download (codes and absmax per key)."""
+
+
 def replays_after_aggregate(strategy: Any) -> bool:
     """True when every client must apply ``after_aggregate`` too (it changes more than the global state)."""
     from fedllm.strategies.base import Strategy
@@ -172,9 +176,27 @@ class Node:
             if merges:
                 strategy.base.apply(rnd, merges)
             if replays_after_aggregate(strategy):
-                aggregate = {k: v for k, v in rounds[rnd].items() if not k.startswith("merge/")}
-                write_state(self.fed.loaded.model, strategy.after_aggregate(rnd, self.fed.loaded.model, aggregate))
+                aggregate = {k: v for k, v in rounds[rnd].items() if not k.startswith(("merge/", DOWNLOAD_PREFIX))}
+                strategy.downloaded = self.round_download(rounds[rnd], aggregate)
+                try:
+                    write_state(self.fed.loaded.model, strategy.after_aggregate(rnd, self.fed.loaded.model, aggregate))
+                finally:
+                    strategy.downloaded = None
             self.synced = rnd
+
+    def round_download(self, entries: dict, aggregate: dict) -> dict | None:
+        """The round's dequantised download from its codes and absmax in a catch-up entry (``download/<key>/...``,
+        federation.compression.download; what the server's ``after_aggregate`` read), or None when it has none."""
+        from fedllm.models.compression import Packed, unpack
+
+        keys = [k[len(DOWNLOAD_PREFIX):-len("/codes")] for k in entries if k.startswith(DOWNLOAD_PREFIX)
+                and k.endswith("/codes")]
+        if not keys:
+            return None
+        c = self.recipe.federation.compression
+        return {k: unpack(Packed(entries[f"{DOWNLOAD_PREFIX}{k}/codes"], entries[f"{DOWNLOAD_PREFIX}{k}/absmax"],
+                                 tuple(aggregate[k].shape), c.download, c.block_size)).to(aggregate[k].dtype)
+                for k in keys}
 
     def train(self, rnd: int, lr: float, state: dict, phases: list, extra: dict, local: dict) -> Any:
         """Train this client for round ``rnd`` through :func:`fedllm.engine.client.run_client` (as in simulation)."""

@@ -7,9 +7,8 @@ What cannot hold is refused at recipe load, with the reason:
 * compression under client-level DP (``privacy.mechanism: central*``): quantising after clipping can raise an
   update's norm above the bound the noise is calibrated to;
 * compression with ``federation.comm_dtype`` other than fp32: the compressed direction sets its own wire format;
-* download compression with a strategy whose server maths reads what the clients received (FedOpt's
-  pseudo-gradient, the merges of FRLoRA, FedLoRU, FedEx-LoRA, FLoRA ...): those assume the download is the
-  server's state cast to ``comm_dtype``;
+* download compression with a strategy outside :data:`DOWNLOAD_COMPRESSION_STRATEGIES` (the reason of each is in
+  :data:`DOWNLOAD_REFUSED`);
 * DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (HetLoRA, RoLoRA,
   LoRA-FAIR, FedSVD, Fed-SB: their server maths is not worked out for DoRA's column norm of ``W + s·B·A``); a
   merging one on a half-precision base or with its merges kept beside the base.
@@ -21,12 +20,31 @@ from typing import Any
 
 from fedllm.recipe.schema import DORA_MERGE_STRATEGIES, Recipe
 
-#: Strategies whose clients load the state they are sent and whose server maths reads only the uploads (the
-#: download may then be compressed: nothing on the server assumes what the clients received).
+#: Strategies whose server maths reads only the uploads, or measures the clients' progress from what they received
+#: (:meth:`fedllm.strategies.base.Strategy.received`: the dequantised download), so the download may be compressed:
+#: FedOpt's pseudo-gradient ``θ̄ − θ_received``, FRLoRA's merge ``s·(B̄Ā − B_s·A_s)`` from the factors the clients
+#: started from, mFedLoRU's rebuild ``A + α·A_d·A_u`` on the received ``A``; FedLoRU's and FLoRA's merges read the
+#: uploads (their merge message travels uncompressed) and their re-initialised factors drop the download residual.
 DOWNLOAD_COMPRESSION_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "ffa_lora", "fedsa_lora", "local", "fedmedian", "fedtrimmedavg", "krum",
-    "multikrum", "bulyan", "bulyan_multikrum",
+    "multikrum", "bulyan", "bulyan_multikrum", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "frlora", "frlora_v1",
+    "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "mfedloru", "flora",
 })
+
+#: Why download compression is refused with each other strategy (the recipe error's expected value).
+DOWNLOAD_REFUSED = {
+    "fedex_lora": ("its residual W ← W + Σ_k p_k·s·B_k·A_k − s·B̄·Ā must hold the factors every client continues from, "
+                   "which a compressed download fixes only when the next round is sent, with the server's residual: "
+                   "the effective weight would no longer be the clients' exact mean"),
+    "rolora": ("each round's clients train one factor against the dequantised other while the server keeps its own "
+               "copy of it: s·B̄·A would no longer be the clients' mean product, RoLoRA's exactness"),
+    "fedsvd": ("its server refactorises svd(B̄·A) with its own A while the clients trained B against the dequantised "
+               "A: the product would not be the clients'"),
+    "flexlora": ("each client starts from its own SVD hand-back of the kept average, not from the global state: those "
+                 "factors travel uncompressed, so a compressed download would save nothing on them"),
+}
+DOWNLOAD_REFUSED_DEFAULT = ("fedllm has not worked out which state its server maths assumes the clients started from "
+                            "under a compressed download")
 
 #: Strategies that train B, A and DoRA's magnitude vector as plain tensors and aggregate them tensor by tensor,
 #: never merging into the base: DoRA holds unchanged (the magnitude is averaged as any trainable tensor). Beside
@@ -60,9 +78,9 @@ def compression_problems(r: Recipe) -> list[tuple[str, Any, str]]:
         p.append(("federation.comm_dtype", fed.comm_dtype, ("fp32 with federation.compression (the compressed "
                                                             "direction sets its own wire format)")))
     if c.download != "none" and fed.strategy not in DOWNLOAD_COMPRESSION_STRATEGIES:
+        why = DOWNLOAD_REFUSED.get(fed.strategy, DOWNLOAD_REFUSED_DEFAULT)
         p.append(("federation.compression.download", c.download,
-                  (f"none with federation.strategy: {fed.strategy} (its server maths reads what the clients received "
-                   f"as the state cast to comm_dtype; download compression works with "
+                  (f"none with federation.strategy: {fed.strategy} ({why}; download compression works with "
                    f"{', '.join(sorted(DOWNLOAD_COMPRESSION_STRATEGIES))})")))
     return p
 

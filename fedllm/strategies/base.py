@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from fedllm.models.state import StateDict, num_bytes
+from fedllm.models.state import StateDict, cast, num_bytes
 
 MAX_COUNT = 10**6
 """Largest integer a strategy argument (iterations, ranks, steps, periods) may hold; seeds are exempt."""
@@ -255,6 +255,30 @@ class Strategy(abc.ABC):
     def after_aggregate(self, rnd: int, model: torch.nn.Module, global_state: StateDict) -> StateDict:
         """After aggregation, with the model at hand (merge into the base, re-init ...)."""
         return global_state
+
+    after_aggregate_reads_download = False
+    """True when ``after_aggregate`` reads :attr:`downloaded` (FRLoRA's merge): a Flower node replaying it is sent the
+    round's compressed download too."""
+
+    downloaded: StateDict | None = None
+    """The round's global state as its clients received it when the download is compressed
+    (``federation.compression.download``: the dequantised values, set by the round loop for ``aggregate`` and
+    ``after_aggregate``); None when every tensor travels as the state cast to ``federation.comm_dtype``."""
+
+    def received(self, global_state: StateDict) -> StateDict:
+        """``global_state`` (the round's, before aggregation) as every client of the round received it: the
+        dequantised download (:attr:`downloaded`) of each tensor that travelled compressed, every other rounded
+        through ``federation.comm_dtype`` (FedOpt's ``θ_sent``, the factors FRLoRA's clients started from)."""
+        sent = cast(global_state, self.comm_dtype)
+        if self.downloaded:
+            sent.update({k: self.downloaded[k].to(v.device, v.dtype) for k, v in sent.items() if k in self.downloaded})
+        return sent
+
+    def reinitialised_at(self, rnd: int) -> list[str]:
+        """Global state keys that ``after_aggregate`` of round ``rnd`` set to a newly drawn or derived value (a
+        re-initialised factor): the server drops their download residual (``federation.compression``: the error
+        of a value that no longer exists is not sent into its successor). Default: none."""
+        return []
 
     def kept_factors(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]]:
         """Low-rank pieces of the learned update kept outside the adapter, for exact export.

@@ -12,7 +12,8 @@ class FedAvgM(ServerOptimizer):
     """FedAvgM: ``v ← β·v + Δ; θ ← θ + η·v`` with ``Δ = θ̄ − θ_sent`` (the negated pseudo-gradient of Flower).
 
     With Flower's defaults (``server_learning_rate: 1``, ``server_momentum: 0``) there is no server
-    optimisation and the result is FedAvg's mean, bit for bit.
+    optimisation and the result is FedAvg's mean, bit for bit (under a compressed download too: the mean of
+    uploads that started from the dequantised download, as FedAvg's).
 
     Args:
         server_learning_rate: server learning rate η (Flower: 1.0).

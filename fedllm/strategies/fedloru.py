@@ -145,6 +145,11 @@ class FedLoRU(FedAvg):
             keys += [layer.a_key for layer in self.layers.values()]
         return keys
 
+    def reinitialised_at(self, rnd: int) -> list[str]:
+        """The factors an accumulation re-initialises: their download residual restarts with them (the merge itself
+        travels to every client uncompressed, as :meth:`extra_download_bytes` counts it)."""
+        return self.reinitialised_keys() if self.accumulates(rnd) else []
+
     def client_optimizer_state(self, rnd: int, client_id: int, state):
         """Drop the moments of factors re-initialised since the client last trained (``drop_moments``)."""
         if not state:

@@ -3,9 +3,11 @@ and FedAdam share.
 
 Each round the clients' weighted mean ``θ̄`` (FedAvg's aggregation) gives the pseudo-gradient
 ``Δ = θ̄ − θ_sent``, where ``θ_sent`` is θ as the clients received it (rounded through
-``federation.comm_dtype``): the clients start from ``θ_sent``, so measuring their progress against the
-unrounded θ would count the transport's rounding as progress and drift the moments even when no client
-learns anything (with fp32 transport ``θ_sent = θ``). The step is added to the server's own θ. A subclass updates its keyed moments from ``Δ`` and returns the step added to ``θ``.
+``federation.comm_dtype``, or the dequantised download under ``federation.compression.download``,
+:meth:`fedllm.strategies.base.Strategy.received`): the clients start from ``θ_sent``, so measuring their progress
+against the unrounded θ would count the transport's rounding or quantisation as progress and drift the moments
+even when no client learns anything (with fp32 transport ``θ_sent = θ``). The server's θ itself stays exact; what
+a compressed download dropped is sent in a later round by the server's error-feedback residual. The step is added to the server's own θ. A subclass updates its keyed moments from ``Δ`` and returns the step added to ``θ``.
 The update rules and defaults are Flower's strategies of the same names (``flwr.serverapp.strategy``),
 so ``eta``, ``beta_1``, ``beta_2`` and ``tau`` mean what they mean there. The moments are server state:
 :meth:`ServerOptimizer.state_dict` holds them (``<moment>/<param name>``), checkpointed and restored on
@@ -18,7 +20,7 @@ import abc
 
 import torch
 
-from fedllm.models.state import StateDict, cast, check_same_keys
+from fedllm.models.state import StateDict, check_same_keys
 from fedllm.strategies.base import ClientUpdate
 from fedllm.strategies.fedavg import FedAvg
 
@@ -77,7 +79,7 @@ class ServerOptimizer(FedAvg, abc.ABC):
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         mean = super().aggregate(rnd, global_state, updates)
         check_same_keys(mean, global_state, "aggregate and global state")
-        sent = cast(global_state, self.comm_dtype)  # what every client started from
+        sent = self.received(global_state)  # what every client started from (comm_dtype or the dequantised download)
         step = self.server_step(rnd, {k: mean[k].float() - sent[k].float() for k in mean})
         return {k: (global_state[k].float() + step[k]).to(global_state[k].dtype) for k in global_state}
 

@@ -102,6 +102,10 @@ class FLoRA(MergesIntoBase, RankedClients, FedAvg):
         numel = sum(self.stacked_rank * (layer.shape[0] + layer.shape[1]) for layer in self.layers.values())
         return {c: numel * DTYPES[comm_dtype].itemsize for c in range(num_clients)}
 
+    def reinitialised_at(self, rnd: int) -> list[str]:
+        """The adapter is re-drawn every round: its download residual restarts (``B = 0`` arrives exactly 0)."""
+        return sorted(self.factor_keys)
+
     def client_optimizer_state(self, rnd: int, client_id: int, state):
         """The adapter is re-drawn every round: its moments never carry over (other keys' do)."""
         return drop_moments(state, self.factor_keys)

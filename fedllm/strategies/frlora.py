@@ -45,6 +45,7 @@ from fedllm.strategies.residual import (
     adapter_layers,
     drop_moments,
     layer_seed,
+    recipe_value,
     resolve_residual_mode,
     standard_factors,
     to_wire,
@@ -70,6 +71,7 @@ class FRLoRA(FedAvg):
 
     name = "frlora"
     client_batching = True  # client side: FedAvg's plus dropping stale moments (batched passes start without moments)
+    after_aggregate_reads_download = True  # the merge subtracts the factors the clients started from
     init = "principal"  # how the run starts: "principal" (SVD init) or "gaussian" (B = 0, A ~ N(0, 1/r²))
     reinit = "principal"  # where each round starts: principal (B0, A0) | gaussian | resvd | none (no merge)
 
@@ -137,21 +139,46 @@ class FRLoRA(FedAvg):
             b_bar = global_state[layer.b_key].to(DTYPES[self.comm_dtype])  # what every client receives
             a_bar = global_state[layer.a_key].to(DTYPES[self.comm_dtype])
             b_now, a_now = self.start[name]
+            # the adapter's part of the model after the round: s·B_now·A_now plus the clients' progress
+            # s·(B̄Ā − B_s·A_s) from the factors they started from (uncompressed B_s·A_s = B_now·A_now: s·B̄Ā)
+            moved = [(b_bar, a_bar, layer.scale)] + self._started_from(layer, b_now, a_now)
             if self.reinit == "principal":
                 b_next, a_next = b_now, a_now
             else:
                 if self.reinit == "gaussian":
                     b_new, a_new = self._gaussian(name, rnd)
                 else:  # resvd: the principal factors of the new full weight
-                    learned = product(b_bar, a_bar, layer.scale).to(b_now.device)
+                    learned = sum(product(b, a, s).to(b_now.device) for b, a, s in moved)
                     b_new, a_new = self._principal(name, self.base.weight(name).to(learned.device) + learned, rnd)
                 b_next, a_next = self._wire(b_new, b_now), self._wire(a_new, a_now)
-            # s·B̄Ā − s·B_next A_next: low rank in every variant (v3's re-SVD only chooses B_next, A_next)
-            self.base.add(name, LowRankMerge([(b_bar, a_bar, layer.scale), (b_next, a_next, -layer.scale)]), rnd)
+            # the model moves by the progress and restarts from (B_next, A_next): s·B_now·A_now is cancelled by the
+            # restart when (B_next, A_next) = (B_now, A_now); low rank in every variant (v3's re-SVD only chooses
+            # B_next, A_next)
+            if self.downloaded is not None and self.reinit == "principal":
+                moved = moved[:-1]
+            else:
+                moved = moved + [(b_next, a_next, -layer.scale)]
+            self.base.add(name, LowRankMerge(moved), rnd)
             self.start[name] = (b_next.clone(), a_next.clone())
             out[layer.b_key] = b_next.clone().to(global_state[layer.b_key].dtype)
             out[layer.a_key] = a_next.clone().to(global_state[layer.a_key].dtype)
         return out
+
+    def _started_from(self, layer, b_now: torch.Tensor, a_now: torch.Tensor) -> list:
+        """``[(B_s, A_s, −s), (B_now, A_now, s)]`` when the download was compressed: the clients started from the
+        dequantised ``(B_s, A_s)`` (:meth:`~fedllm.strategies.base.Strategy.received`), the server's model from
+        ``(B_now, A_now)``; none otherwise (both are ``(B_now, A_now)``)."""
+        if self.downloaded is None:
+            return []
+        sent = self.received({layer.b_key: b_now, layer.a_key: a_now})
+        return [(sent[layer.b_key], sent[layer.a_key], -layer.scale), (b_now, a_now, layer.scale)]
+
+    def reinitialised_at(self, rnd: int) -> list[str]:
+        """v2 and v3 draw or derive a new adapter every round: its download residual restarts (FRLoRA's fixed
+        ``(B0, A0)`` keeps its own, so the starts it sends average to ``(B0, A0)``)."""
+        if self.reinit not in ("gaussian", "resvd"):
+            return []
+        return [k for layer in self.layers.values() for k in (layer.a_key, layer.b_key)]
 
     def client_optimizer_state(self, rnd: int, client_id: int, state):
         """Drop the adapter's moments when every round re-draws it (v2, v3); FRLoRA and v1 keep them."""
@@ -160,10 +187,17 @@ class FRLoRA(FedAvg):
         return drop_moments(state, [k for layer in self.layers.values() for k in (layer.a_key, layer.b_key)])
 
     def extra_download_bytes(self, rnd: int, sampled: list[int], num_clients: int, comm_dtype: str) -> dict[int, int]:
-        """Clients outside the round receive ``(B̄^t, Ā^t)`` to apply ``ΔW^t`` too (seed 001, Table 14)."""
+        """Clients outside the round receive ``(B̄^t, Ā^t)`` to apply ``ΔW^t`` too (seed 001, Table 14), and under a
+        compressed download the round's compressed ``(B_s, A_s)`` the merge subtracts (codes and absmax)."""
         if self.reinit == "none":
             return {}
         size = self.sync_numel * DTYPES[comm_dtype].itemsize
+        c = recipe_value(self.recipe, "federation.compression", None)
+        if c is not None and c.download != "none":
+            from fedllm.models.compression import packed_bytes
+
+            size += sum(packed_bytes(w.numel(), c.download, c.block_size) for layer in self.layers.values()
+                        for w in (layer.module.lora_A["default"].weight, layer.module.lora_B["default"].weight))
         return {c: size for c in range(num_clients) if c not in set(sampled)}
 
     def base_residuals(self) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from fedllm.common.errors import InputError
 from fedllm.common.registry import register_strategy
 from fedllm.models.lowrank import lora_init_
-from fedllm.models.state import DTYPES, StateDict
+from fedllm.models.state import StateDict
 from fedllm.strategies.base import ClientInfo, ClientPlan, ClientUpdate, Phase
 from fedllm.strategies.fedloru import FedLoRU
 from fedllm.strategies.residual import layer_seed, recipe_value
@@ -166,7 +166,7 @@ class MFedLoRU(FedLoRU):
         """A nested client's rank-``r`` ``(A_k, B_k)`` from the ``(A, B)`` it received and its nested factors."""
         if not self.nested(update.client_id):
             return update
-        sent = {k: v.to(DTYPES[self.comm_dtype]).float() for k, v in global_state.items()}
+        sent = {k: v.float() for k, v in self.received(global_state).items()}  # comm_dtype or dequantised download
         state = {k: v for k, v in update.state.items() if MODULE not in k}
         for name, layer in self.layers.items():
             part = {p: update.state[f"{name}.{MODULE}.{p}"].to(sent[layer.a_key].device, torch.float32) for p in PARTS}

@@ -121,8 +121,8 @@ def test_compression_resume_is_bit_exact(tmp_path, arith_file):
     ({"privacy": {"secure_aggregation": "secagg_plus"}}, "federation.compression.upload", "SecAgg+"),
     ({"privacy": {"mechanism": "central", "noise_multiplier": 1.0}}, "federation.compression.upload", "clipping_norm"),
     ({"federation": {"comm_dtype": "bf16"}}, "federation.comm_dtype", "fp32"),
-    ({"federation": {"strategy": "fedadam", "compression": {"upload": "none", "download": "int8"}}},
-     "federation.compression.download", "fedadam"),
+    ({"federation": {"strategy": "fedex_lora", "compression": {"upload": "none", "download": "int8"}}},
+     "federation.compression.download", "fedex_lora (its residual"),
     ({"federation": {"compression": {"upload": "nf4", "block_size": 100}}}, "federation.compression.block_size",
      "4096"),
 ])
@@ -171,28 +171,46 @@ def test_compression_and_dora_on_flower_carry_codes_and_match_the_simulation(tin
         assert dtypes == {"codes": "uint8", "absmax": "float32"}
 
 
-def test_compression_and_dora_on_two_processes_match_one(tmp_path):
-    """Two gloo processes (one torchrun launch) of a DoRA run with compressed updates: residuals follow each client
-    across ranks (gathered with its entry), the server's download residual is the same on every rank, the magnitude
-    vectors are averaged alike: the final state equals one process's."""
-    from tests.test_distributed import TwoProcessLaunch, assert_same, final_tensors
+TWO_PROCESS_JOBS = {  # one launch of 2 processes runs them all
+    # DoRA: residuals follow each client across ranks (gathered with its entry), magnitude vectors averaged alike
+    "dora-fedavg": ({"strategy": "fedavg", "compression": {"upload": "fp4", "download": "nf4"}},
+                    {"lora": {"use_dora": True}}),
+    # the pseudo-gradient from the dequantised download, on every rank
+    "fedadam": ({"strategy": "fedadam", "strategy_args": {"eta": 1e-2}, "rounds": 2,
+                 "compression": {"upload": "int8", "download": "nf4"}}, {}),
+    # the merge from the factors the clients started from, on every rank's base
+    "frlora": ({"strategy": "frlora", "rounds": 2, "compression": {"download": "nf4"}}, {}),
+}
 
-    (tmp_path / "two").mkdir()
-    launch = TwoProcessLaunch(tmp_path / "two")
-    raw = tiny_raw("-", launch.data, federation={
-        "num_clients": 4, "clients_per_round": 3, "rounds": 3, "strategy": "fedavg",
-        "compression": {"upload": "fp4", "download": "nf4"}}, train={"optimizer_state": "per_client"},
-        lora={"use_dora": True})
-    launch.add("compression", raw)
+
+@pytest.fixture(scope="module")
+def compression_two_processes(tmp_path_factory):
+    """One running launch of 2 gloo processes with every job of :data:`TWO_PROCESS_JOBS`."""
+    from tests.test_distributed import TwoProcessLaunch
+
+    launch = TwoProcessLaunch(tmp_path_factory.mktemp("compression-two"))
+    for name, (federation, sections) in TWO_PROCESS_JOBS.items():
+        launch.add(name, tiny_raw("-", launch.data, federation={
+            "num_clients": 4, "clients_per_round": 3, "rounds": 3, **federation},
+            train={"optimizer_state": "per_client"}, **sections))
     launch.start()
-    try:
-        one = run(parse_recipe(launch.recipe("compression", tmp_path / "one")))
-        two = launch.run_dir("compression")
-    finally:
-        launch.stop()
+    yield launch
+    launch.stop()
+
+
+@pytest.mark.parametrize("job", sorted(TWO_PROCESS_JOBS))
+def test_compression_on_two_processes_matches_one(job, compression_two_processes, tmp_path):
+    """Two gloo processes (one torchrun launch) with compressed updates: the server's download residual is the same
+    on every rank and each rank's aggregation reads the same dequantised download: the final state (adapter,
+    per-client residuals, server residual and moments, base) equals one process's (tol 0)."""
+    from tests.test_distributed import assert_same, final_tensors
+
+    one = run(parse_recipe(compression_two_processes.recipe(job, tmp_path / "one")))
+    two = compression_two_processes.run_dir(job)
     single = final_tensors(one.run_dir)
-    assert any("/compression/" in k for k in single["clients"])
-    assert any(".lora_magnitude_vector." in k for k in single["adapter"])
+    assert any("/compression/" in k for k in single["clients"]) == (job != "frlora")
+    assert any(k.startswith("compression/") for k in single["strategy"])
+    assert any(".lora_magnitude_vector." in k for k in single["adapter"]) == (job == "dora-fedavg")
     assert_same(single, final_tensors(two), tol=0)
 
 
