@@ -20,6 +20,7 @@ import torch
 
 from fedllm.data.collate import is_pair_batch
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
+from fedllm.data.packing import PACKING_MODEL_TYPES, pack_batch
 from fedllm.engine.compressed_rounds import compress_upload
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
 from fedllm.models.flops import TrainedWork
@@ -166,24 +167,65 @@ def lora_input_casts_skipped(model: torch.nn.Module, cfg: TrainConfig):
 EAGER_ATTENTION_MAX_LENGTH = 256
 
 
+def training_attention_choice(current: str | None, device: torch.device, dtype: str, positions: int,
+                              packed: bool = False) -> str | None:
+    """The attention implementation a training micro-batch of ``positions`` per row takes instead of the model's
+    SDPA, or None to keep it: flash-attention 2's variable-length kernel for a packed batch on a GPU in bf16/fp16
+    where flash-attn is installed; eager on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH` positions."""
+    if current != "sdpa" or dtype not in ("bf16", "fp16"):
+        return None
+    if packed and device.type == "cuda":
+        from transformers.utils import is_flash_attn_2_available
+
+        return "flash_attention_2" if is_flash_attn_2_available() else None
+    return "eager" if device.type == "cpu" and positions <= EAGER_ATTENTION_MAX_LENGTH else None
+
+
 @contextlib.contextmanager
-def training_attention(model: torch.nn.Module, cfg: TrainConfig):
-    """Context: eager attention while training on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH`
-    (the model's own choice otherwise, and always outside training: evaluation and generation keep SDPA)."""
+def training_attention(model: torch.nn.Module, cfg: TrainConfig, positions: int | None = None, packed: bool = False):
+    """Context: the attention of :func:`training_attention_choice` for rows of ``positions`` (default
+    ``train.max_length``) while training; the model's own choice otherwise, and always outside training
+    (evaluation and generation keep SDPA)."""
     from fedllm.models.supervised_loss import base_of
 
     config = getattr(base_of(model), "config", None)
     device = next(model.parameters()).device
-    switch = (config is not None and getattr(config, "_attn_implementation", None) == "sdpa"
-              and device.type == "cpu" and cfg.dtype in ("bf16", "fp16") and cfg.max_length <= EAGER_ATTENTION_MAX_LENGTH)
-    if not switch:
+    choice = None if config is None else training_attention_choice(
+        getattr(config, "_attn_implementation", None), device, cfg.dtype,
+        cfg.max_length if positions is None else positions, packed)
+    if choice is None:
         yield
         return
-    config._attn_implementation = "eager"
+    config._attn_implementation = choice
     try:
         yield
     finally:
         config._attn_implementation = "sdpa"
+
+
+def check_packable(model: torch.nn.Module) -> None:
+    """Raise ValueError unless ``train.packing`` holds for this model (the recipe checks a model whose config they
+    can read: :mod:`fedllm.recipe.packing_checks`)."""
+    from fedllm.models.supervised_loss import base_of
+
+    model_type = getattr(getattr(base_of(model), "config", None), "model_type", None)
+    if model_type not in PACKING_MODEL_TYPES:
+        raise ValueError(f"train.packing: model type {model_type!r} is not one whose attention takes packed "
+                         f"position ids ({', '.join(sorted(PACKING_MODEL_TYPES))}); set train.packing: false")
+
+
+def micro_batch(collate: Callable[[list[dict]], dict], items: list[dict], cfg: TrainConfig) -> dict:
+    """One training micro-batch: ``collate``'s padded batch, packed into one row under ``train.packing``."""
+    batch = collate(items)
+    return pack_batch(batch) if cfg.packing else batch
+
+
+def micro_batch_attention(model: torch.nn.Module, cfg: TrainConfig, batch: dict[str, torch.Tensor]):
+    """Context of one micro-batch's forward: a packed row picks its attention by its own length (unpacked
+    batches keep the client-wide :func:`training_attention`)."""
+    if not cfg.packing:
+        return contextlib.nullcontext()
+    return training_attention(model, cfg, int(batch["input_ids"].shape[1]), packed=True)
 
 
 def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, examples: Sequence[dict],
@@ -226,7 +268,10 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     model.train()
     restore = contextlib.ExitStack()
     restore.enter_context(lora_input_casts_skipped(model, cfg))
-    restore.enter_context(training_attention(model, cfg))
+    if cfg.packing:
+        check_packable(model)
+    else:
+        restore.enter_context(training_attention(model, cfg))
     try:
         for phase in plan.phases:
             keys = list(phase.keys) if phase.keys is not None else list(plan.state)
@@ -247,12 +292,13 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
                         if not drawn:  # an empty Poisson batch (DP-SGD): the step adds noise only
                             private.empty_batch(trainable)
                             continue
-                        batch = collate([examples[i] for i in drawn])
-                        pad, pos = padded_positions(batch["attention_mask"])  # on the CPU: no device sync
+                        batch = micro_batch(collate, [examples[i] for i in drawn], cfg)
+                        pad, pos = (padded_positions(batch["attention_mask"]) if not cfg.packing
+                                    else (0, batch["input_ids"].numel()))  # on the CPU: no device sync
                         work.add_batch(batch, head_everywhere)
                         batch = {k: v.to(device) for k, v in batch.items()}
                         padded, positions = padded + pad, positions + pos
-                        with train_autocast(device, cfg.dtype):
+                        with train_autocast(device, cfg.dtype), micro_batch_attention(model, cfg, batch):
                             if private:
                                 total, loss = private.loss(model, batch)
                             else:
