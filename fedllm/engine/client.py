@@ -166,19 +166,27 @@ def lora_input_casts_skipped(model: torch.nn.Module, cfg: TrainConfig):
 #: S=160 16.4 / 5.9, S=256 25.6 / 14.7, S=512 85 / 117 (docs/performance.md). fp32 gains nothing (4.5 / 4.8 at 96).
 EAGER_ATTENTION_MAX_LENGTH = 256
 
+#: The same for a packed micro-batch (``train.packing``: one row, a block-diagonal mask): up to 512 positions, the
+#: eager attention weights of one row take the memory of 4 rows of 256. One SmolLM2-shaped layer (1 row x 9 heads x
+#: 64, bf16, four sequences), forward + backward, 1 thread, CPU-ms eager / SDPA with the mask: S=256 3.1 / 7.6,
+#: S=512 11.1 / 23.5, S=768 38.2 / 45.8, S=1024 76.8 / 79.6 (docs/performance.md).
+EAGER_PACKED_ROW_MAX_LENGTH = 512
+
 
 def training_attention_choice(current: str | None, device: torch.device, dtype: str, positions: int,
                               packed: bool = False) -> str | None:
     """The attention implementation a training micro-batch of ``positions`` per row takes instead of the model's
     SDPA, or None to keep it: flash-attention 2's variable-length kernel for a packed batch on a GPU in bf16/fp16
-    where flash-attn is installed; eager on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH` positions."""
+    where flash-attn is installed; eager on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH` positions
+    (a packed row: :data:`EAGER_PACKED_ROW_MAX_LENGTH`)."""
     if current != "sdpa" or dtype not in ("bf16", "fp16"):
         return None
     if packed and device.type == "cuda":
         from transformers.utils import is_flash_attn_2_available
 
         return "flash_attention_2" if is_flash_attn_2_available() else None
-    return "eager" if device.type == "cpu" and positions <= EAGER_ATTENTION_MAX_LENGTH else None
+    limit = EAGER_PACKED_ROW_MAX_LENGTH if packed else EAGER_ATTENTION_MAX_LENGTH
+    return "eager" if device.type == "cpu" and positions <= limit else None
 
 
 @contextlib.contextmanager

@@ -110,7 +110,7 @@ def test_packed_losses_under_eager_attention_equal_the_padded_ones(tiny):
 
 
 @pytest.mark.parametrize("device,dtype,positions,flash,expected", [
-    ("cpu", "bf16", 200, False, "eager"), ("cpu", "bf16", 300, False, None), ("cpu", "fp32", 50, False, None),
+    ("cpu", "bf16", 512, False, "eager"), ("cpu", "bf16", 513, False, None), ("cpu", "fp32", 50, False, None),
     ("cuda", "bf16", 4000, True, "flash_attention_2"), ("cuda", "bf16", 4000, False, None),
     ("cuda", "fp32", 4000, True, None)])
 def test_a_packed_row_takes_flash_varlen_on_a_gpu_where_installed_and_eager_for_short_cpu_rows(
@@ -122,6 +122,8 @@ def test_a_packed_row_takes_flash_varlen_on_a_gpu_where_installed_and_eager_for_
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash)
     assert training_attention_choice("sdpa", torch.device(device), dtype, positions, packed=True) == expected
     assert training_attention_choice("eager", torch.device(device), dtype, positions, packed=True) is None
+    unpacked = training_attention_choice("sdpa", torch.device(device), dtype, positions)  # batches of padded rows
+    assert unpacked == ("eager" if device == "cpu" and dtype == "bf16" and positions <= 256 else None)
 
 
 REFUSED = [
@@ -211,3 +213,26 @@ def test_the_dry_run_says_it_packs_and_counts_no_padding(tiny_recipe, ragged_fil
     report = dry_run(_recipe(tiny_recipe, ragged_file, tmp_path / "dry", packing=True)).report()
     assert "packed: each micro-batch's examples end to end in one row, no padding (train.packing)" in report
     assert "packed" not in dry_run(_recipe(tiny_recipe, ragged_file, tmp_path / "dry")).report()
+
+
+def test_a_bf16_cpu_client_picks_each_packed_rows_attention_by_its_length(tiny_recipe, ragged_file, tmp_path,
+                                                                          monkeypatch):
+    from fedllm.engine import client
+    from fedllm.engine.server import build_federation
+    from fedllm.models.loading import read_state
+
+    fed = build_federation(_recipe(tiny_recipe, ragged_file, tmp_path / "bf16", packing=True, dtype="bf16"))
+    config = fed.loaded.model.get_base_model().config
+    monkeypatch.setattr(client, "EAGER_PACKED_ROW_MAX_LENGTH", 320)  # this client's two rows: 272 and 374
+    seen = []
+    original = client.micro_batch_loss
+    monkeypatch.setattr(client, "micro_batch_loss", lambda model, batch, cfg: seen.append(
+        (batch["input_ids"].shape, config._attn_implementation)) or original(model, batch, cfg))
+    plan = fed.strategy.configure_client(1, 0, read_state(fed.loaded.model, fed.global_keys))
+    plan.lr = 1e-2
+    client.train_client(fed.loaded.model, plan, fed.strategy, fed.data.examples, fed.data.clients[0], fed.recipe.train,
+                        lambda items: collate(items, fed.loaded.tokenizer.pad_token_id), seed=0)
+    assert len(seen) == 2 and all(shape[0] == 1 for shape, _ in seen)
+    assert [impl for _, impl in seen] == ["eager" if shape[1] <= 320 else "sdpa" for shape, _ in seen]
+    assert {impl for _, impl in seen} == {"eager", "sdpa"} or pytest.fail(f"rows {seen}: widen the fixture's spread")
+    assert config._attn_implementation == "sdpa"  # restored
