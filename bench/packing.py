@@ -15,7 +15,8 @@ moments, bf16 autocast: what ``train.dtype: auto`` picks on a CPU with avx512_bf
 
 ``padding`` and ``packing`` train the same micro-batches in a trial (same seed), so their losses agree. The
 variants run interleaved (trial after trial, each ``--steps`` steps after one warm-up step, the order rotated each
-trial), so the machine's load moves them alike; each figure is the best trial's by real tokens per CPU-second.
+trial), so the machine's load moves them alike. The table sums the trials: seconds per step, real tokens per second and
+per CPU-second over all timed steps, mean padded fraction and loss.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -112,16 +114,21 @@ def main(argv=None) -> int:
                       flush=True)
     load = os.getloadavg()
     print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.threads} thread(s); {args.model}, batch "
-          f"{args.batch}, max_length {args.max_length}, {args.steps} steps per trial, best of {args.trials}")
+          f"{args.batch}, max_length {args.max_length}, {args.trials} trials x {args.steps} steps")
     print("| dtype | variant | s/step | CPU-s/step | tokens/s | tokens per CPU-s | vs padding (CPU) | padded | loss |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for d in dtypes:
-        best = {v: max(rows[f"{d} {v}"], key=lambda r: r["tokens_per_cpu_s"]) for v in names}
+    for d in dtypes:  # totals over the trials (padding and packing: the same micro-batches in each trial)
+        total = {v: {k: sum(r[k] for r in rows[f"{d} {v}"]) for k in ("s_per_step", "cpu_s_per_step",
+                                                                       "tokens_per_step")} for v in names}
         for v in names:
-            b = best[v]
-            print(f"| {d} | {v} | {b['s_per_step']:.2f} | {b['cpu_s_per_step']:.2f} | {b['tokens_per_s']:.0f} | "
-                  f"{b['tokens_per_cpu_s']:.0f} | {b['tokens_per_cpu_s'] / best['padding']['tokens_per_cpu_s']:.2f}x | "
-                  f"{100 * b['padded']:.1f} % | {b['loss']:.5f} |")
+            t, n = total[v], args.trials
+            per_cpu = t["tokens_per_step"] / t["cpu_s_per_step"]
+            padded = statistics.mean(r["padded"] for r in rows[f"{d} {v}"])
+            loss = statistics.mean(r["loss"] for r in rows[f"{d} {v}"])
+            print(f"| {d} | {v} | {t['s_per_step'] / n:.2f} | {t['cpu_s_per_step'] / n:.2f} | "
+                  f"{t['tokens_per_step'] / t['s_per_step']:.0f} | {per_cpu:.0f} | "
+                  f"{per_cpu / (total['padding']['tokens_per_step'] / total['padding']['cpu_s_per_step']):.2f}x | "
+                  f"{100 * padded:.1f} % | {loss:.5f} |")
     for d in dtypes:  # padding and packing trained the same micro-batches in each trial
         gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(rows[f"{d} padding"], rows[f"{d} packing"], strict=True)]
         print(f"{d}: packing's loss - padding's, same trial: at most {max(gaps):.2e}")

@@ -264,8 +264,7 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
 
     from fedllm.commands.cost_report import client_bytes, cost_report
     from fedllm.data.collate import collate
-    from fedllm.data.packing import pack_batch
-    from fedllm.engine.client import head_at_every_position, run_client
+    from fedllm.engine.client import head_at_every_position, micro_batch, packed_row_length, run_client
     from fedllm.engine.server import sample_clients
     from fedllm.engine.throughput import Throughput, describe
     from fedllm.models.flops import TrainedWork
@@ -300,11 +299,13 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
     plain = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
     counted: list[TrainedWork] = []  # one per micro-batch, in order
     head_everywhere = head_at_every_position(fed.loaded.model, recipe.train)
+    row_length = packed_row_length(fed.loaded.model, recipe.train)
 
     def coll(items: list[dict]) -> dict:
         batch = plain(items)
         counted.append(TrainedWork())
-        counted[-1].add_batch(pack_batch(batch) if recipe.train.packing else batch, head_everywhere)  # as trained
+        trained, tokens = micro_batch(lambda _: batch, items, recipe.train, row_length)  # as the client trains it
+        counted[-1].add_batch(trained, head_everywhere, tokens)
         return batch
 
     try:

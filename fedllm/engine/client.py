@@ -222,10 +222,25 @@ def check_packable(model: torch.nn.Module) -> None:
                          f"position ids ({', '.join(sorted(PACKING_MODEL_TYPES))}); set train.packing: false")
 
 
-def micro_batch(collate: Callable[[list[dict]], dict], items: list[dict], cfg: TrainConfig) -> dict:
-    """One training micro-batch: ``collate``'s padded batch, packed into one row under ``train.packing``."""
+def packed_row_length(model: torch.nn.Module, cfg: TrainConfig) -> int | None:
+    """Positions per packed row: one row (None) for flash-attention's variable-length kernel, which needs one and
+    computes each sequence's own square; ``train.max_length`` for a dense kernel, which computes each row's square."""
+    from fedllm.models.supervised_loss import base_of
+
+    current = getattr(getattr(base_of(model), "config", None), "_attn_implementation", None)
+    device = next(model.parameters()).device
+    flash = training_attention_choice(current, device, cfg.dtype, 0, packed=True) == "flash_attention_2"
+    return None if flash else cfg.max_length
+
+
+def micro_batch(collate: Callable[[list[dict]], dict], items: list[dict], cfg: TrainConfig,
+                row_length: int | None = None) -> tuple[dict, int]:
+    """One training micro-batch and its real tokens: ``collate``'s padded batch, packed under ``train.packing``
+    (rows of ``row_length``: :func:`packed_row_length`)."""
     batch = collate(items)
-    return pack_batch(batch) if cfg.packing else batch
+    padded, positions = padded_positions(batch["attention_mask"]) if "attention_mask" in batch else (0, 0)
+    tokens = positions - padded if "attention_mask" in batch else batch["input_ids"].numel()
+    return (pack_batch(batch, row_length) if cfg.packing else batch), tokens
 
 
 def micro_batch_attention(model: torch.nn.Module, cfg: TrainConfig, batch: dict[str, torch.Tensor]):
@@ -276,8 +291,10 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     model.train()
     restore = contextlib.ExitStack()
     restore.enter_context(lora_input_casts_skipped(model, cfg))
+    row_length = None
     if cfg.packing:
         check_packable(model)
+        row_length = packed_row_length(model, cfg)
     else:
         restore.enter_context(training_attention(model, cfg))
     try:
@@ -300,10 +317,10 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
                         if not drawn:  # an empty Poisson batch (DP-SGD): the step adds noise only
                             private.empty_batch(trainable)
                             continue
-                        batch = micro_batch(collate, [examples[i] for i in drawn], cfg)
-                        pad, pos = (padded_positions(batch["attention_mask"]) if not cfg.packing
-                                    else (0, batch["input_ids"].numel()))  # on the CPU: no device sync
-                        work.add_batch(batch, head_everywhere)
+                        batch, tokens = micro_batch(collate, [examples[i] for i in drawn], cfg, row_length)
+                        pos = batch["input_ids"].numel()
+                        pad = pos - tokens  # on the CPU: no device sync
+                        work.add_batch(batch, head_everywhere, tokens)
                         batch = {k: v.to(device) for k, v in batch.items()}
                         padded, positions = padded + pad, positions + pos
                         with train_autocast(device, cfg.dtype), micro_batch_attention(model, cfg, batch):
