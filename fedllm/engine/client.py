@@ -166,10 +166,10 @@ def lora_input_casts_skipped(model: torch.nn.Module, cfg: TrainConfig):
 #: S=160 16.4 / 5.9, S=256 25.6 / 14.7, S=512 85 / 117 (docs/performance.md). fp32 gains nothing (4.5 / 4.8 at 96).
 EAGER_ATTENTION_MAX_LENGTH = 256
 
-#: The same for a packed micro-batch (``train.packing``: one row, a block-diagonal mask): up to 512 positions, the
-#: eager attention weights of one row take the memory of 4 rows of 256. One SmolLM2-shaped layer (1 row x 9 heads x
-#: 64, bf16, four sequences), forward + backward, 1 thread, CPU-ms eager / SDPA with the mask: S=256 3.1 / 7.6,
-#: S=512 11.1 / 23.5, S=768 38.2 / 45.8, S=1024 76.8 / 79.6 (docs/performance.md).
+#: The same for the rows of a packed micro-batch (``train.packing``: block-diagonal masks), whose sequences share
+#: a row: one SmolLM2-shaped layer (1 row x 9 heads x 64, bf16, four sequences), forward + backward, 1 thread,
+#: CPU-ms eager / SDPA with the mask: S=256 3.1 / 7.6, S=512 11.1 / 23.5, S=768 38.2 / 45.8, S=1024 76.8 / 79.6
+#: (docs/performance.md). A 512-position row's eager weights take the memory of 4 rows of 256.
 EAGER_PACKED_ROW_MAX_LENGTH = 512
 
 
