@@ -239,8 +239,10 @@ def micro_batch(collate: Callable[[list[dict]], dict], items: list[dict], cfg: T
     """One training micro-batch and its real tokens: ``collate``'s padded batch, packed under ``train.packing``
     (rows of ``row_length``: :func:`packed_row_length`)."""
     batch = collate(items)
-    padded, positions = padded_positions(batch["attention_mask"]) if "attention_mask" in batch else (0, 0)
-    tokens = positions - padded if "attention_mask" in batch else batch["input_ids"].numel()
+    tokens = batch["input_ids"].numel()
+    if "attention_mask" in batch:  # right-padded (every collate fedllm hands a client)
+        padded, _ = padded_positions(batch["attention_mask"])
+        tokens -= padded
     return (pack_batch(batch, row_length) if cfg.packing else batch), tokens
 
 
