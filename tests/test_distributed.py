@@ -39,6 +39,7 @@ STATEFUL = {
     "scaffold": ("scaffold", {}, {}),
     "fedloru": ("fedloru", {"tau": 2, "reinit": "momentum"}, {"train": {"optimizer_state": "per_client"}}),
     "fedadam": ("fedadam", {"eta": 1e-2}, {}),
+    "fedavg-packing": ("fedavg", {}, {"train": {"packing": True}}),  # each rank packs its clients' micro-batches
     # client-level DP around a server optimiser: the noise (fixed seed) and adaptive norm agree on every rank
     "fedadam-dp": ("fedadam", {"eta": 1e-2}, {"privacy": {"mechanism": "central", "noise_multiplier": 0.5,
                                                           "clipping_norm": 0.05, "noise_seed": 3,

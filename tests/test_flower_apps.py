@@ -111,6 +111,7 @@ CASES = {
     # DP-SGD on the nodes: Poisson batches and noise seeded per (noise_seed, round, client), steps reported back
     "fedavg-dp-sgd": ("fedavg", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8, "clipping_norm": 0.5,
                                                  "delta": 1e-3, "noise_seed": 5}}),
+    "fedavg-packing": ("fedavg", {}, {"train": {"packing": True}}),  # nodes pack their micro-batches as one process
     "fedex_lora": ("fedex_lora", {}, {}),  # merges in aggregate: nodes replay the server's logged low-rank merges
     # heterogeneous ranks (lora.r = 4): each node trains and keeps a rank-r_k slice of the shared adapter
     "flora-ranks": ("flora", {"client_ranks": [2, 4, 3]}, {}),

@@ -90,7 +90,8 @@ class DryRunReport:
             f"dry run of {r.source}: recipe valid; data, model ({r.model.name}) and strategy "
             f"({r.federation.strategy}) built in {self.build_seconds:.1f} s",
             f"  one optimizer step: {self.seconds_per_step:.3f} s (mean of {TIMED_STEPS - 1} after a warm-up; "
-            f"batch {r.train.batch_size} x grad_accum {r.train.grad_accum}, max_length {r.train.max_length})",
+            f"batch {r.train.batch_size} x grad_accum {r.train.grad_accum}, max_length {r.train.max_length}"
+            f"{packing_note(r)})",
             *([f"  throughput of those steps: {self.throughput}"] if self.throughput else []),
             f"  per round: {self.steps_per_round} client steps ({r.sampled_per_round()} clients) -> "
             f"~{_duration(self.seconds_per_round)}",
@@ -127,6 +128,12 @@ class UntimedReport:
                               r.federation.communication_budget_mb),
             f"  nothing was written to {r.output_dir}",
         ])
+
+
+def packing_note(r: Recipe) -> str:
+    """``train.packing`` in the step line: what a timed step trains on."""
+    return ("; packed: each micro-batch's examples end to end in one row, no padding (train.packing)"
+            if r.train.packing else "")
 
 
 def _load() -> str:
@@ -257,7 +264,7 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
 
     from fedllm.commands.cost_report import client_bytes, cost_report
     from fedllm.data.collate import collate
-    from fedllm.engine.client import head_at_every_position, run_client
+    from fedllm.engine.client import head_at_every_position, micro_batch, packed_row_length, run_client
     from fedllm.engine.server import sample_clients
     from fedllm.engine.throughput import Throughput, describe
     from fedllm.models.flops import TrainedWork
@@ -292,11 +299,13 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
     plain = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
     counted: list[TrainedWork] = []  # one per micro-batch, in order
     head_everywhere = head_at_every_position(fed.loaded.model, recipe.train)
+    row_length = packed_row_length(fed.loaded.model, recipe.train)
 
     def coll(items: list[dict]) -> dict:
         batch = plain(items)
         counted.append(TrainedWork())
-        counted[-1].add_batch(batch, head_everywhere)
+        trained, tokens = micro_batch(lambda _: batch, items, recipe.train, row_length)  # as the client trains it
+        counted[-1].add_batch(trained, head_everywhere, tokens)
         return batch
 
     try:

@@ -20,6 +20,7 @@ import torch
 
 from fedllm.data.collate import is_pair_batch
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
+from fedllm.data.packing import PACKING_MODEL_TYPES, pack_batch
 from fedllm.engine.compressed_rounds import compress_upload
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
 from fedllm.models.flops import TrainedWork
@@ -165,25 +166,92 @@ def lora_input_casts_skipped(model: torch.nn.Module, cfg: TrainConfig):
 #: S=160 16.4 / 5.9, S=256 25.6 / 14.7, S=512 85 / 117 (docs/performance.md). fp32 gains nothing (4.5 / 4.8 at 96).
 EAGER_ATTENTION_MAX_LENGTH = 256
 
+#: The same for the rows of a packed micro-batch (``train.packing``: block-diagonal masks), whose sequences share
+#: a row: one SmolLM2-shaped layer (1 row x 9 heads x 64, bf16, four sequences), forward + backward, 1 thread,
+#: CPU-ms eager / SDPA with the mask: S=256 3.2 / 7.3, S=512 10.8 / 23.9, S=768 45.1 / 45.0, S=1024 96.3 / 79.2
+#: (``python bench/packing.py --attention``, docs/performance.md). A 512-position row's eager weights take the
+#: memory of 4 rows of 256.
+EAGER_PACKED_ROW_MAX_LENGTH = 512
+
+
+def training_attention_choice(current: str | None, device: torch.device, dtype: str, positions: int,
+                              packed: bool = False) -> str | None:
+    """The attention implementation a training micro-batch of ``positions`` per row takes instead of the model's
+    SDPA, or None to keep it: flash-attention 2's variable-length kernel for a packed batch on a GPU in bf16/fp16
+    where flash-attn is installed; eager on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH` positions
+    (a packed row: :data:`EAGER_PACKED_ROW_MAX_LENGTH`)."""
+    if current != "sdpa" or dtype not in ("bf16", "fp16"):
+        return None
+    if packed and device.type == "cuda":
+        from transformers.utils import is_flash_attn_2_available
+
+        return "flash_attention_2" if is_flash_attn_2_available() else None
+    limit = EAGER_PACKED_ROW_MAX_LENGTH if packed else EAGER_ATTENTION_MAX_LENGTH
+    return "eager" if device.type == "cpu" and positions <= limit else None
+
 
 @contextlib.contextmanager
-def training_attention(model: torch.nn.Module, cfg: TrainConfig):
-    """Context: eager attention while training on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH`
-    (the model's own choice otherwise, and always outside training: evaluation and generation keep SDPA)."""
+def training_attention(model: torch.nn.Module, cfg: TrainConfig, positions: int | None = None, packed: bool = False):
+    """Context: the attention of :func:`training_attention_choice` for rows of ``positions`` (default
+    ``train.max_length``) while training; the model's own choice otherwise, and always outside training
+    (evaluation and generation keep SDPA)."""
     from fedllm.models.supervised_loss import base_of
 
     config = getattr(base_of(model), "config", None)
     device = next(model.parameters()).device
-    switch = (config is not None and getattr(config, "_attn_implementation", None) == "sdpa"
-              and device.type == "cpu" and cfg.dtype in ("bf16", "fp16") and cfg.max_length <= EAGER_ATTENTION_MAX_LENGTH)
-    if not switch:
+    choice = None if config is None else training_attention_choice(
+        getattr(config, "_attn_implementation", None), device, cfg.dtype,
+        cfg.max_length if positions is None else positions, packed)
+    if choice is None:
         yield
         return
-    config._attn_implementation = "eager"
+    config._attn_implementation = choice
     try:
         yield
     finally:
         config._attn_implementation = "sdpa"
+
+
+def check_packable(model: torch.nn.Module) -> None:
+    """Raise ValueError unless ``train.packing`` holds for this model (the recipe checks a model whose config they
+    can read: :mod:`fedllm.recipe.packing_checks`)."""
+    from fedllm.models.supervised_loss import base_of
+
+    model_type = getattr(getattr(base_of(model), "config", None), "model_type", None)
+    if model_type not in PACKING_MODEL_TYPES:
+        raise ValueError(f"train.packing: model type {model_type!r} is not one whose attention takes packed "
+                         f"position ids ({', '.join(sorted(PACKING_MODEL_TYPES))}); set train.packing: false")
+
+
+def packed_row_length(model: torch.nn.Module, cfg: TrainConfig) -> int | None:
+    """Positions per packed row: one row (None) for flash-attention's variable-length kernel, which needs one and
+    computes each sequence's own square; ``train.max_length`` for a dense kernel, which computes each row's square."""
+    from fedllm.models.supervised_loss import base_of
+
+    current = getattr(getattr(base_of(model), "config", None), "_attn_implementation", None)
+    device = next(model.parameters()).device
+    flash = training_attention_choice(current, device, cfg.dtype, 0, packed=True) == "flash_attention_2"
+    return None if flash else cfg.max_length
+
+
+def micro_batch(collate: Callable[[list[dict]], dict], items: list[dict], cfg: TrainConfig,
+                row_length: int | None = None) -> tuple[dict, int]:
+    """One training micro-batch and its real tokens: ``collate``'s padded batch, packed under ``train.packing``
+    (rows of ``row_length``: :func:`packed_row_length`)."""
+    batch = collate(items)
+    tokens = batch["input_ids"].numel()
+    if "attention_mask" in batch:  # right-padded (every collate fedllm hands a client)
+        padded, _ = padded_positions(batch["attention_mask"])
+        tokens -= padded
+    return (pack_batch(batch, row_length) if cfg.packing else batch), tokens
+
+
+def micro_batch_attention(model: torch.nn.Module, cfg: TrainConfig, batch: dict[str, torch.Tensor]):
+    """Context of one micro-batch's forward: a packed row picks its attention by its own length (unpacked
+    batches keep the client-wide :func:`training_attention`)."""
+    if not cfg.packing:
+        return contextlib.nullcontext()
+    return training_attention(model, cfg, int(batch["input_ids"].shape[1]), packed=True)
 
 
 def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, examples: Sequence[dict],
@@ -226,7 +294,12 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     model.train()
     restore = contextlib.ExitStack()
     restore.enter_context(lora_input_casts_skipped(model, cfg))
-    restore.enter_context(training_attention(model, cfg))
+    row_length = None
+    if cfg.packing:
+        check_packable(model)
+        row_length = packed_row_length(model, cfg)
+    else:
+        restore.enter_context(training_attention(model, cfg))
     try:
         for phase in plan.phases:
             keys = list(phase.keys) if phase.keys is not None else list(plan.state)
@@ -247,12 +320,13 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
                         if not drawn:  # an empty Poisson batch (DP-SGD): the step adds noise only
                             private.empty_batch(trainable)
                             continue
-                        batch = collate([examples[i] for i in drawn])
-                        pad, pos = padded_positions(batch["attention_mask"])  # on the CPU: no device sync
-                        work.add_batch(batch, head_everywhere)
+                        batch, tokens = micro_batch(collate, [examples[i] for i in drawn], cfg, row_length)
+                        pos = batch["input_ids"].numel()
+                        pad = pos - tokens  # on the CPU: no device sync
+                        work.add_batch(batch, head_everywhere, tokens)
                         batch = {k: v.to(device) for k, v in batch.items()}
                         padded, positions = padded + pad, positions + pos
-                        with train_autocast(device, cfg.dtype):
+                        with train_autocast(device, cfg.dtype), micro_batch_attention(model, cfg, batch):
                             if private:
                                 total, loss = private.loss(model, batch)
                             else:

@@ -102,8 +102,9 @@ class TrainedWork:
     seconds: float = 0.0  # wall seconds of the client's training loop
     cpu_seconds: float = 0.0  # CPU seconds of this process over the same time (every thread)
 
-    def add_batch(self, batch: dict[str, Any], head_everywhere: bool) -> None:
-        """Count one collated micro-batch (``input_ids``, ``attention_mask``, ``labels``; on the CPU)."""
+    def add_batch(self, batch: dict[str, Any], head_everywhere: bool, tokens: int | None = None) -> None:
+        """Count one collated micro-batch (``input_ids``, ``attention_mask``, ``labels``; on the CPU); ``tokens``: its
+        real positions where it has no ``attention_mask`` to count them by (a packed batch's padded row ends)."""
         ids = batch["input_ids"]
         b, s = int(ids.shape[0]), int(ids.shape[1])
         labels = batch.get("labels")
@@ -111,7 +112,7 @@ class TrainedWork:
         self.positions += b * s
         self.square += b * s * s
         mask = batch.get("attention_mask")
-        self.tokens += int(mask.sum()) if mask is not None else b * s
+        self.tokens += tokens if tokens is not None else int(mask.sum()) if mask is not None else b * s
         if labels is not None and labels.dim() == 2:
             supervised = int((labels[:, 1:] != IGNORE_INDEX).sum())
             self.supervised += supervised

@@ -57,7 +57,8 @@ def supervised_hidden(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch
 
     Args:
         model: A (PEFT-wrapped) causal LM whose model type is in :data:`LOGIT_HEADS`.
-        batch: ``input_ids``, ``attention_mask``, ``labels`` (batch x length, ``-100`` = no loss).
+        batch: ``input_ids``, ``attention_mask``, ``labels`` (batch x length, ``-100`` = no loss); a packed
+            batch (:mod:`fedllm.data.packing`) has ``position_ids`` instead of ``attention_mask``.
 
     Returns:
         ``(hidden, targets, rows)``: hidden states (N x H) at the supervised positions, the
@@ -65,7 +66,7 @@ def supervised_hidden(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch
     """
     base = base_of(model)
     hidden = base.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                                use_cache=False).last_hidden_state
+                                position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
     targets = batch["labels"][:, 1:]
     keep = targets != IGNORE_INDEX
     rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[keep]
@@ -90,7 +91,11 @@ def supervised_positions_loss(model: Any, batch: dict[str, torch.Tensor]) -> tor
 
 
 def all_positions_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The plain path: the model's own forward with labels (logits at every position)."""
+    """The plain path: the model's own forward with labels (logits at every position). A packed batch
+    (``position_ids``, :mod:`fedllm.data.packing`) runs without a cache, which would turn off transformers'
+    detection of its sequences."""
+    if "position_ids" in batch:
+        return model(**batch, use_cache=False).loss
     return model(**batch).loss
 
 

@@ -170,6 +170,7 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16", "fp16", "auto"] = doc("auto", "mixed precision of the forward/backward (torch.autocast, CPU or GPU); auto: bf16 where the device computes it natively (CPU avx512_bf16/AMX, GPU compute capability >= 8.0), else fp32")
     loss_positions: Literal["supervised", "all"] = doc("supervised", "run the LM head only where labels are supervised, or at every position")
     group_by_length: bool = doc(False, "order each client's micro-batches so similar lengths share one (seeded; less padding)")
+    packing: bool = doc(False, "padding-free: each micro-batch's examples end to end in one row, per-sequence position ids, no token attending across sequences (same examples and loss as padded; causal LMs, sft)")
     clients_per_pass: int = doc(1, "train this many sampled clients of a process together in one batched pass")
     threads: Optional[int] = doc(None, "CPU threads of this process; default: usable cores / local processes "
                                        "(env FEDLLM_THREADS overrides; see fedllm.common.threads)")
