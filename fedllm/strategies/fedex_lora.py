@@ -77,8 +77,9 @@ class FedExLoRA(MergesIntoBase, FedAvg):
         return out
 
     def extra_download_bytes(self, rnd: int, sampled: list[int], num_clients: int, comm_dtype: str) -> dict[int, int]:
-        """Every client receives the round's residual (dense or as factors, whichever is smaller)."""
-        k = self.clients_last_round
+        """Every client receives the round's residual (dense or as factors, whichever is smaller): the factors of the
+        clients aggregated, or, before any round (the dry run's forecast), of every sampled client."""
+        k = self.clients_last_round or len(sampled)
         numel = sum(min(layer.shape[0] * layer.shape[1], (k + 1) * layer.rank * (layer.shape[0] + layer.shape[1]))
                     for layer in self.layers.values())
         return {c: numel * DTYPES[comm_dtype].itemsize for c in range(num_clients)}

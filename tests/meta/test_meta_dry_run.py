@@ -39,13 +39,15 @@ def test_dry_run_exits_2_naming_a_target_that_matches_nothing(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_cost_report_bytes_equal_a_real_rounds(tiny_recipe):
-    """On a model that trains here, the report's bytes are those round 1 records in metrics.jsonl."""
+@pytest.mark.parametrize("strategy", ["frlora", "fedex_lora"])
+def test_cost_report_bytes_equal_a_real_rounds(tiny_recipe, strategy):
+    """On a model that trains here, the report's bytes are those round 1 records in metrics.jsonl (FedEx-LoRA: its
+    residual, sent to every client after the round, counted for every sampled client's factors)."""
     from fedllm.commands.dry_run import dry_run
     from fedllm.engine.server import run
     from fedllm.recipe.checks import parse_recipe
 
-    raw = tiny_recipe(federation={"strategy": "frlora", "num_clients": 4, "clients_per_round": 2, "rounds": 1,
+    raw = tiny_recipe(federation={"strategy": strategy, "num_clients": 4, "clients_per_round": 2, "rounds": 1,
                                   "partition": {"method": "iid"}})
     costs = dry_run(parse_recipe(raw)).costs
     first = run(parse_recipe(raw)).history[0]
