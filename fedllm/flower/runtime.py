@@ -102,9 +102,9 @@ def _certificates(root_certificates: str | None) -> bytes | None:
 
 def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[str], None],
                root_certificates: str | None = None, poll_s: float = 0.05,
-               idle: Callable[[], None] | None = None) -> None:
+               idle: Callable[[], None] | None = None, wait: Callable[[float], object] = time.sleep) -> None:
     """Claim ``task_type`` tasks from the Runtime API at ``address`` forever; ``handle(token)`` each one
-    (``idle()`` whenever there is none)."""
+    (``idle()`` whenever there is none, then ``wait(poll_s)``: a sleep, or a wait for a wake)."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
@@ -125,7 +125,7 @@ def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[st
         else:
             if idle is not None:
                 idle()
-            time.sleep(poll_s)
+            wait(poll_s)
 
 
 # ----- the SuperLink side
@@ -258,9 +258,12 @@ def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, p
 
     ``journal``: where the message being answered is kept until its reply is pushed; a worker that starts and
     finds one (its predecessor was killed mid-message) answers that message first, under the same task token.
+    While idle the worker waits for its SuperNode's wake (:mod:`fedllm.flower.wake`), claiming every
+    :data:`~fedllm.flower.wake.FALLBACK_S` regardless; where it cannot listen, it claims every ``poll_s``.
     """
     from flwr.supercore.constant import TaskType
 
+    from fedllm.flower import wake
     from fedllm.flower.worker_cache import NodeCache
 
     cache = NodeCache(warm_runs)
@@ -273,8 +276,9 @@ def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, p
         except Exception as e:  # noqa: BLE001 — e.g. the task expired meanwhile: Flower reports the crash
             log.error("could not answer the interrupted message: %s", e)
             journal.unlink(missing_ok=True)
+    wakeup = wake.Wakeup(secret)
     claim_loop(address, secret, TaskType.CLIENT_APP, lambda token: run_client_task(address, token, cache, journal),
-               poll_s=poll_s)
+               poll_s=poll_s if wakeup.sock is None else wake.FALLBACK_S, wait=wakeup.wait)
 
 
 def write_journal(path: Path, token: str, message, context) -> None:
