@@ -268,17 +268,66 @@ def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, p
 
     cache = NodeCache(warm_runs)
     if journal is not None and journal.is_file():
-        token, pulled = read_journal(journal)
-        log.warning("answering message %s, interrupted when the previous worker stopped",
-                    pulled[0].metadata.message_id)
-        try:
-            run_client_task(address, token, cache, journal, pulled)
-        except Exception as e:  # noqa: BLE001 — e.g. the task expired meanwhile: Flower reports the crash
-            log.error("could not answer the interrupted message: %s", e)
-            journal.unlink(missing_ok=True)
+        replay_journal(address, cache, journal)
     wakeup = wake.Wakeup(secret)
     claim_loop(address, secret, TaskType.CLIENT_APP, lambda token: run_client_task(address, token, cache, journal),
                poll_s=poll_s if wakeup.sock is None else wake.FALLBACK_S, wait=wakeup.wait)
+
+
+def task_alive(address: str, token: str, wait_s: float = 10.0) -> bool:
+    """Whether the SuperNode at ``address`` still holds task ``token``: a task heartbeat under it succeeds. A
+    SuperNode not answering yet (starting beside this worker) is asked again for up to ``wait_s``."""
+    import httpx
+    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest  # pylint: disable=E0611
+    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    client = RuntimeHttpClient.from_server_address(
+        server_address=address, insecure=True, root_certificates=None,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                      RuntimeTokenHttpInterceptor(token)])
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                return bool(client.SendTaskHeartbeat(SendTaskHeartbeatRequest()).success)
+            except httpx.HTTPStatusError as e:  # 401/403: a token this SuperNode does not know (any more)
+                if e.response.status_code not in (503, 504) or time.monotonic() > deadline:
+                    return False
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    return False
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
+def replay_journal(address: str, cache, journal: Path) -> bool:
+    """Answer the message a killed worker left in ``journal`` under its task's token, if the SuperNode still holds that
+    task; otherwise discard the journal, saying why (True: answered). The SuperNode forgets its tasks when it restarts
+    (its state is in memory) and a task expires 60 s after its last heartbeat: answering then would train for nothing
+    and be refused (401); Flower reports the message as failed, and the server drops this client from that round."""
+    try:
+        token, pulled = read_journal(journal)
+    except Exception as e:  # noqa: BLE001 — a journal that cannot be read cannot be answered either
+        log.warning("discarding %s: unreadable (%s)", journal, e)
+        journal.unlink(missing_ok=True)
+        return False
+    message_id = pulled[0].metadata.message_id
+    if not task_alive(address, token):
+        log.warning("discarding the interrupted message %s: the SuperNode no longer holds its task (the SuperNode "
+                    "restarted, or the task expired 60 s after its last heartbeat); the server drops this client from "
+                    "that round", message_id)
+        journal.unlink(missing_ok=True)
+        return False
+    log.warning("answering message %s, interrupted when the previous worker stopped", message_id)
+    try:
+        run_client_task(address, token, cache, journal, pulled)
+    except Exception as e:  # noqa: BLE001 — e.g. the task expired meanwhile: Flower reports the crash
+        log.error("could not answer the interrupted message: %s", e)
+        journal.unlink(missing_ok=True)
+        return False
+    return True
 
 
 def write_journal(path: Path, token: str, message, context) -> None:
