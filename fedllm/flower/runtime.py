@@ -266,6 +266,9 @@ def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, p
     from fedllm.flower import wake
     from fedllm.flower.worker_cache import NodeCache
 
+    from fedllm.models import kept_bases
+
+    kept_bases.keep()  # a later run of the same model copies its base from memory instead of loading it again
     cache = NodeCache(warm_runs)
     if journal is not None and journal.is_file():
         replay_journal(address, cache, journal)
