@@ -274,7 +274,22 @@ def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, p
         replay_journal(address, cache, journal)
     wakeup = wake.Wakeup(secret)
     claim_loop(address, secret, TaskType.CLIENT_APP, lambda token: run_client_task(address, token, cache, journal),
-               poll_s=poll_s if wakeup.sock is None else wake.FALLBACK_S, wait=wakeup.wait)
+               poll_s=poll_s if wakeup.sock is None else wake.FALLBACK_S, idle=import_ahead, wait=wakeup.wait)
+
+
+WORKER_IMPORTS = ("fedllm.engine.server", "fedllm.engine.client", "fedllm.runs.checkpoint", "fedllm.flower.records",
+                  "fedllm.flower.node")
+"""What the worker's first federation build imports (torch, transformers and peft among them, ~10 CPU-seconds):
+imported the first time the worker finds no task, so that a run's first round does not wait for them."""
+
+
+def import_ahead() -> None:
+    """Import :data:`WORKER_IMPORTS` (once: later calls find them imported)."""
+    import importlib
+
+    for name in WORKER_IMPORTS:
+        if name not in sys.modules:
+            importlib.import_module(name)
 
 
 def task_alive(address: str, token: str, wait_s: float = 10.0) -> bool:
