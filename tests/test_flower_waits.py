@@ -87,3 +87,33 @@ def test_the_supernode_reads_the_worker_secret_from_its_arguments(tmp_path, args
     assert supernode.worker_secret(argv) == b"k" * 32
     assert supernode.worker_secret(["--insecure"]) is None
     assert supernode.worker_secret(["--superexec-auth-secret-file", str(tmp_path / "gone")]) is None
+
+
+def test_workers_on_one_machine_are_counted_by_their_wake_sockets():
+    before = wake.listening_workers()  # other workers may run on this machine
+    first, second = wake.Wakeup(b"1" * 32), wake.Wakeup(b"2" * 32)
+    try:
+        assert wake.listening_workers() == before + 2 and wake.local_workers() == before + 2
+    finally:
+        first.close()
+        second.close()
+    assert wake.listening_workers() == before
+
+
+@pytest.mark.parametrize("source,workers,expected", [("auto", 2, 1), ("auto", 1, 2), ("auto", 5, 1),
+                                                     ("OMP_NUM_THREADS", 2, 2), ("FEDLLM_THREADS", 2, 2)])
+def test_workers_share_the_cores_unless_the_user_chose_a_thread_count(monkeypatch, source, workers, expected):
+    import torch
+
+    from fedllm.common import threads
+    from fedllm.flower import runtime
+
+    monkeypatch.setattr(threads, "chosen", lambda: threads.ThreadPolicy(2, source, {}, "user", 2, 1))
+    monkeypatch.setattr(wake, "local_workers", lambda: workers)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runtime.share_cores()
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(previous)

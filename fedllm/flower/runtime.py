@@ -448,6 +448,7 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
         else:
             if journal is not None and pulled is None:
                 write_journal(journal, token, message, context)
+            share_cores()
             with cache.serving():
                 reply = client_app.app(message=message, context=context)
             status, details = SubStatus.COMPLETED, ""
@@ -471,6 +472,27 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
             heartbeat.stop()
             client.close()
             cache.build_prepared()  # a run the server's query just announced: built now, before its first message
+
+
+def share_cores() -> None:
+    """With fedllm's automatic thread count, share the usable cores among the node workers of this machine
+    (:func:`fedllm.flower.wake.local_workers`), as ``fedllm train`` shares them among the processes of a torchrun
+    launch: two workers training at once with every core each oversubscribe the cores, and each one's OpenMP
+    threads then wait at every barrier for a thread the other process holds off the core (measured: 25 % of the
+    wall time computing). A thread count the user chose (``FEDLLM_THREADS``, ``OMP_NUM_THREADS``,
+    ``train.threads``) is kept."""
+    from fedllm.common import threads
+    from fedllm.flower import wake
+
+    policy = threads.chosen()
+    if policy is None or policy.source != "auto" or "torch" not in sys.modules:
+        return
+    torch = sys.modules["torch"]
+    wanted = max(1, policy.threads // wake.local_workers())
+    if torch.get_num_threads() != wanted:
+        log.info("fedllm worker: CPU threads %d (%d usable cores shared by the %d node workers on this machine)",
+                 wanted, policy.threads, wake.local_workers())
+        torch.set_num_threads(wanted)
 
 
 def configure_logging() -> None:

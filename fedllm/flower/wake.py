@@ -20,6 +20,7 @@ import logging
 import select
 import socket
 import time
+from pathlib import Path
 
 FALLBACK_S = 2.0
 """Seconds between an idle worker's claims when it listens for wakes (a wake it missed costs at most this)."""
@@ -28,6 +29,22 @@ FALLBACK_S = 2.0
 def address(secret: bytes) -> str:
     """The worker's wake socket: an abstract-namespace name derived from the worker's secret."""
     return "\0fedllm-worker-wake-" + hashlib.sha256(b"fedllm wake\0" + secret).hexdigest()[:32]
+
+
+def listening_workers() -> int:
+    """How many fedllm node workers listen on this machine: their wake sockets in ``/proc/net/unix`` (0 where it
+    cannot be read)."""
+    try:
+        lines = Path("/proc/net/unix").read_text(errors="replace").splitlines()
+    except OSError:
+        return 0
+    return len({fields[-1] for fields in map(str.split, lines)
+                if len(fields) > 7 and fields[-1].startswith("@fedllm-worker-wake-")})
+
+
+def local_workers() -> int:
+    """The node workers on this machine, this one included (at least 1)."""
+    return max(1, listening_workers())
 
 
 def notify(secret: bytes) -> None:
