@@ -434,6 +434,7 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
     heartbeat.start()
     message, context, reply = None, None, None
     status, details = SubStatus.FAILED, "ClientApp task failed"
+    phases = [time.monotonic()]  # claimed, pulled, answered, handed back: the worker's log line per message
     try:
         if pulled is not None:
             message, context = pulled
@@ -441,6 +442,7 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
         else:
             message, context, _run, fab = pull_task_input(client)
             refusal = fab_refusal(fab.content)
+        phases.append(time.monotonic())
         if refusal:
             log.error("%s", refusal)
             reply = Message(Error(code=ErrorCode.LOAD_CLIENT_APP_EXCEPTION, reason=refusal), reply_to=message)
@@ -452,6 +454,7 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
             with cache.serving():
                 reply = client_app.app(message=message, context=context)
             status, details = SubStatus.COMPLETED, ""
+            phases.append(time.monotonic())
     except Exception as e:  # noqa: BLE001 — the server sees the error reply and drops this client for the round
         log.exception("fedllm ClientApp raised")
         reason = f"{type(e)}:<'{e}'>"
@@ -463,6 +466,10 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
             if reply is not None and context is not None:
                 push_message(client, reply, context)
             push_task_output(client=client, context=context, sub_status=status, details=details)
+            if len(phases) == 3:
+                log.info("fedllm worker: %s message: received in %.2f s, answered in %.2f s, handed back in %.2f s",
+                         message.metadata.message_type, phases[1] - phases[0], phases[2] - phases[1],
+                         time.monotonic() - phases[2])
         except Exception as e:  # noqa: BLE001 — the run was stopped (or the SuperNode restarted) meanwhile: the
             log.warning("could not hand back the reply to message %s (its run stopped, or the SuperNode restarted): "
                         "%s", message.metadata.message_id if message is not None else "?", e)  # worker goes on
