@@ -60,9 +60,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_cpu(pids: list[int]) -> float:
+KINDS = (("fedllm.flower.superlink", "SuperLink"), ("runtime serverapps", "ServerApps"),
+         ("fedllm.flower.supernode", "SuperNodes"), ("runtime clientapps", "workers"),
+         ("fedllm flower", "fedllm supervisors"))
+"""Which process of a deployment a command line is (first match): the per-process CPU that --interleave prints."""
+
+
+def kind_of(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "other"
+    return next((name for mark, name in KINDS if mark in cmd), "other")
+
+
+def tree_cpu_by_kind(pids: list[int]) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the processes ``pids`` and every live descendant, with the
-    children each of them has already collected (a finished ServerApp is collected by its runner)."""
+    children each of them has already collected (a finished ServerApp is collected by its runner), by
+    :data:`KINDS`."""
     tick = os.sysconf("SC_CLK_TCK")
     kids: dict[int, list[int]] = {}
     stats: dict[int, list[str]] = {}
@@ -74,15 +89,22 @@ def tree_cpu(pids: list[int]) -> float:
         pid = int(stat.parent.name)
         stats[pid] = fields
         kids.setdefault(int(fields[1]), []).append(pid)
-    total, todo, seen = 0.0, list(pids), set()
+    total: dict[str, float] = {}
+    todo, seen = list(pids), set()
     while todo:
         pid = todo.pop()
         if pid in seen or pid not in stats:
             continue
         seen.add(pid)
-        total += sum(int(x) for x in stats[pid][11:15]) / tick  # utime stime cutime cstime
+        kind = kind_of(pid)
+        total[kind] = total.get(kind, 0.0) + sum(int(x) for x in stats[pid][11:15]) / tick  # u/s time, cu/cs time
         todo.extend(kids.get(pid, []))
     return total
+
+
+def tree_cpu(pids: list[int]) -> float:
+    """CPU seconds of ``pids`` and their descendants (:func:`tree_cpu_by_kind`, summed)."""
+    return sum(tree_cpu_by_kind(pids).values())
 
 
 def children_cpu() -> float:
@@ -100,10 +122,11 @@ def rounds_of(run_dir: Path) -> list[float]:
 
 
 def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path, env: dict, timeout: float,
-               repeats: int = 1, between=None, cpu: list[float] | None = None) -> list[Path]:
+               repeats: int = 1, between=None, cpu: list[float] | None = None,
+               cpu_kinds: list[dict[str, float]] | None = None) -> list[Path]:
     """Run ``recipe`` ``repeats`` times over one loopback SuperLink with one SuperNode per client (calling
     ``between(i)`` before run ``i``); return the run directories (and append each run's CPU seconds, of every
-    process of the deployment and of ``fedllm flower run``, to ``cpu``)."""
+    process of the deployment and of ``fedllm flower run``, to ``cpu``, and by process kind to ``cpu_kinds``)."""
     port = free_port()
     env = {**env, "FLWR_HOME": str(work / "flwr-home")}
     procs = []
@@ -132,11 +155,16 @@ def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path,
             if between is not None:
                 between(i)
             out = work / f"flower-run-{i}"
-            before = tree_cpu([p.pid for p in procs]) + children_cpu()
+            before, client_before = tree_cpu_by_kind([p.pid for p in procs]), children_cpu()
             fedllm(["flower", "run", str(recipe), *overrides, f"output_dir={out}", "--superlink",
                     f"127.0.0.1:{port}", "--insecure", "--timeout", str(timeout)], env, timeout, work / f"flower-run-{i}.log")
+            after = tree_cpu_by_kind([p.pid for p in procs])
+            spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            spent["fedllm flower run + flwr"] = children_cpu() - client_before
             if cpu is not None:
-                cpu.append(tree_cpu([p.pid for p in procs]) + children_cpu() - before)
+                cpu.append(sum(spent.values()))
+            if cpu_kinds is not None:
+                cpu_kinds.append(spent)
             outs.append(out)
         return outs
     finally:
@@ -184,6 +212,7 @@ def main() -> None:
     ap.add_argument("--no-flower", action="store_true", help="skip the Flower loopback run")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--interleave", type=int, default=0, help="N in-process runs alternating with N Flower runs")
+    ap.add_argument("--keep", help="with --interleave: keep the runs and the deployment's logs in this new directory")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides (with --interleave)")
     ap.add_argument("--gather-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -241,8 +270,12 @@ def interleave(args: argparse.Namespace) -> None:
     num_clients = load_recipe(recipe, overrides).federation.num_clients
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    with tempfile.TemporaryDirectory(prefix="fedllm-interleave-") as tmp:
-        work = Path(tmp)
+    from contextlib import nullcontext
+
+    if args.keep:
+        Path(args.keep).mkdir(parents=True)
+    with nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="fedllm-interleave-") as tmp:
+        work = Path(tmp).resolve()
         local: list[list[float]] = []
         local_cpu: list[float] = []
         flower_cpu: list[float] = []
@@ -254,8 +287,10 @@ def interleave(args: argparse.Namespace) -> None:
             local_cpu.append(children_cpu() - before)
             local.append(rounds_of(out))
 
+        kinds: list[dict[str, float]] = []
         flower = [rounds_of(d) for d in flower_run(recipe, overrides, num_clients, work, env, args.timeout,
-                                                   repeats=args.interleave, between=in_process, cpu=flower_cpu)]
+                                                   repeats=args.interleave, between=in_process, cpu=flower_cpu,
+                                                   cpu_kinds=kinds)]
     print(f"recipe {recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe} {' '.join(args.overrides)}, "
           f"{args.rounds} rounds, {num_clients} clients, {args.interleave} runs each, interleaved")
     for name, runs, cpus in (("in process", local, local_cpu), ("Flower+workers", flower, flower_cpu)):
@@ -269,6 +304,9 @@ def interleave(args: argparse.Namespace) -> None:
     cpu = {"in process": statistics.median(local_cpu), "Flower": statistics.median(flower_cpu[1:] or flower_cpu)}
     print(f"median CPU per run (Flower: runs after the first, whose workers build the model): in process "
           f"{cpu['in process']:.0f} s, Flower {cpu['Flower']:.0f} s, ratio {cpu['Flower'] / cpu['in process']:.2f}")
+    for i, spent in enumerate(kinds):
+        print(f"  Flower run {i} CPU by process: " + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(
+            spent.items(), key=lambda kv: -kv[1]) if v >= 0.05))
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

@@ -419,3 +419,32 @@ def test_a_connected_node_that_never_answers_is_reported_missing(monkeypatch):
     with pytest.raises(FederationIncomplete, match=r"3 SuperNode\(s\) connected, 2 of 3 clients served "
                                                    r"\(missing: \[2\]\)"):
         executor.discover(3)
+
+
+def test_flower_sync_folder_keeps_only_what_a_late_node_or_a_resume_still_needs(tiny_recipe, tmp_path, flower_identity,
+                                                                                 monkeypatch):
+    """FRLoRA's server keeps each round's aggregate for the nodes that missed it (``flower/sync``); at each checkpoint
+    it deletes those every node had applied by the checkpoint before (``prune_aggregates``). Over 4 rounds with 2 of 3
+    clients a round: after every checkpoint, the folder holds every round some client has not applied at the previous
+    checkpoint (what a late node or a resume from that checkpoint needs), and nothing older."""
+    fed = {"num_clients": 3, "clients_per_round": 2, "rounds": 4, "strategy": "frlora"}
+    recipe = parse_recipe({**tiny_recipe(federation=fed), "output_dir": str(tmp_path / "flower"),
+                           "checkpoint": {"every": 1}})
+    seen, original = [], FlowerExecutor.state
+
+    def state(self):
+        previous = dict(self.checkpointed)
+        out = original(self)
+        folder = self.adapter.sync_dir
+        kept = sorted(int(p.stem.split("-")[1]) for p in folder.glob("round-*.safetensors"))
+        seen.append((previous, kept, sum(p.stat().st_size for p in folder.iterdir())))
+        return out
+
+    monkeypatch.setattr(FlowerExecutor, "state", state)
+    run(recipe, executor=FlowerExecutor(LoopbackGrid(nodes(tmp_path, 3))))
+    assert len(seen) == 4
+    for t, (previous, kept, _) in enumerate(seen, start=1):  # the checkpoint after round t
+        oldest_needed = min(previous.values()) + 1 if len(previous) == 3 else 1
+        assert kept == list(range(oldest_needed, t + 1)), (t, previous, kept)
+    assert seen[-1][1] == [2, 3, 4]  # pruned: not every round's aggregate stays
+    print("sync folder after each checkpoint (rounds kept, bytes):", [(kept, size) for _, kept, size in seen])

@@ -102,9 +102,9 @@ def _certificates(root_certificates: str | None) -> bytes | None:
 
 def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[str], None],
                root_certificates: str | None = None, poll_s: float = 0.05,
-               idle: Callable[[], None] | None = None) -> None:
+               idle: Callable[[], None] | None = None, wait: Callable[[float], object] = time.sleep) -> None:
     """Claim ``task_type`` tasks from the Runtime API at ``address`` forever; ``handle(token)`` each one
-    (``idle()`` whenever there is none)."""
+    (``idle()`` whenever there is none, then ``wait(poll_s)``: a sleep, or a wait for a wake)."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
@@ -125,7 +125,7 @@ def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[st
         else:
             if idle is not None:
                 idle()
-            time.sleep(poll_s)
+            wait(poll_s)
 
 
 # ----- the SuperLink side
@@ -258,23 +258,94 @@ def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, p
 
     ``journal``: where the message being answered is kept until its reply is pushed; a worker that starts and
     finds one (its predecessor was killed mid-message) answers that message first, under the same task token.
+    While idle the worker waits for its SuperNode's wake (:mod:`fedllm.flower.wake`), claiming every
+    :data:`~fedllm.flower.wake.FALLBACK_S` regardless; where it cannot listen, it claims every ``poll_s``.
     """
     from flwr.supercore.constant import TaskType
 
+    from fedllm.flower import wake
     from fedllm.flower.worker_cache import NodeCache
 
+    from fedllm.models import kept_bases
+
+    kept_bases.keep()  # a later run of the same model copies its base from memory instead of loading it again
     cache = NodeCache(warm_runs)
     if journal is not None and journal.is_file():
-        token, pulled = read_journal(journal)
-        log.warning("answering message %s, interrupted when the previous worker stopped",
-                    pulled[0].metadata.message_id)
-        try:
-            run_client_task(address, token, cache, journal, pulled)
-        except Exception as e:  # noqa: BLE001 — e.g. the task expired meanwhile: Flower reports the crash
-            log.error("could not answer the interrupted message: %s", e)
-            journal.unlink(missing_ok=True)
+        replay_journal(address, cache, journal)
+    wakeup = wake.Wakeup(secret)
     claim_loop(address, secret, TaskType.CLIENT_APP, lambda token: run_client_task(address, token, cache, journal),
-               poll_s=poll_s)
+               poll_s=poll_s if wakeup.sock is None else wake.FALLBACK_S, idle=import_ahead, wait=wakeup.wait)
+
+
+WORKER_IMPORTS = ("fedllm.engine.server", "fedllm.engine.client", "fedllm.runs.checkpoint", "fedllm.flower.records",
+                  "fedllm.flower.node")
+"""What the worker's first federation build imports (torch, transformers and peft among them, ~10 CPU-seconds):
+imported the first time the worker finds no task, so that a run's first round does not wait for them."""
+
+
+def import_ahead() -> None:
+    """Import :data:`WORKER_IMPORTS` (once: later calls find them imported)."""
+    import importlib
+
+    for name in WORKER_IMPORTS:
+        if name not in sys.modules:
+            importlib.import_module(name)
+
+
+def task_alive(address: str, token: str, wait_s: float = 10.0) -> bool:
+    """Whether the SuperNode at ``address`` still holds task ``token``: a task heartbeat under it succeeds. A
+    SuperNode not answering yet (starting beside this worker) is asked again for up to ``wait_s``."""
+    import httpx
+    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest  # pylint: disable=E0611
+    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    client = RuntimeHttpClient.from_server_address(
+        server_address=address, insecure=True, root_certificates=None,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                      RuntimeTokenHttpInterceptor(token)])
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                return bool(client.SendTaskHeartbeat(SendTaskHeartbeatRequest()).success)
+            except httpx.HTTPStatusError as e:  # 401/403: a token this SuperNode does not know (any more)
+                if e.response.status_code not in (503, 504) or time.monotonic() > deadline:
+                    return False
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    return False
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
+def replay_journal(address: str, cache, journal: Path) -> bool:
+    """Answer the message a killed worker left in ``journal`` under its task's token, if the SuperNode still holds that
+    task; otherwise discard the journal, saying why (True: answered). The SuperNode forgets its tasks when it restarts
+    (its state is in memory) and a task expires 60 s after its last heartbeat: answering then would train for nothing
+    and be refused (401); Flower reports the message as failed, and the server drops this client from that round."""
+    try:
+        token, pulled = read_journal(journal)
+    except Exception as e:  # noqa: BLE001 — a journal that cannot be read cannot be answered either
+        log.warning("discarding %s: unreadable (%s)", journal, e)
+        journal.unlink(missing_ok=True)
+        return False
+    message_id = pulled[0].metadata.message_id
+    if not task_alive(address, token):
+        log.warning("discarding the interrupted message %s: the SuperNode no longer holds its task (the SuperNode "
+                    "restarted, or the task expired 60 s after its last heartbeat); the server drops this client from "
+                    "that round", message_id)
+        journal.unlink(missing_ok=True)
+        return False
+    log.warning("answering message %s, interrupted when the previous worker stopped", message_id)
+    try:
+        run_client_task(address, token, cache, journal, pulled)
+    except Exception as e:  # noqa: BLE001 — e.g. the task expired meanwhile: Flower reports the crash
+        log.error("could not answer the interrupted message: %s", e)
+        journal.unlink(missing_ok=True)
+        return False
+    return True
 
 
 def write_journal(path: Path, token: str, message, context) -> None:
@@ -363,6 +434,7 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
     heartbeat.start()
     message, context, reply = None, None, None
     status, details = SubStatus.FAILED, "ClientApp task failed"
+    phases = [time.monotonic()]  # claimed, pulled, answered, handed back: the worker's log line per message
     try:
         if pulled is not None:
             message, context = pulled
@@ -370,6 +442,7 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
         else:
             message, context, _run, fab = pull_task_input(client)
             refusal = fab_refusal(fab.content)
+        phases.append(time.monotonic())
         if refusal:
             log.error("%s", refusal)
             reply = Message(Error(code=ErrorCode.LOAD_CLIENT_APP_EXCEPTION, reason=refusal), reply_to=message)
@@ -377,9 +450,11 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
         else:
             if journal is not None and pulled is None:
                 write_journal(journal, token, message, context)
+            share_cores()
             with cache.serving():
                 reply = client_app.app(message=message, context=context)
             status, details = SubStatus.COMPLETED, ""
+            phases.append(time.monotonic())
     except Exception as e:  # noqa: BLE001 — the server sees the error reply and drops this client for the round
         log.exception("fedllm ClientApp raised")
         reason = f"{type(e)}:<'{e}'>"
@@ -391,6 +466,10 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
             if reply is not None and context is not None:
                 push_message(client, reply, context)
             push_task_output(client=client, context=context, sub_status=status, details=details)
+            if len(phases) == 3:
+                log.info("fedllm worker: %s message: received in %.2f s, answered in %.2f s, handed back in %.2f s",
+                         message.metadata.message_type, phases[1] - phases[0], phases[2] - phases[1],
+                         time.monotonic() - phases[2])
         except Exception as e:  # noqa: BLE001 — the run was stopped (or the SuperNode restarted) meanwhile: the
             log.warning("could not hand back the reply to message %s (its run stopped, or the SuperNode restarted): "
                         "%s", message.metadata.message_id if message is not None else "?", e)  # worker goes on
@@ -400,6 +479,27 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
             heartbeat.stop()
             client.close()
             cache.build_prepared()  # a run the server's query just announced: built now, before its first message
+
+
+def share_cores() -> None:
+    """With fedllm's automatic thread count, share the usable cores among the node workers of this machine
+    (:func:`fedllm.flower.wake.local_workers`), as ``fedllm train`` shares them among the processes of a torchrun
+    launch: two workers training at once with every core each oversubscribe the cores, and each one's OpenMP
+    threads then wait at every barrier for a thread the other process holds off the core (measured: 25 % of the
+    wall time computing). A thread count the user chose (``FEDLLM_THREADS``, ``OMP_NUM_THREADS``,
+    ``train.threads``) is kept."""
+    from fedllm.common import threads
+    from fedllm.flower import wake
+
+    policy = threads.chosen()
+    if policy is None or policy.source != "auto" or "torch" not in sys.modules:
+        return
+    torch = sys.modules["torch"]
+    wanted = max(1, policy.threads // wake.local_workers())
+    if torch.get_num_threads() != wanted:
+        log.info("fedllm worker: CPU threads %d (%d usable cores shared by the %d node workers on this machine)",
+                 wanted, policy.threads, wake.local_workers())
+        torch.set_num_threads(wanted)
 
 
 def configure_logging() -> None:

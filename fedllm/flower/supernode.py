@@ -1,20 +1,45 @@
-"""Flower's SuperNode as ``fedllm flower supernode`` runs it: objects pulled without Flower's 1 s backoff.
+"""Flower's SuperNode as ``fedllm flower supernode`` runs it: without Flower's fixed waits between messages.
 
-A SuperNode learns of a message before all of its objects (5 MiB chunks of its tensors) have reached the
-SuperLink, and Flower pulls an object that is not there yet again after 1 s, then 2, 4 and up to 10 s
-(``flwr.supercore.constant.PULL_INITIAL_BACKOFF`` and ``PULL_BACKOFF_CAP``, defaults of ``pull_objects``, no option
-and no environment variable): a message of a few chunks waits seconds for bytes that arrive in milliseconds.
-``python -m fedllm.flower.supernode ARGS`` runs ``flower-supernode ARGS`` with the SuperNode's pulls asking again
-after 50 ms, doubling up to 0.5 s (:func:`quick_object_pulls`); nothing else of Flower changes.
+``python -m fedllm.flower.supernode ARGS`` runs ``flower-supernode ARGS`` (Flower 1.42, unchanged on disk) with
+three of its waits shortened, each inside the SuperNode process only:
+
+- **object pulls** (:func:`quick_object_pulls`): a SuperNode learns of a message before all of its objects (5 MiB
+  chunks of its tensors) have reached the SuperLink, and Flower pulls an object that is not there yet again after
+  1 s, then 2, 4 and up to 10 s (``flwr.supercore.constant.PULL_INITIAL_BACKOFF`` and ``PULL_BACKOFF_CAP``, defaults
+  of ``pull_objects``): here after 50 ms, doubling up to 0.5 s.
+- **the idle poll** (:class:`QuickWaits`): when the SuperLink has no message for it, Flower's SuperNode asks again
+  after a fixed 3 s (``flwr/supernode/start_client_internal.py``, ``start_client_internal``, line 263:
+  ``time.sleep(3)``), so every message waited 1.5 s on average before a node saw it. Here it asks again after
+  :data:`IDLE_FIRST_S`, doubling up to :data:`IDLE_CAP_S` while nothing comes, and quickly again after each message.
+- **the reply wait** (:class:`QuickWaits`): while its ClientApp (fedllm's worker) answers, the SuperNode looks for
+  the reply every 0.5 s (``_push_messages``, lines 470 and 506: ``time.sleep(0.5)``), a look in its own memory:
+  here every :data:`REPLY_POLL_S`.
+
+Neither wait is an option or an environment variable of Flower's: the module's ``time`` is replaced by
+:class:`QuickWaits`, which passes every other use through. And once a message is stored (its task created), the
+SuperNode wakes its node worker (:mod:`fedllm.flower.wake`) instead of letting it poll.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from types import ModuleType
 
 INITIAL_BACKOFF_S = 0.05
 BACKOFF_CAP_S = 0.5
+
+FLOWER_IDLE_POLL_S = 3
+"""Flower's fixed wait after a pull that found no message (``start_client_internal.py:263``)."""
+FLOWER_REPLY_POLL_S = 0.5
+"""Flower's fixed wait between looks for the ClientApp's reply (``start_client_internal.py:470, 506``)."""
+IDLE_FIRST_S = 0.1
+"""The first wait after a pull that found nothing (after a message, the next one of a round often follows)."""
+IDLE_CAP_S = 0.5
+"""The longest wait between idle pulls: a message waits 0.25 s on average before its node sees it (Flower: 1.5 s),
+for two small requests a second per idle node instead of one every 3 s."""
+REPLY_POLL_S = 0.02
+"""Between looks for the reply: a look in the SuperNode's memory, no request."""
 
 
 def quick_object_pulls(module: ModuleType) -> None:
@@ -28,13 +53,75 @@ def quick_object_pulls(module: ModuleType) -> None:
                                             backoff_cap=BACKOFF_CAP_S)
 
 
+class QuickWaits:
+    """The ``time`` module as Flower's ``start_client_internal`` sees it: its 3 s idle wait and 0.5 s reply waits
+    shortened (module docstring); any other sleep and every other attribute are :mod:`time`'s own."""
+
+    def __init__(self) -> None:
+        self.idle_s = IDLE_FIRST_S
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def sleep(self, seconds: float) -> None:
+        if seconds == FLOWER_IDLE_POLL_S:
+            time.sleep(self.idle_s)
+            self.idle_s = min(2 * self.idle_s, IDLE_CAP_S)
+        elif seconds == FLOWER_REPLY_POLL_S:
+            time.sleep(REPLY_POLL_S)
+        else:
+            time.sleep(seconds)
+
+    def message_came(self) -> None:
+        """A message arrived: the next idle pulls start quick again."""
+        self.idle_s = IDLE_FIRST_S
+
+
+def worker_secret(argv: list[str]) -> bytes | None:
+    """The node worker's secret (``--superexec-auth-secret-file``'s content), None without a worker."""
+    from pathlib import Path
+
+    for i, arg in enumerate(argv):
+        path = arg.split("=", 1)[1] if arg.startswith("--superexec-auth-secret-file=") else (
+            argv[i + 1] if arg == "--superexec-auth-secret-file" and i + 1 < len(argv) else None)
+        if path:
+            try:
+                return Path(path).read_bytes()
+            except OSError:
+                return None
+    return None
+
+
+def quick_supernode(module: ModuleType, secret: bytes | None) -> QuickWaits:
+    """Shorten Flower's waits in ``module`` (``flwr.supernode.start_client_internal``) and wake the worker holding
+    ``secret`` whenever a message has been stored."""
+    from fedllm.flower import wake
+
+    quick_object_pulls(module)
+    waits = QuickWaits()
+    module.time = waits
+    pull_and_store = module._pull_and_store_message
+
+    def pull_and_store_then_wake(*args, **kwargs):
+        run_id = pull_and_store(*args, **kwargs)
+        if run_id is not None:
+            waits.message_came()
+            if secret is not None:
+                wake.notify(secret)
+        return run_id
+
+    module._pull_and_store_message = pull_and_store_then_wake
+    return waits
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``flower-supernode`` with :func:`quick_object_pulls` (``argv``: its arguments)."""
+    """``flower-supernode`` with :func:`quick_supernode` (``argv``: its arguments)."""
     from flwr.supernode import start_client_internal
     from flwr.supernode.cli import flower_supernode
 
-    quick_object_pulls(start_client_internal)
-    sys.argv = ["flower-supernode", *(sys.argv[1:] if argv is None else argv)]
+    args = sys.argv[1:] if argv is None else argv
+    quick_supernode(start_client_internal, worker_secret(args))
+    sys.argv = ["flower-supernode", *args]
     sys.exit(flower_supernode())
 
 

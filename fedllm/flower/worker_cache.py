@@ -77,12 +77,15 @@ class NodeCache:
 
     def _build(self, key: tuple, config: Any, recipe_yaml: str, token: str, ahead: bool) -> Any:
         from fedllm.flower.node import Node
+        from fedllm.models import kept_bases
 
+        copies = kept_bases.hits
         node = Node(config, recipe_yaml, token)
         self.nodes[key] = (node, _snapshot(node))
         self.built += 1
-        logging.getLogger("fedllm").info("fedllm worker: built the federation of run %s for client %d%s", token,
-                                         config.client_id, " (ahead of its first message)" if ahead else "")
+        logging.getLogger("fedllm").info("fedllm worker: built the federation of run %s for client %d%s%s", token,
+                                         config.client_id, " (ahead of its first message)" if ahead else "",
+                                         ", the base copied from memory" if kept_bases.hits > copies else "")
         while len(self.nodes) > self.size:
             self.nodes.popitem(last=False)
         return node

@@ -23,7 +23,7 @@ from peft import PeftModel, get_peft_model
 from fedllm.common import logs
 from fedllm.common.errors import did_you_mean
 from fedllm.common.registry import model_presets, register_model_preset
-from fedllm.models import gguf_cache, hub
+from fedllm.models import gguf_cache, hub, kept_bases
 from fedllm.models.chunked_weights import GEMMA3_270M_Q4_K_M, ChunkedFile, ChunkError
 from fedllm.models.info import (
     ATTENTION_TARGETS,
@@ -257,8 +257,11 @@ def load_base_model(cfg: ModelConfig, tokenizer: Any, num_labels: int = 2, seed:
         cfg = dataclasses.replace(cfg, device_map=f"cuda:{os.environ.get('LOCAL_RANK', '0')}")
     if cfg.dtype == "auto":  # follows train.dtype, resolved by a run (fedllm.models.hardware); alone here: fp32
         cfg = dataclasses.replace(cfg, dtype="fp32")
-    source = _source(cfg)
     torch.manual_seed(seed)  # random heads / tiny models are reproducible
+    kept = kept_bases.lookup(cfg, num_labels, seed)  # a node worker's copy of the base it loaded for an earlier run
+    if kept is not None:
+        return kept
+    source = _source(cfg)
     model = source.model(cfg, cfg.num_labels or num_labels, tokenizer)
     if cfg.device_map is not None and getattr(model, "hf_device_map", None) is None:  # a preset built here
         model = place(model, cfg.device_map)
@@ -266,6 +269,7 @@ def load_base_model(cfg: ModelConfig, tokenizer: Any, num_labels: int = 2, seed:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    kept_bases.remember(cfg, num_labels, seed, model)
     return model
 
 
