@@ -15,7 +15,9 @@ register or unregister any node. ``python -m fedllm.flower.superlink ARGS`` runs
   peer look local: do not put one in front);
 - the process umask 077: the SuperLink database (``--database FILE`` with its ``-wal`` and ``-shm``, holding node
   keys, run configs, logs and live task tokens) and every other file it creates are readable by its owner only,
-  from their creation.
+  from their creation;
+- a running task (the ServerApp's) kept through 3 minutes without a heartbeat, not 60 s
+  (:mod:`fedllm.flower.task_patience`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from fedllm.flower.task_patience import tolerate_stalls
 
 PUBLIC_PATHS = ("/v1/fleet/", "/health")
 """Path prefixes any peer may reach: the Fleet API (SuperNodes) and the health check."""
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     for internal in ("FLWR_INTERNAL_GRPC_CONTROL_API", "FLWR_INTERNAL_GRPC_FLEET_API"):  # gRPC servers: unguarded
         os.environ.pop(internal, None)
     install_guard()
+    tolerate_stalls()
     from flwr.superlink.cli import flower_superlink
 
     sys.argv = ["flower-superlink", *(sys.argv[1:] if argv is None else argv)]

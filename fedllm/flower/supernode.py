@@ -17,7 +17,8 @@ three of its waits shortened, each inside the SuperNode process only:
 
 Neither wait is an option or an environment variable of Flower's: the module's ``time`` is replaced by
 :class:`QuickWaits`, which passes every other use through. And once a message is stored (its task created), the
-SuperNode wakes its node worker (:mod:`fedllm.flower.wake`) instead of letting it poll.
+SuperNode wakes its node worker (:mod:`fedllm.flower.wake`) instead of letting it poll. Its worker's task stays
+alive through 3 minutes without a heartbeat, not 60 s (:mod:`fedllm.flower.task_patience`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import sys
 import time
 from types import ModuleType
+
+from fedllm.flower.task_patience import tolerate_stalls
 
 INITIAL_BACKOFF_S = 0.05
 BACKOFF_CAP_S = 0.5
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else argv
     quick_supernode(start_client_internal, worker_secret(args))
+    tolerate_stalls()
     sys.argv = ["flower-supernode", *args]
     sys.exit(flower_supernode())
 
