@@ -77,7 +77,12 @@ def instruction_encoder(tokenizer: Any, data_cfg: DataConfig, max_length: int, l
     """Encoder of instruction records (Alpaca-style prompt, loss on ``output`` + EOS only).
 
     The prompt and the response are tokenized separately and concatenated, so
-    the boundary between them is exact.
+    the boundary between them is exact; except after a prompt that ends in a
+    space (the ``openfedllm`` and ``flowertune_*`` templates' ``"### Response: "``),
+    where the whole text is tokenized as OpenFedLLM's and FlowerTune's trainers
+    (trl) tokenize it, and the tokens that hold answer characters are the
+    response (:func:`joint_prompt_response`): the space then joins the first
+    answer word (``:`` ``ĠTom``, not ``:`` ``Ġ`` ``Tom``).
 
     Args:
         tokenizer: A Hugging Face tokenizer.
@@ -96,8 +101,12 @@ def instruction_encoder(tokenizer: Any, data_cfg: DataConfig, max_length: int, l
         raise DataError(f"max_length {max_length} leaves no room for a response token")
 
     def encode(record: dict) -> Optional[dict]:
-        prompt = text_ids(tokenizer, format_prompt(record, data_cfg))
-        response = text_ids(tokenizer, format_response(record, data_cfg)) + eos
+        prompt_text, response_text = format_prompt(record, data_cfg), format_response(record, data_cfg)
+        if prompt_text.endswith(" ") and response_text and getattr(tokenizer, "is_fast", False):
+            prompt, response = joint_prompt_response(tokenizer, prompt_text, response_text)
+        else:
+            prompt, response = text_ids(tokenizer, prompt_text), text_ids(tokenizer, response_text)
+        response = response + eos
         prompt, response = fit_prompt_response(prompt, response, budget)
         if not response:
             return None
@@ -107,6 +116,16 @@ def instruction_encoder(tokenizer: Any, data_cfg: DataConfig, max_length: int, l
         }
 
     return encode
+
+
+def joint_prompt_response(tokenizer: Any, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    """``(prompt ids, response ids)`` of ``prompt + response`` tokenized as one text (no special tokens): the
+    response is every token from the first one that ends after the prompt's last character (a token holding the
+    prompt's trailing space and the answer's first letters is the answer's)."""
+    enc = tokenizer(prompt + response, add_special_tokens=False, return_offsets_mapping=True)
+    ids, ends = list(enc["input_ids"]), [end for _, end in enc["offset_mapping"]]
+    cut = next((i for i, end in enumerate(ends) if end > len(prompt)), len(ids))
+    return ids[:cut], ids[cut:]
 
 
 def resolve_label_names(records: list[dict], data_cfg: DataConfig) -> list[str]:

@@ -65,6 +65,30 @@ def test_instruction_loss_mask(fixture, request):
     assert tok.decode(ex["input_ids"], skip_special_tokens=True) == format_prompt(rec, cfg) + rec["output"]
 
 
+@pytest.mark.parametrize("template", ["openfedllm", "flowertune"])
+def test_instruction_after_a_trailing_space_tokenizes_the_whole_text(template):
+    """A prompt ending in "### Response: " (OpenFedLLM's, FlowerTune's): the ids are the tokenizer's of the whole
+    text, as their trl trainers make them (the space joins the answer's first word), and the loss is on the
+    tokens that hold answer characters."""
+    from transformers import AutoTokenizer
+
+    from fedllm.models.loading import TINY_TOKENIZER_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR))  # byte-level BPE with "Ġon" (SmolLM2's kind)
+    cfg = DataConfig(path="x", template=template)
+    rec = {"instruction": "Where did the cat sit?", "output": "on the mat."}
+    ex = make_encoder(tokenizer, cfg, 512)(rec)
+    prompt = format_prompt(rec, cfg)
+    assert prompt.endswith("### Response: ")
+    whole = text_ids(tokenizer, prompt + rec["output"])
+    bos = [tokenizer.bos_token_id] if tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id else []
+    assert ex["input_ids"] == bos + whole + [tokenizer.eos_token_id]
+    assert whole != text_ids(tokenizer, prompt) + text_ids(tokenizer, rec["output"])  # separately: a lone space token
+    supervised = [t for t, label in zip(ex["input_ids"], ex["labels"], strict=True) if label != IGNORE_INDEX]
+    assert tokenizer.decode(supervised) == " on the mat." + tokenizer.eos_token
+    assert tokenizer.decode(ex["input_ids"][len(bos): len(ex["input_ids"]) - len(supervised)]) == prompt[:-1]
+
+
 def test_instruction_truncation_keeps_response(tokenizer):
     cfg = DataConfig(path="x")
     rec = {"instruction": "the cat sat on the mat. " * 30, "output": "the dog is good."}
