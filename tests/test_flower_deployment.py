@@ -115,7 +115,7 @@ def test_flower_deployment_with_workers_matches_the_simulation(runs, deployment,
         # (the query announces a run: built then, not at the node's first train message; FRLoRA samples one
         # client a round, so the other node's first message comes a round later)
         assert len(CASES) <= len(built) <= len(CASES) + 2 and len(set(built)) == len(built), built
-        assert all(line.endswith("(ahead of its first message)") for line in lines), lines
+        assert all("(ahead of its first message)" in line for line in lines), lines  # a later run adds ", the base copied from memory"
 
 
 @pytest.mark.slow
