@@ -131,10 +131,10 @@ def started(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa
         launch.items["intruder"] = intruder
         wait_until(lambda: logged(where / "intruder.log", "SuperNode ID"), 120, "intruder joined",
                    where / "intruder.log")
-        # 40 local steps: a message takes node 1's worker ~1 s to answer (6 took 0.1 s, plus 0.2 s to hand back,
+        # 200 local steps: a message takes node 1's worker ~2 s to answer (6 took 0.1 s, plus 0.2 s to hand back,
         # since the worker is woken at once and polls no more: the test then missed every message at load 6)
         raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 3, "rounds": 3, "strategy": "scaffold"},
-                          train={"local_steps": 40, "batch_size": 4, "lr": 1e-2, "max_length": 64})
+                          train={"local_steps": 200, "batch_size": 4, "lr": 1e-2, "max_length": 64})
         launch.items["disrupted"] = deployment.submit("disrupted", raw, where)
     return launch.items
 
