@@ -217,9 +217,11 @@ def counted_flops(model: Any, batch: dict[str, torch.Tensor], train_cfg: Any) ->
 class TimedExecutor(LocalExecutor):
     """fedllm's in-process executor, timing each round's client training and recording its micro-batches."""
 
-    def __init__(self, synchronize: Callable[[], None]):
+    def __init__(self, synchronize: Callable[[], None], profile_round: Optional[int] = None,
+                 profile_path: Optional[Path] = None):
         super().__init__()
         self.synchronize = synchronize
+        self.profile_round, self.profile_path = profile_round, profile_path
         self.rounds: list[dict[str, Any]] = []
         self.batches: list[tuple[int, int, int, int]] = []  # (batch, length, real tokens, supervised positions)
         self.first_batch: Optional[dict[str, torch.Tensor]] = None
@@ -241,11 +243,51 @@ class TimedExecutor(LocalExecutor):
         if not getattr(loop.collate, "recording", False):
             loop.collate = self._recording(loop.collate)
         start = len(self.batches)
+        if rnd == self.profile_round and self.profile_path is not None:
+            return self._profiled(loop, rnd, sampled, lr, bar)
         self.synchronize()
         t0 = time.perf_counter()
         out = super().train(loop, rnd, sampled, lr, bar)
         self.synchronize()
         self.rounds.append({"round": rnd, "seconds": time.perf_counter() - t0, "batches": self.batches[start:]})
+        return out
+
+
+    def _profiled(self, loop: Any, rnd: int, sampled: list[int], lr: float, bar: Any):
+        """This round under torch.profiler (host ops, kernels) and cProfile (Python): its two summaries, written
+        to ``profile_path``; the round is still timed (the profilers' own cost included, so read its speed apart)."""
+        import cProfile
+        import io
+        import pstats
+
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        python = cProfile.Profile()
+        start = len(self.batches)
+        self.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            python.enable()
+            out = super().train(loop, rnd, sampled, lr, bar)
+            python.disable()
+            self.synchronize()
+        seconds = time.perf_counter() - t0
+        self.rounds.append({"round": rnd, "seconds": seconds, "batches": self.batches[start:], "profiled": True})
+        events = prof.key_averages()
+        kernels = sum(e.count for e in events if getattr(e, "device_type", None) is not None
+                      and "CUDA" in str(e.device_type))
+        text = io.StringIO()
+        stats = pstats.Stats(python, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(60)
+        self.profile_path.write_text(
+            f"round {rnd}: {len(self.batches) - start} micro-batches in {seconds:.3f} s under both profilers; "
+            f"device-side events: {kernels}\n\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60) + "\n\n"
+            + (events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60) + "\n\n"
+               if torch.cuda.is_available() else "")
+            + text.getvalue())
         return out
 
 
@@ -282,7 +324,8 @@ def memory_estimate(recipe: Any) -> Optional[int]:
 
 
 def run_one(key: str, model_dir: Path, data: Path, out: Path, strategy: str, config: str, device: str,
-            w: dict[str, int], shapes: Shapes, check_flops: bool = False) -> dict[str, Any]:
+            w: dict[str, int], shapes: Shapes, check_flops: bool = False,
+            profile_path: Optional[Path] = None) -> dict[str, Any]:
     """One federated run through ``fedllm.engine.server.run`` with :class:`TimedExecutor`; its figures."""
     from fedllm.engine.server import run
 
@@ -303,7 +346,8 @@ def run_one(key: str, model_dir: Path, data: Path, out: Path, strategy: str, con
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base_allocated = torch.cuda.memory_allocated()
-    executor = TimedExecutor(torch.cuda.synchronize if cuda else (lambda: None))
+    executor = TimedExecutor(torch.cuda.synchronize if cuda else (lambda: None),
+                             profile_round=w["rounds"] if profile_path else None, profile_path=profile_path)
     t0 = time.perf_counter()
     result = run(recipe, progress=False, executor=executor)
     row["wall_seconds"] = round(time.perf_counter() - t0, 2)
@@ -408,6 +452,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--save-ref", default=None, help="write this run's losses as the CPU reference JSON")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--budget-s", type=float, default=330.0, help="start no further run after this many seconds")
+    p.add_argument("--profile", default=None, help="profile the last round of the first run (torch.profiler and "
+                                                   "cProfile summaries to this file) and stop after that run")
     p.add_argument("--work-dir", default=None, help="where models, data and run directories go (default: a temp dir)")
     args = p.parse_args(argv)
     if args.device is None:
@@ -498,7 +544,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                       f"{time.perf_counter() - t0:.1f} s; fingerprint {prints}")
             where, prints, shapes = built[key]
             row = run_one(key, where, data_big if big else data, work / f"run-{i}", strategy, config, args.device, w,
-                          shapes, check_flops=args.dry)
+                          shapes, check_flops=args.dry,
+                          profile_path=Path(args.profile) if args.profile and not rows else None)
             row["fingerprint"] = prints
             ref_prints = ref.get("fingerprints", {}).get(key)
             if ref_prints is not None:
@@ -511,6 +558,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         brief = {k: row.get(k) for k in ("model", "config", "strategy", "losses", "tokens_per_s", "mfu_spec",
                                           "peak_allocated", "memory_estimate", "wall_seconds", "error")}
         print("gpu_check: run", json.dumps(brief), flush=True)
+        if args.profile:
+            print(f"gpu_check: profile of {key} {config} {strategy}'s last round in {args.profile}")
+            break
 
     print()
     print_table(rows)
