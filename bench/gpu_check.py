@@ -349,7 +349,7 @@ def run_one(key: str, model_dir: Path, data: Path, out: Path, strategy: str, con
     executor = TimedExecutor(torch.cuda.synchronize if cuda else (lambda: None),
                              profile_round=w["rounds"] if profile_path else None, profile_path=profile_path)
     t0 = time.perf_counter()
-    result = run(recipe, progress=False, executor=executor)
+    result = run(recipe, overwrite=True, progress=False, executor=executor)  # a --work-dir used before
     row["wall_seconds"] = round(time.perf_counter() - t0, 2)
     if cuda:
         row["peak_allocated"] = torch.cuda.max_memory_allocated() - base_allocated
