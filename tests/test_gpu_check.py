@@ -43,3 +43,42 @@ def test_dry_run_trains_measures_mfu_and_compares_with_its_reference(gpu_check, 
     assert set(saved["runs"]) == {"smollm2-135m/fedavg/b2x48", "smollm2-135m/frlora/b2x48"}
     again = gpu_check.summarise(dict(rows[0]), {}, saved)  # a run beside its own reference: no difference
     assert again["cpu_losses"] == rows[0]["losses"] and again["max_abs_loss_diff"] == 0
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_writes_the_last_rounds_host_ops_and_python_calls_and_stops(gpu_check, tmp_path, capsys):
+    profile = tmp_path / "profile.txt"
+    assert gpu_check.main(["--dry", "--models", "smollm2-135m", "--configs", "fp32", "--profile", str(profile),
+                           "--work-dir", str(tmp_path / "work")]) == 0
+    text = profile.read_text()
+    assert text.startswith("round 2: 2 micro-batches in ")  # the last round, 2 clients x 1 step
+    assert "aten::mm" in text and "Self CPU" in text  # torch.profiler's table
+    assert "fedllm/engine/client.py" in text and "train_client" in text  # cProfile's, with fedllm's own calls
+    assert capsys.readouterr().out.count("gpu_check: run ") == 1  # only the profiled run (fedavg), then it stops
+
+
+def test_gpu_packing_on_a_cpu_finds_packed_losses_equal_to_padded_ones():
+    rows = _bench("gpu_packing").equality("cpu", ["llama"], ["sdpa", "eager"])
+    assert len(rows) == 8  # fp32 and bf16, sdpa and eager, one row and rows of 128
+    for r in rows:
+        if r["dtype"] == "fp32":
+            assert r["max_loss_diff"] <= 1e-5 and r["max_grad_rel_diff"] <= 1e-5
+        elif r["attention"] == "eager":  # bf16: the same kernels on the same positions
+            assert r["max_loss_diff"] == 0
+
+
+def test_gpu_step_times_each_variant_on_a_cpu(tmp_path):
+    out = tmp_path / "step.json"
+    assert _bench("gpu_step").main(["--device", "cpu", "--tiny", "--models", "smollm2-135m", "--shapes", "2x16",
+                                    "--variants", "eager,fused-adamw", "--steps", "1", "--trials", "1",
+                                    "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["eager", "fused-adamw"]
+    assert all(r["seconds_per_step"] > 0 and math.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["loss"] == rows[1]["loss"]  # on a CPU both are foreach AdamW: the same step
