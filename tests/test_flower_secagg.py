@@ -79,7 +79,7 @@ def test_secagg_on_flower_equals_the_simulation_bit_for_bit(case, tiny_recipe, t
     for s, f in zip(sim.history, flower.history, strict=True):
         assert s["secure_aggregation"]["masked_bytes_per_client"] == f["secure_aggregation"]["masked_bytes_per_client"]
         assert f["secure_aggregation"]["dropped_after_sharing"] == [] and "dropped" not in f
-    assert grid.sent.count("query.secagg") == 3 * CLIENTS * 2  # advertise, share, unmask; 2 rounds
+    assert grid.sent.count("query.secagg") == 4 * CLIENTS * 2  # advertise, share, check, unmask; 2 rounds
     # every train reply carried masked words only (never the client's update)
     for reply in grid.replies:
         if "update" in reply.content.array_records:

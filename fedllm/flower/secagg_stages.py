@@ -11,8 +11,17 @@ Per round (Bell et al., CCS 2020, Fig. 4; the same code as in simulation, :mod:`
    refused) and answers its encrypted shares.
 3. ``train`` with a ``secagg`` record: the shares routed to the node; it trains as always and answers only its
    masked, quantised change (``secagg/masked``) instead of its update.
-4. ``query.secagg`` ``unmask`` → the nodes whose masked input arrived: who survived and who dropped; each answers its
-   shares (of seeds for survivors, of masking keys for the dropped) and forgets the round's secrets.
+4. ``query.secagg`` ``check`` → the nodes whose masked input arrived: the survivor list ``U3`` (and who dropped);
+   each node signs the round's context and ``U3`` with its node key — one list per round (Bonawitz et al., CCS 2017,
+   §4, ConsistencyCheck).
+5. ``query.secagg`` ``unmask`` → the nodes that signed: every survivor's signature; each node verifies them against
+   its copy of the registered node keys, and only when a quorum (:meth:`SecAggParams.quorum`) signed the very list it
+   signed does it answer its shares (of seeds for survivors, of masking keys for the others) and forget the round's
+   secrets. A server that tells some nodes that a client dropped and others that it survived gets no quorum.
+
+Every ``query.secagg`` message and answer carries the protocol's version (:data:`PROTOCOL_VERSION`): a node or a
+ServerApp of another version refuses the round with a message saying so (the other side answers an error at once,
+never a hang).
 
 The server's steps (:class:`fedllm.engine.secure_rounds.SecureRoundServer`) unmask the sum; the round loop hands
 the strategy the round's mean upload (``aggregate_mean``), as in simulation, so a Flower run equals the one-process
@@ -40,6 +49,7 @@ from fedllm.privacy.secagg import (
     SecAggError,
     SecAggParams,
     ShareReveal,
+    SurvivorSignature,
     UnmaskRequest,
     identity,
 )
@@ -50,6 +60,9 @@ log = logging.getLogger("fedllm")
 RECORD = "secagg"
 """Name of the ConfigRecord that carries a stage's fields (and the shares of a ``train`` message)."""
 MESSAGE_TYPE = "query.secagg"
+PROTOCOL_VERSION = 2
+"""Version of the stages' wire format: 2 added the consistency check (``check`` and signed survivor lists); 1 (no
+``version`` field) had none."""
 NODE_KEY, PEER_KEYS = "node-key", "peer-keys"
 """``--node-config`` entries: this node's private key (it signs its SecAgg+ keys) and the directory of every client's
 registered node public key (``client-K.pub``: the signatures of its neighbours' keys are checked against them)."""
@@ -77,12 +90,29 @@ def _open_round(token: str, cid: int, rnd: int, context: bytes) -> NodeRound:
     return current
 
 
+def _request(cfg: Any) -> UnmaskRequest:
+    return UnmaskRequest(tuple(int(c) for c in cfg["survivors"]), tuple(int(c) for c in cfg["dropped"]))
+
+
+def _node_identity(context: Any) -> identity.Identity:
+    """The node's signing key and its copy of the registered node public keys (each ``None`` when not configured)."""
+    key_path, peers = context.node_config.get(NODE_KEY), context.node_config.get(PEER_KEYS)
+    return identity.Identity(identity.load_signing_key(str(key_path)) if key_path else None,
+                             identity.load_peer_keys(str(peers)) if peers else None)
+
+
 def answer_stage(msg: Message, context: Any) -> Message:
-    """A node's answer to a ``query.secagg`` message (stages 1, 2 and 4)."""
+    """A node's answer to a ``query.secagg`` message (key advertisement, share exchange, consistency check,
+    unmasking)."""
     from fedllm.flower.node import NodeConfig
 
     cid = NodeConfig.parse(dict(context.node_config)).client_id
     cfg = msg.content.config_records[RECORD]
+    version = int(cfg.get("version", 1))
+    if version != PROTOCOL_VERSION:
+        raise SecAggError(f"client {cid}: the ServerApp speaks SecAgg+ protocol version {version}, this node "
+                          f"{PROTOCOL_VERSION} (version 2 added the consistency check of the survivor list): refused; "
+                          "run the same fedllm on the ServerApp and the nodes")
     stage, token, rnd, ctx = str(cfg["stage"]), str(cfg["token"]), int(cfg["round"]), bytes(cfg["context"])
     if stage == "advertise":
         params = SecAggParams(**json.loads(str(cfg["params"])))
@@ -91,19 +121,18 @@ def answer_stage(msg: Message, context: Any) -> Message:
         if problems or cid not in sampled:
             raise SecAggError(f"client {cid}: refused SecAgg+ parameters {params} for clients {sampled}: "
                               + ("; ".join(f"{k} must be {w}" for k, w in problems) or "this client is not sampled"))
-        client = SecAggClient(cid, params, sampled, bytes(cfg["graph_seed"]), ctx)
+        who = _node_identity(context)
+        client = SecAggClient(cid, params, sampled, bytes(cfg["graph_seed"]), ctx, who)
         _ROUNDS[(token, cid)] = NodeRound(rnd, ctx, client)
         advert = client.advertise()
-        key_path = context.node_config.get(NODE_KEY)
-        signature = identity.sign(identity.load_signing_key(str(key_path)), ctx, advert) if key_path else b""
+        signature = identity.sign(who.signing_key, ctx, advert) if who.signing_key is not None else b""
         out = {"encryption_key": advert.encryption_key, "masking_key": advert.masking_key, "signature": signature}
     elif stage == "share":
         current = _open_round(token, cid, rnd, ctx)
         adverts = [KeyAdvert(int(c), bytes(e), bytes(m)) for c, e, m in
                    zip(cfg["ids"], cfg["encryption_keys"], cfg["masking_keys"], strict=True)]
-        peers = context.node_config.get(PEER_KEYS)
-        if peers:
-            keys = identity.load_peer_keys(str(peers))
+        keys = current.client.who.peer_keys
+        if keys is not None:
             for advert, signature in zip(adverts, cfg["signatures"], strict=True):
                 identity.verify(keys, ctx, advert, bytes(signature))
         else:
@@ -112,17 +141,27 @@ def answer_stage(msg: Message, context: Any) -> Message:
         shares = current.client.share_keys(adverts)
         log.info("client %d: SecAgg+ round %d: keys verified, %d shares sent", cid, rnd, len(shares))
         out = {"receivers": [s.receiver for s in shares], "sealed": [s.sealed for s in shares]}
+    elif stage == "check":
+        current = _open_round(token, cid, rnd, ctx)
+        out = {"signature": current.client.check(_request(cfg))}
+        log.info("client %d: SecAgg+ round %d: survivor list signed", cid, rnd)
     elif stage == "unmask":
         current = _open_round(token, cid, rnd, ctx)
-        del _ROUNDS[(token, cid)]  # asked once: a second request (other survivors) finds no secret to reveal
-        reveals = current.client.unmask(UnmaskRequest(tuple(int(c) for c in cfg["survivors"]),
-                                                      tuple(int(c) for c in cfg["dropped"])))
+        if current.client.who.peer_keys is None:
+            log.warning("client %d: SecAgg+ survivor list taken unverified (no peer keys: fedllm flower supernode "
+                        "--auth-key/--peer-keys): a server lying about dropouts is not detected", cid)
+        signatures = {int(c): bytes(s) for c, s in zip(cfg["signers"], cfg["signatures"], strict=True)}
+        try:
+            reveals = current.client.unmask(_request(cfg), signatures)
+        finally:
+            del _ROUNDS[(token, cid)]  # asked once, answered or refused: a second request finds no secret to reveal
         out = {"owners": [r.owner for r in reveals], "kinds": [r.kind for r in reveals],
                "indices": [r.index for r in reveals], "shares": [r.share for r in reveals]}
         log.info("client %d: SecAgg+ round %d: %d shares revealed", cid, rnd, len(reveals))
     else:
         raise SecAggError(f"client {cid}: unknown SecAgg+ stage {stage!r}")
-    return Message(RecordDict({RECORD: ConfigRecord({"client_id": cid, **out})}), reply_to=msg)
+    return Message(RecordDict({RECORD: ConfigRecord({"client_id": cid, "version": PROTOCOL_VERSION, **out})}),
+                   reply_to=msg)
 
 
 def check_secrets(msg: Message, cid: int) -> None:
@@ -155,8 +194,9 @@ def masked_update(msg: Message, node: Any, update: Any, reference: dict) -> Any:
 
 # ----- the server side
 class FlowerSecureRound(SecureRoundServer):
-    """Stages 1-2 over the grid at construction, then the shares for the ``train`` messages (:meth:`attach`) and
-    stage 4 in :meth:`finish`. ``lost``: the sampled clients dropped before their shares were routed, and why.
+    """Stages 1-2 over the grid at construction, then the shares for the ``train`` messages (:meth:`attach`), the
+    consistency check and unmasking in :meth:`finish`. ``lost``: the sampled clients dropped before their shares were
+    routed, and why.
 
     Args:
         executor: the :class:`fedllm.flower.executor.FlowerExecutor` (its grid, nodes and registered node keys).
@@ -166,15 +206,15 @@ class FlowerSecureRound(SecureRoundServer):
     """
 
     def __init__(self, executor: Any, loop: Any, rnd: int, sampled: list[int]):
-        super().__init__(loop, rnd, sampled, salt=executor.token.encode() + os.urandom(16))
-        self.executor, self.token = executor, executor.token
-        self.sent, self.received = dict.fromkeys(sampled, 0), dict.fromkeys(sampled, 0)
-        self.lost: dict[int, str] = {}
         self.peer_keys = None
         if executor.node_keys:
             from cryptography.hazmat.primitives import serialization
 
             self.peer_keys = {c: serialization.load_pem_public_key(k) for c, k in executor.node_keys.items()}
+        super().__init__(loop, rnd, sampled, salt=executor.token.encode() + os.urandom(16), peer_keys=self.peer_keys)
+        self.executor, self.token = executor, executor.token
+        self.sent, self.received = dict.fromkeys(sampled, 0), dict.fromkeys(sampled, 0)
+        self.lost: dict[int, str] = {}
         answers = self._ask(sampled, "advertise", lambda c: {
             "sampled": list(sampled), "params": json.dumps(self.params.to_dict()), "graph_seed": self.graph_seed})
         adverts, signatures = [], {}
@@ -211,7 +251,7 @@ class FlowerSecureRound(SecureRoundServer):
         """Send ``stage`` to the nodes of ``clients``; the ``secagg`` record of each client that answered."""
         nodes = self.executor.adapter.nodes
         messages = [Message(RecordDict({RECORD: ConfigRecord({
-            "stage": stage, "token": self.token, "round": self.rnd, "context": self.context, **fields(c)})}),
+            "version": PROTOCOL_VERSION, "stage": stage, "token": self.token, "round": self.rnd, "context": self.context, **fields(c)})}),
             dst_node_id=nodes[c], message_type=MESSAGE_TYPE) for c in clients]
         by_node = {nodes[c]: c for c in clients}
         out = {}
@@ -221,9 +261,15 @@ class FlowerSecureRound(SecureRoundServer):
                 continue
             if m.has_error():
                 self.lost[cid] = f"secure aggregation ({stage}) failed on its node: {m.error.reason}"
-                log.warning("round %d: client %d: %s", self.rnd, cid, self.lost[cid])
+            elif int(m.content.config_records[RECORD].get("version", 1)) != PROTOCOL_VERSION:
+                self.lost[cid] = (f"its node speaks SecAgg+ protocol version "
+                                  f"{int(m.content.config_records[RECORD].get('version', 1))}, this ServerApp "
+                                  f"{PROTOCOL_VERSION} (version 2 added the consistency check of the survivor list): "
+                                  "left out; run the same fedllm on the ServerApp and the nodes")
+            else:
+                out[cid] = m.content.config_records[RECORD]
                 continue
-            out[cid] = m.content.config_records[RECORD]
+            log.warning("round %d: client %d: %s", self.rnd, cid, self.lost[cid])
         return out
 
     def attach(self, messages: list[Message], sent: dict[int, int]) -> None:
@@ -236,14 +282,24 @@ class FlowerSecureRound(SecureRoundServer):
                                               "senders": [s.sender for s in got], "sealed": [s.sealed for s in got]})
 
     def finish(self, updates: list[Any]) -> tuple[list[Any], dict[int, str], dict[str, Any]]:
-        """Stage 4 with the nodes of the survivors, then :meth:`SecureRoundServer.finish`."""
-        return super().finish(updates, self.reveal)
+        """The consistency check and unmasking with the nodes of the survivors, then
+        :meth:`SecureRoundServer.finish`."""
+        return super().finish(updates, self.check, self.reveal)
 
-    def reveal(self, request: UnmaskRequest) -> list[ShareReveal]:
-        answers = self._ask(list(request.survivors), "unmask", lambda c: {
-            "survivors": list(request.survivors), "dropped": list(request.dropped)})
-        for c in request.survivors:
-            self.received[c] += 8 * (len(request.survivors) + len(request.dropped))
+    @staticmethod
+    def _lists(request: UnmaskRequest) -> dict[str, list[int]]:
+        return {"survivors": list(request.survivors), "dropped": list(request.dropped)}
+
+    def check(self, request: UnmaskRequest) -> list[SurvivorSignature]:
+        """The survivors' signatures of the survivor list (each survivor is sent ``U3``)."""
+        answers = self._ask(list(request.survivors), "check", lambda c: self._lists(request))
+        return [SurvivorSignature(cid, bytes(a["signature"])) for cid, a in sorted(answers.items())]
+
+    def reveal(self, request: UnmaskRequest, signatures: dict[int, bytes]) -> list[ShareReveal]:
+        """The shares the signers reveal once each is sent every survivor's signature of ``U3``."""
+        signers = sorted(signatures)
+        answers = self._ask(signers, "unmask", lambda c: {
+            **self._lists(request), "signers": signers, "signatures": [signatures[v] for v in signers]})
         return [ShareReveal(cid, int(o), str(k), int(i), bytes(s)) for cid, a in sorted(answers.items())
                 for o, k, i, s in zip(a["owners"], a["kinds"], a["indices"], a["shares"], strict=True)]
 

@@ -9,8 +9,16 @@ sends back.
 3. :meth:`SecAggClient.mask`: ``y_u = x_u + PRG(b_u) + Σ_{v ∈ N(u) ∩ U2} sign(u, v)·PRG(s_uv) mod 2^mod_bits``, with
    ``s_uv`` agreed from ``s_u`` and ``s_v`` and ``sign = +1`` when ``u < v``, else ``−1``: the pairwise masks
    of two clients cancel in the sum.
-4. :meth:`SecAggClient.unmask`: for each neighbour, the share of its seed ``b_v`` if it survived, or of its
-   masking key ``s_v`` if it dropped — never both for one neighbour (that would unmask its input).
+4. :meth:`SecAggClient.check` (Bonawitz et al., CCS 2017, §4, the actively secure protocol's ConsistencyCheck):
+   the server sends the survivor list ``U3``; the client refuses one shorter than the quorum
+   (:meth:`SecAggParams.quorum`) and signs the round's context and ``U3`` with its identity key — one list per
+   round: it refuses to sign a second, different one.
+5. :meth:`SecAggClient.unmask`: given the signatures the server collected, the client checks that a quorum of
+   registered clients signed the very ``U3`` it signed, then reveals, for each neighbour that shared with it, the
+   share of its seed ``b_v`` if ``v ∈ U3``, else of its masking key ``s_v`` — never both for one neighbour, and the
+   same answer to any repeated request (a different list is refused). A server that tells some clients that ``u``
+   dropped and others that it survived (to rebuild both ``b_u`` and ``s_u`` and unmask ``x_u``) gets no quorum for
+   either list.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import struct
 import numpy as np
 from cryptography.exceptions import InvalidTag
 
-from fedllm.privacy.secagg import crypto, masks
+from fedllm.privacy.secagg import crypto, identity, masks
 from fedllm.privacy.secagg.graph import neighbour_graph
 from fedllm.privacy.secagg.messages import EncryptedShare, KeyAdvert, MaskedInput, ShareReveal, UnmaskRequest
 from fedllm.privacy.secagg.params import SecAggError, SecAggParams
@@ -54,11 +62,15 @@ class SecAggClient:
         params: the round's public parameters.
         client_ids: every client the server selected for the round.
         graph_seed: the public seed of the neighbour graph.
-        context: bytes naming the round (run, round, attempt): every key and ciphertext is bound to it.
+        context: bytes naming the round (run, round, attempt): every key, ciphertext and signature is bound to it.
+        who: its identity key and the registered keys of its peers (the consistency check's signatures); without
+            peer keys it cannot verify the others' signatures (a Flower node without ``--peer-keys``).
     """
 
-    def __init__(self, client_id: int, params: SecAggParams, client_ids: list[int], graph_seed: bytes, context: bytes):
-        self.id, self.params, self.context = client_id, params, context
+    def __init__(self, client_id: int, params: SecAggParams, client_ids: list[int], graph_seed: bytes, context: bytes,
+                 who: identity.Identity | None = None):
+        self.id, self.params, self.context, self.who = client_id, params, context, who or identity.Identity()
+        self.round_size = len(set(client_ids))
         self.neighbours = neighbour_graph(client_ids, params.neighbours, graph_seed)[client_id]
         self.enc_sk, self.enc_pk = crypto.new_key_pair()
         self.mask_sk, self.mask_pk = crypto.new_key_pair()
@@ -66,6 +78,8 @@ class SecAggClient:
         self.peers: dict[int, KeyAdvert] = {}
         self.held: dict[int, tuple[int, bytes, bytes]] = {}  # neighbour -> (index, share of b_v, share of s_v)
         self.masked_with: list[int] = []
+        self.signed: UnmaskRequest | None = None  # the one survivor list it signed this round
+        self.answered: list[ShareReveal] | None = None
 
     # stage 1
     def advertise(self) -> KeyAdvert:
@@ -138,9 +152,10 @@ class SecAggClient:
             raise SecAggError(f"client {self.id}: a share names {sender} -> {receiver}, routed {s.sender} -> {self.id}")
         return index, seed_share, key_share
 
-    # stage 4
-    def unmask(self, request: UnmaskRequest) -> list[ShareReveal]:
-        """The shares the server needs: of ``b_v`` for surviving neighbours, of ``s_v^SK`` for dropped ones."""
+    # consistency check
+    def check(self, request: UnmaskRequest) -> bytes:
+        """Sign the survivor list ``U3`` (``b""`` without an identity key): refused when it is shorter than the quorum,
+        names both survivors and dropped clients, omits this client, or differs from a list signed before."""
         survivors, dropped = set(request.survivors), set(request.dropped)
         if survivors & dropped:
             raise SecAggError(
@@ -148,14 +163,49 @@ class SecAggClient:
             )
         if self.id not in survivors:
             raise SecAggError(f"client {self.id}: not among the survivors it is asked to unmask for")
-        if len(survivors) < self.params.threshold:
+        quorum = self.params.quorum(self.round_size)
+        if len(survivors) < quorum:
             raise SecAggError(
-                f"client {self.id}: {len(survivors)} survivors, fewer than the share threshold {self.params.threshold}"
+                f"client {self.id}: {len(survivors)} survivors, fewer than "
+                f"{self.params.quorum_text(self.round_size)}: refused to sign"
             )
-        out = []
-        for v, (index, seed_share, key_share) in sorted(self.held.items()):
-            if v in survivors:
-                out.append(ShareReveal(self.id, v, "seed", index, seed_share))
-            elif v in dropped:
-                out.append(ShareReveal(self.id, v, "key", index, key_share))
-        return out
+        if self.signed is not None and self.signed != request:
+            raise SecAggError(
+                f"client {self.id}: asked to sign a second survivor list {list(request.survivors)} after "
+                f"{list(self.signed.survivors)} in the same round: refused (a server lying about dropouts)"
+            )
+        self.signed = request
+        key = self.who.signing_key
+        return identity.sign_survivors(key, self.context, request.survivors) if key is not None else b""
+
+    # stage 4
+    def unmask(self, request: UnmaskRequest, signatures: dict[int, bytes]) -> list[ShareReveal]:
+        """The shares the server needs, once ``signatures`` (client -> its signature of the survivor list) hold a
+        quorum of valid ones over the list this client signed: of ``b_v`` for neighbours in ``U3``, of ``s_v^SK``
+        for the other neighbours that shared with it."""
+        if self.signed is None or self.signed != request:
+            raise SecAggError(
+                f"client {self.id}: asked to unmask for survivors {list(request.survivors)}, not the list it signed "
+                f"({list(self.signed.survivors) if self.signed else 'none'}): refused (a server lying about dropouts)"
+            )
+        if self.answered is not None:
+            return list(self.answered)
+        if self.who.peer_keys is not None:
+            valid, refused = identity.survivor_signers(self.who.peer_keys, self.context, request.survivors, signatures)
+            quorum = self.params.quorum(self.round_size)
+            if len(valid) < quorum:
+                why = "; ".join(f"client {c}: {r}" for c, r in refused.items())
+                raise SecAggError(
+                    f"client {self.id}: {len(valid)} valid signatures over the survivor list "
+                    f"{list(request.survivors)}, fewer than {self.params.quorum_text(self.round_size)} — the server "
+                    "sent other clients "
+                    f"another list, or forwarded forged signatures{f' ({why})' if why else ''}: refused to reveal "
+                    "any share"
+                )
+        survivors = set(request.survivors)
+        self.answered = [
+            ShareReveal(self.id, v, "seed", index, seed_share) if v in survivors
+            else ShareReveal(self.id, v, "key", index, key_share)
+            for v, (index, seed_share, key_share) in sorted(self.held.items())
+        ]
+        return list(self.answered)
