@@ -242,3 +242,84 @@ def test_secagg_supernode_gives_its_worker_the_node_key_and_the_peers_public_key
     assert f"node-key='{node_keys / 'client-2.key'}'" in config and f"peer-keys='{node_keys}'" in config
     with pytest.raises(InputError, match=r"--peer-keys=.*: no client-K.pub files; expected the nodes/ directory"):
         command("--peer-keys", str(tmp_path))
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_a_serverapp_lying_about_a_dropout_is_refused_by_the_nodes(tiny_recipe, tmp_path, node_keys,
+                                                                          monkeypatch, caplog):
+    """The ServerApp tells nodes 0 and 3 that all four survived and nodes 1 and 2 that client 3 dropped (to get
+    shares of both b_3 and s_3), and skips its own signature check: each node signs what it was told, sees only 2
+    valid signatures over its list (the quorum is 3) and refuses; no share is revealed and the round fails loudly,
+    naming the inconsistency."""
+    from fedllm.privacy.secagg import SecAggServer, SurvivorSignature, UnmaskRequest
+
+    def story(c, request):
+        return request if c in (0, 3) else UnmaskRequest((0, 1, 2), (3,))
+
+    def lists(request):
+        return {"survivors": list(request.survivors), "dropped": list(request.dropped)}
+
+    def lying_check(self, request):
+        out = []
+        for c in request.survivors:
+            answers = self._ask([c], "check", lambda _, c=c: lists(story(c, request)))
+            out += [SurvivorSignature(cid, bytes(a["signature"])) for cid, a in answers.items()]
+        return out
+
+    def lying_reveal(self, request, signatures):
+        signers = sorted(signatures)
+        for c in signers:
+            self._ask([c], "unmask", lambda _, c=c: {**lists(story(c, request)), "signers": signers,
+                                                     "signatures": [signatures[v] for v in signers]})
+        return []
+
+    monkeypatch.setattr(secagg_stages.FlowerSecureRound, "check", lying_check)
+    monkeypatch.setattr(secagg_stages.FlowerSecureRound, "reveal", lying_reveal)
+    def forward_all(self, signed):  # no check of its own: every signature goes to every node
+        self.signers = {s.client_id: s.signature for s in signed}
+        return self.signers
+
+    monkeypatch.setattr(SecAggServer, "collect_signatures", forward_all)
+    grid = RestartingGrid(signed_nodes(tmp_path, node_keys), lose={})
+    with pytest.raises(RoundStopped):
+        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys, grid=grid)
+    assert caplog.text.count("secure aggregation (unmask) failed on its node") == CLIENTS  # no node revealed a share
+    for c, told in ((1, "[0, 1, 2]"), (3, "[0, 1, 2, 3]")):
+        assert (f"client {c}: 2 valid signatures over the survivor list {told}, fewer than the consistency quorum 3"
+                in caplog.text)
+    assert "the server sent other clients another list" in caplog.text
+    assert "secure aggregation failed: 0 shares of client 0's self-mask seed arrived" in caplog.text
+
+
+def without_version(reply, msg):
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    record = reply.content.config_records["secagg"]
+    old = ConfigRecord({k: v for k, v in record.items() if k != "version"})
+    return Message(RecordDict({"secagg": old}), reply_to=msg)
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_a_node_or_a_serverapp_on_the_old_protocol_is_refused_with_a_clear_message(
+        tiny_recipe, tmp_path, node_keys, monkeypatch, caplog):
+    """Wire format version 2 (the consistency check): a node answering like version 1 (no ``version``) is left out
+    at the key advertisement with a message saying so (the round cannot start: no hang); a node sent a version-1
+    message refuses it."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from fedllm.privacy.secagg import SecAggError
+
+    answer = secagg_stages.answer_stage
+    monkeypatch.setattr(secagg_stages, "answer_stage", lambda msg, context: without_version(answer(msg, context), msg))
+    with pytest.raises(RoundStopped):
+        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys)
+    assert "its node speaks SecAgg+ protocol version 1, this ServerApp 2" in caplog.text
+    assert "secure aggregation cannot start" in caplog.text
+
+    old = Message(RecordDict({"secagg": ConfigRecord({"stage": "advertise", "token": "t", "round": 1,
+                                                        "context": b"c"})}),
+                  dst_node_id=100, message_type=secagg_stages.MESSAGE_TYPE)
+    context = Context(run_id=1, node_id=100, node_config=signed_nodes(tmp_path, node_keys)[0], state=RecordDict(),
+                      run_config={})
+    with pytest.raises(SecAggError, match="client 0: the ServerApp speaks SecAgg\\+ protocol version 1, this node 2"):
+        answer(old, context)

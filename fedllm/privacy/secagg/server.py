@@ -55,6 +55,11 @@ class SecAggServer:
     def route_keys(self, adverts: list[KeyAdvert]) -> dict[int, list[KeyAdvert]]:
         """Each advertising client's neighbours' keys (``U1``: the clients that advertised)."""
         self.adverts = {a.client_id: a for a in adverts if a.client_id in self.graph}
+        if len(self.adverts) < self.params.quorum(self.round_size):
+            raise SecAggError(
+                f"{len(self.adverts)} clients advertised keys, fewer than {self.params.quorum_text(self.round_size)}: "
+                "the round cannot complete"
+            )
         out = {u: [self.adverts[v] for v in self.graph[u] if v in self.adverts] for u in self.adverts}
         self._enough({u: len(v) for u, v in out.items()}, "neighbours advertised keys")
         return out
