@@ -79,7 +79,10 @@ def test_secagg_on_flower_equals_the_simulation_bit_for_bit(case, tiny_recipe, t
     for s, f in zip(sim.history, flower.history, strict=True):
         assert s["secure_aggregation"]["masked_bytes_per_client"] == f["secure_aggregation"]["masked_bytes_per_client"]
         assert f["secure_aggregation"]["dropped_after_sharing"] == [] and "dropped" not in f
-    assert grid.sent.count("query.secagg") == 4 * CLIENTS * 2  # advertise, share, check, unmask; 2 rounds
+    # the key advertisement rides on the share exchange: 3 extra round trips a round, and a hello in the first
+    stages = [m.content.config_records["secagg"]["stage"] for m in grid.messages
+              if m.metadata.message_type == "query.secagg"]
+    assert stages == [s for s in ("hello", "keys", "check", "unmask", "keys", "check", "unmask") for _ in range(CLIENTS)]
     # every train reply carried masked words only (never the client's update)
     for reply in grid.replies:
         if "update" in reply.content.array_records:
@@ -133,31 +136,50 @@ def test_secagg_the_serverapp_receives_masked_words_uncorrelated_with_each_updat
     assert any(torch.count_nonzero(m) for m in decoded.means(layout).values())
 
 
+@pytest.mark.parametrize("key", ["encryption", "masking"])
 @pytest.mark.usefixtures("flower_identity")
-def test_secagg_a_key_substituted_by_the_server_is_refused_by_the_nodes(tiny_recipe, tmp_path,
-                                                                        node_keys, monkeypatch, caplog):
-    """The server forwards client 2's neighbours a key pair of its own (a man in the middle): every node verifies
-    the signature against client 2's registered node key and refuses to share; the round fails loudly."""
+def test_secagg_a_key_substituted_by_the_server_is_refused_by_the_nodes(key, tiny_recipe, tmp_path, node_keys,
+                                                                        monkeypatch, caplog):
+    """The server forwards client 2's neighbours a key of its own (a man in the middle): its encryption key in the
+    ``keys`` message, or its masking key of the round in the ``train`` message. Every node verifies the signature
+    against client 2's registered node key and refuses; the round fails loudly."""
     from fedllm.privacy.secagg import crypto
 
     _, forged = crypto.new_key_pair()
-    ask = secagg_stages.FlowerSecureRound._ask
+    if key == "encryption":
+        ask = secagg_stages.FlowerSecureRound._ask
 
-    def substitute(self, clients, stage, fields):
-        if stage != "share":
-            return ask(self, clients, stage, fields)
+        def substitute(self, clients, stage, fields):
+            if stage != "keys":
+                return ask(self, clients, stage, fields)
 
-        def forged_fields(c):
-            out = fields(c)
-            out["encryption_keys"] = [forged if i == 2 else k for i, k in zip(out["ids"], out["encryption_keys"])]
-            return out
-        return ask(self, clients, stage, forged_fields)
+            def forged_fields(c):
+                out = fields(c)
+                out["encryption_keys"] = [forged if i == 2 else k for i, k in zip(out["ids"], out["encryption_keys"])]
+                return out
+            return ask(self, clients, stage, forged_fields)
 
-    monkeypatch.setattr(secagg_stages.FlowerSecureRound, "_ask", substitute)
+        monkeypatch.setattr(secagg_stages.FlowerSecureRound, "_ask", substitute)
+    else:
+        attach = secagg_stages.FlowerSecureRound.attach
+
+        def substitute(self, messages, sent):
+            attach(self, messages, sent)
+            for m in messages:
+                record = m.content.config_records["secagg"]
+                record["masking_keys"] = [forged if i == 2 else k for i, k in zip(record["ids"],
+                                                                                   record["masking_keys"])]
+
+        monkeypatch.setattr(secagg_stages.FlowerSecureRound, "attach", substitute)
     with pytest.raises(RoundStopped):
-        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys)
-    assert "client 2's SecAgg+ keys are not signed by its registered node key" in caplog.text
-    assert "secure aggregation cannot start" in caplog.text
+        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys,
+                   grid=RestartingGrid(signed_nodes(tmp_path, node_keys), lose={}))
+    if key == "encryption":
+        assert "client 2's SecAgg+ encryption key is not signed by its registered node key" in caplog.text
+        assert "secure aggregation cannot start" in caplog.text
+    else:
+        assert caplog.text.count("client 2's SecAgg+ keys are not signed by its registered node key") == 3
+        assert "secure aggregation failed" in caplog.text
 
 
 class RestartingGrid(LoopbackGrid):

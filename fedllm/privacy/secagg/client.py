@@ -2,10 +2,14 @@
 per client and round, holding its secrets; each stage takes what the server routed to it and returns what it
 sends back.
 
-1. :meth:`SecAggClient.advertise`: two fresh X25519 key pairs, ``(c_u, s_u)``; the public halves go out.
+1. :meth:`SecAggClient.advertise`: two X25519 key pairs, ``(c_u, s_u)``; the public halves go out. ``s_u`` is
+   fresh each round; ``c_u`` too, or a Flower node's long-lived encryption key (its private half never leaves the
+   worker's memory nor is revealed, so the key can serve every round: the node's neighbours then know it before
+   the round, and the key advertisement rides on the share exchange, :mod:`fedllm.flower.secagg_stages`).
 2. :meth:`SecAggClient.share_keys`: a fresh 256-bit self-mask seed ``b_u``; ``t``-of-``|N(u)|`` Shamir shares of
    ``b_u`` and of ``s_u``'s private key, one pair per neighbour, each encrypted with the key agreed from
-   ``c_u`` and the neighbour's ``c_v`` (HKDF, ChaCha20-Poly1305, bound to the round and both ids).
+   ``c_u`` and the neighbour's ``c_v`` (HKDF, ChaCha20-Poly1305, bound to the round and both ids). It needs the
+   neighbours' encryption keys only; their masking keys may come later (:meth:`SecAggClient.learn_masking_keys`).
 3. :meth:`SecAggClient.mask`: ``y_u = x_u + PRG(b_u) + Σ_{v ∈ N(u) ∩ U2} sign(u, v)·PRG(s_uv) mod 2^mod_bits``, with
    ``s_uv`` agreed from ``s_u`` and ``s_v`` and ``sign = +1`` when ``u < v``, else ``−1``: the pairwise masks
    of two clients cancel in the sum.
@@ -28,6 +32,7 @@ import struct
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedllm.privacy.secagg import crypto, identity, masks
 from fedllm.privacy.secagg.graph import neighbour_graph
@@ -65,14 +70,15 @@ class SecAggClient:
         context: bytes naming the round (run, round, attempt): every key, ciphertext and signature is bound to it.
         who: its identity key and the registered keys of its peers (the consistency check's signatures); without
             peer keys it cannot verify the others' signatures (a Flower node without ``--peer-keys``).
+        encryption_key: a long-lived ``c_u`` (a Flower node's); ``None``: a fresh one.
     """
 
     def __init__(self, client_id: int, params: SecAggParams, client_ids: list[int], graph_seed: bytes, context: bytes,
-                 who: identity.Identity | None = None):
+                 who: identity.Identity | None = None, encryption_key: X25519PrivateKey | None = None):
         self.id, self.params, self.context, self.who = client_id, params, context, who or identity.Identity()
         self.round_size = len(set(client_ids))
         self.neighbours = neighbour_graph(client_ids, params.neighbours, graph_seed)[client_id]
-        self.enc_sk, self.enc_pk = crypto.new_key_pair()
+        self.enc_sk, self.enc_pk = crypto.public_of(encryption_key) if encryption_key else crypto.new_key_pair()
         self.mask_sk, self.mask_pk = crypto.new_key_pair()
         self.seed = os.urandom(masks.SEED_BYTES)  # b_u
         self.peers: dict[int, KeyAdvert] = {}
@@ -88,7 +94,8 @@ class SecAggClient:
 
     # stage 2
     def share_keys(self, adverts: list[KeyAdvert]) -> list[EncryptedShare]:
-        """Encrypted shares of ``b_u`` and ``s_u^SK`` for each neighbour whose keys the server forwarded."""
+        """Encrypted shares of ``b_u`` and ``s_u^SK`` for each neighbour whose keys the server forwarded (their
+        masking keys may be empty: learnt later, :meth:`learn_masking_keys`)."""
         t = self.params.threshold
         self.peers = {a.client_id: a for a in adverts if a.client_id in self.neighbours and a.client_id != self.id}
         if len(self.peers) != len(adverts):
@@ -97,8 +104,7 @@ class SecAggClient:
             raise SecAggError(
                 f"client {self.id}: {len(self.peers)} neighbours advertised keys, fewer than the share threshold {t}"
             )
-        if len({a.encryption_key for a in adverts} | {a.masking_key for a in adverts}) != 2 * len(adverts):
-            raise SecAggError(f"client {self.id}: two neighbours advertised the same public key")
+        self._distinct(adverts)
         order = sorted(self.peers)
         seed_shares = crypto.split(self.seed, t, len(order))
         key_shares = crypto.split(crypto.private_bytes(self.mask_sk), t, len(order))
@@ -110,6 +116,24 @@ class SecAggClient:
                 EncryptedShare(self.id, v, crypto.encrypt(key, plain, share_associated(self.context, self.id, v)))
             )
         return out
+
+    def learn_masking_keys(self, adverts: list[KeyAdvert]) -> None:
+        """The neighbours' masking keys of this round, when they come after the shares went out: each advert must
+        carry the encryption key its shares were encrypted to (a neighbour outside the share exchange is ignored)."""
+        for a in adverts:
+            known = self.peers.get(a.client_id)
+            if known is None:
+                continue
+            if a.encryption_key != known.encryption_key:
+                raise SecAggError(f"client {self.id}: neighbour {a.client_id}'s encryption key changed after the share "
+                                  "exchange: refused")
+            self.peers[a.client_id] = a
+        self._distinct(list(self.peers.values()))
+
+    def _distinct(self, adverts: list[KeyAdvert]) -> None:
+        keys = [a.encryption_key for a in adverts] + [a.masking_key for a in adverts if a.masking_key]
+        if len(set(keys)) != len(keys):
+            raise SecAggError(f"client {self.id}: two neighbours advertised the same public key")
 
     # stage 3
     def mask(self, values: np.ndarray, shares: list[EncryptedShare]) -> MaskedInput:
@@ -135,6 +159,8 @@ class SecAggClient:
 
     def pair_seed(self, v: int) -> bytes:
         """``s_uv``: the seed of the pairwise mask with neighbour ``v``."""
+        if not self.peers[v].masking_key:
+            raise SecAggError(f"client {self.id}: neighbour {v}'s masking key never arrived")
         return crypto.agree(self.mask_sk, self.peers[v].masking_key, pair_info(b"mask", self.context, self.id, v))
 
     def _open(self, s: EncryptedShare) -> tuple[int, bytes, bytes]:

@@ -65,13 +65,37 @@ def sign(key: ec.EllipticCurvePrivateKey, context: bytes, advert: KeyAdvert) -> 
 def verify(peer_keys: dict[int, ec.EllipticCurvePublicKey], context: bytes, advert: KeyAdvert,
            signature: bytes) -> None:
     """Raise :class:`SecAggError` unless ``signature`` is client ``advert.client_id``'s over ``advert``."""
-    public = peer_keys.get(advert.client_id)
+    _verify(peer_keys, advert.client_id, signed_bytes(context, advert), signature, "SecAgg+ keys", "are")
+
+
+def encryption_key_bytes(client_id: int, encryption_key: bytes) -> bytes:
+    """What a Flower node signs once per run and worker: its client id and the X25519 public key its neighbours
+    encrypt their shares to (the private half stays in the worker's memory and is never revealed, so a signed key
+    is safe to encrypt to in any round; a stale one only makes the shares unreadable to the node itself)."""
+    return b"fedllm-secagg/encryption-key/" + struct.pack("<q", client_id) + encryption_key
+
+
+def sign_encryption_key(key: ec.EllipticCurvePrivateKey, client_id: int, encryption_key: bytes) -> bytes:
+    """The DER signature of a node's long-lived encryption key (:func:`encryption_key_bytes`)."""
+    return key.sign(encryption_key_bytes(client_id, encryption_key), _ALGORITHM)
+
+
+def verify_encryption_key(peer_keys: dict[int, ec.EllipticCurvePublicKey], client_id: int, encryption_key: bytes,
+                          signature: bytes) -> None:
+    """Raise :class:`SecAggError` unless ``signature`` is ``client_id``'s registered node key's over the key."""
+    _verify(peer_keys, client_id, encryption_key_bytes(client_id, encryption_key), signature,
+            "SecAgg+ encryption key", "is")
+
+
+def _verify(peer_keys: dict[int, ec.EllipticCurvePublicKey], client_id: int, message: bytes, signature: bytes,
+            what: str, verb: str) -> None:
+    public = peer_keys.get(client_id)
     if public is None:
-        raise SecAggError(f"client {advert.client_id}'s SecAgg+ keys: no registered node key for that client")
+        raise SecAggError(f"client {client_id}'s {what}: no registered node key for that client")
     try:
-        public.verify(signature, signed_bytes(context, advert), _ALGORITHM)
+        public.verify(signature, message, _ALGORITHM)
     except InvalidSignature:
-        raise SecAggError(f"client {advert.client_id}'s SecAgg+ keys are not signed by its registered node key "
+        raise SecAggError(f"client {client_id}'s {what} {verb} not signed by its registered node key "
                           "(substituted in transit?): refused") from None
 
 
