@@ -345,3 +345,37 @@ def test_secagg_a_node_or_a_serverapp_on_the_old_protocol_is_refused_with_a_clea
                       run_config={})
     with pytest.raises(SecAggError, match="client 0: the ServerApp speaks SecAgg\\+ protocol version 1, this node 2"):
         answer(old, context)
+
+
+class ForgettingGrid(RestartingGrid):
+    """A loopback grid whose nodes in ``forget[round]`` restart their worker between rounds, unnoticed: the new
+    worker has no encryption key when the round's ``keys`` message arrives."""
+
+    def __init__(self, node_configs, forget):
+        super().__init__(node_configs, lose={})
+        self.forget = forget
+
+    def send_and_receive(self, messages, *, timeout=None):
+        for m in messages:
+            record = m.content.config_records.get("secagg")
+            if m.metadata.message_type == "query.secagg" and record["stage"] == "keys":
+                cid = m.metadata.dst_node_id - 100
+                if cid in self.forget.get(int(record["round"]), ()):
+                    secagg_stages._ENCRYPTION_KEYS.pop((str(record["token"]), cid), None)
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_a_worker_restarted_between_rounds_sits_one_round_out_and_says_hello_again(
+        tiny_recipe, tmp_path, node_keys):
+    """Client 1's worker restarts before round 2 without the ServerApp noticing: its neighbours encrypt its shares to
+    its old key, it refuses round 2's ``keys`` message (lost before sharing; the round completes from the three
+    others) and says hello again in round 3, which it serves."""
+    grid = ForgettingGrid(signed_nodes(tmp_path, node_keys), forget={2: {1}})
+    flower, _ = flower_run(raw_recipe(tiny_recipe, rounds=3), tmp_path, node_keys, grid=grid)
+    assert "its SecAgg+ encryption key is not the one the ServerApp holds" in flower.history[1]["dropped"]["1"]
+    assert sorted(flower.history[1]["bytes_up"]) == ["0", "2", "3"]
+    assert sorted(flower.history[2]["bytes_up"]) == ["0", "1", "2", "3"] and "dropped" not in flower.history[2]
+    hellos = [int(m.content.config_records["secagg"]["round"]) for m in grid.messages
+              if m.metadata.message_type == "query.secagg" and m.content.config_records["secagg"]["stage"] == "hello"]
+    assert hellos == [1] * CLIENTS + [3]
