@@ -284,7 +284,8 @@ class FlowerSecureRound(SecureRoundServer):
         """The sampled clients' encryption keys and their signatures: those the ServerApp holds from earlier rounds,
         and, by a ``hello`` round trip, those of the nodes it holds none of (verified when it has the node keys)."""
         missing = [c for c in sampled if (self.token, c) not in _KNOWN_KEYS]
-        for cid, a in sorted(self._ask(missing, "hello", lambda c: {}).items()) if missing else ():
+        answers = self._ask(missing, "hello", lambda c: {}) if missing else {}
+        for cid, a in sorted(answers.items()):
             key, signature = bytes(a["encryption_key"]), bytes(a["signature"])
             try:
                 if self.peer_keys is not None:

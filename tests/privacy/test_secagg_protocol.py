@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fedllm.privacy.secagg import SecAggClient, SecAggError, SecAggParams, SecAggServer, crypto, identity, masks
-from fedllm.privacy.secagg.messages import SurvivorSignature
 from fedllm.privacy.secagg.encoding import decode, encode, layout_of
 from fedllm.privacy.secagg.graph import neighbour_graph
+from fedllm.privacy.secagg.messages import SurvivorSignature
 from fedllm.privacy.secagg.quantize import dequantize_sum, quantize
 from fedllm.privacy.secagg.rounds import secure_sum
 
