@@ -8,7 +8,8 @@ alternating between trials): the model of ``--model`` with LoRA ``--lora-r`` on 
 intermediate checkpoints. Round seconds are the round loop's own (``metrics.jsonl``'s ``seconds``: sampling,
 training, the protocol, aggregation; not the model load). Bytes per client are what a client uploads in a round:
 plain, its adapter in ``federation.comm_dtype``; SecAgg+, its masked words plus its protocol messages (public keys,
-encrypted shares, revealed shares) — and the protocol's download (neighbours' keys, shares routed to it).
+encrypted shares, the signed survivor list, revealed shares) — and the protocol's download (neighbours' keys,
+shares routed to it, the survivors' signatures).
 The secure run's protocol alone is also timed (``SecureRound``'s key exchange, masking and unmasking).
 
     python bench/secagg.py --model tiny-llama --clients 8 --per-round 8 --rounds 3 --trials 5

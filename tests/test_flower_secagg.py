@@ -79,7 +79,10 @@ def test_secagg_on_flower_equals_the_simulation_bit_for_bit(case, tiny_recipe, t
     for s, f in zip(sim.history, flower.history, strict=True):
         assert s["secure_aggregation"]["masked_bytes_per_client"] == f["secure_aggregation"]["masked_bytes_per_client"]
         assert f["secure_aggregation"]["dropped_after_sharing"] == [] and "dropped" not in f
-    assert grid.sent.count("query.secagg") == 3 * CLIENTS * 2  # advertise, share, unmask; 2 rounds
+    # the key advertisement rides on the share exchange: 3 extra round trips a round, and a hello in the first
+    stages = [m.content.config_records["secagg"]["stage"] for m in grid.messages
+              if m.metadata.message_type == "query.secagg"]
+    assert stages == [s for s in ("hello", "keys", "check", "unmask", "keys", "check", "unmask") for _ in range(CLIENTS)]
     # every train reply carried masked words only (never the client's update)
     for reply in grid.replies:
         if "update" in reply.content.array_records:
@@ -133,31 +136,50 @@ def test_secagg_the_serverapp_receives_masked_words_uncorrelated_with_each_updat
     assert any(torch.count_nonzero(m) for m in decoded.means(layout).values())
 
 
+@pytest.mark.parametrize("key", ["encryption", "masking"])
 @pytest.mark.usefixtures("flower_identity")
-def test_secagg_a_key_substituted_by_the_server_is_refused_by_the_nodes(tiny_recipe, tmp_path,
-                                                                        node_keys, monkeypatch, caplog):
-    """The server forwards client 2's neighbours a key pair of its own (a man in the middle): every node verifies
-    the signature against client 2's registered node key and refuses to share; the round fails loudly."""
+def test_secagg_a_key_substituted_by_the_server_is_refused_by_the_nodes(key, tiny_recipe, tmp_path, node_keys,
+                                                                        monkeypatch, caplog):
+    """The server forwards client 2's neighbours a key of its own (a man in the middle): its encryption key in the
+    ``keys`` message, or its masking key of the round in the ``train`` message. Every node verifies the signature
+    against client 2's registered node key and refuses; the round fails loudly."""
     from fedllm.privacy.secagg import crypto
 
     _, forged = crypto.new_key_pair()
-    ask = secagg_stages.FlowerSecureRound._ask
+    if key == "encryption":
+        ask = secagg_stages.FlowerSecureRound._ask
 
-    def substitute(self, clients, stage, fields):
-        if stage != "share":
-            return ask(self, clients, stage, fields)
+        def substitute(self, clients, stage, fields):
+            if stage != "keys":
+                return ask(self, clients, stage, fields)
 
-        def forged_fields(c):
-            out = fields(c)
-            out["encryption_keys"] = [forged if i == 2 else k for i, k in zip(out["ids"], out["encryption_keys"])]
-            return out
-        return ask(self, clients, stage, forged_fields)
+            def forged_fields(c):
+                out = fields(c)
+                out["encryption_keys"] = [forged if i == 2 else k for i, k in zip(out["ids"], out["encryption_keys"])]
+                return out
+            return ask(self, clients, stage, forged_fields)
 
-    monkeypatch.setattr(secagg_stages.FlowerSecureRound, "_ask", substitute)
+        monkeypatch.setattr(secagg_stages.FlowerSecureRound, "_ask", substitute)
+    else:
+        attach = secagg_stages.FlowerSecureRound.attach
+
+        def substitute(self, messages, sent):
+            attach(self, messages, sent)
+            for m in messages:
+                record = m.content.config_records["secagg"]
+                record["masking_keys"] = [forged if i == 2 else k for i, k in zip(record["ids"],
+                                                                                   record["masking_keys"])]
+
+        monkeypatch.setattr(secagg_stages.FlowerSecureRound, "attach", substitute)
     with pytest.raises(RoundStopped):
-        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys)
-    assert "client 2's SecAgg+ keys are not signed by its registered node key" in caplog.text
-    assert "secure aggregation cannot start" in caplog.text
+        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys,
+                   grid=RestartingGrid(signed_nodes(tmp_path, node_keys), lose={}))
+    if key == "encryption":
+        assert "client 2's SecAgg+ encryption key is not signed by its registered node key" in caplog.text
+        assert "secure aggregation cannot start" in caplog.text
+    else:
+        assert caplog.text.count("client 2's SecAgg+ keys are not signed by its registered node key") == 3
+        assert "secure aggregation failed" in caplog.text
 
 
 class RestartingGrid(LoopbackGrid):
@@ -242,3 +264,118 @@ def test_secagg_supernode_gives_its_worker_the_node_key_and_the_peers_public_key
     assert f"node-key='{node_keys / 'client-2.key'}'" in config and f"peer-keys='{node_keys}'" in config
     with pytest.raises(InputError, match=r"--peer-keys=.*: no client-K.pub files; expected the nodes/ directory"):
         command("--peer-keys", str(tmp_path))
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_a_serverapp_lying_about_a_dropout_is_refused_by_the_nodes(tiny_recipe, tmp_path, node_keys,
+                                                                          monkeypatch, caplog):
+    """The ServerApp tells nodes 0 and 3 that all four survived and nodes 1 and 2 that client 3 dropped (to get
+    shares of both b_3 and s_3), and skips its own signature check: each node signs what it was told, sees only 2
+    valid signatures over its list (the quorum is 3) and refuses; no share is revealed and the round fails loudly,
+    naming the inconsistency."""
+    from fedllm.privacy.secagg import SecAggServer, SurvivorSignature, UnmaskRequest
+
+    def story(c, request):
+        return request if c in (0, 3) else UnmaskRequest((0, 1, 2), (3,))
+
+    def lists(request):
+        return {"survivors": list(request.survivors), "dropped": list(request.dropped)}
+
+    def lying_check(self, request):
+        out = []
+        for c in request.survivors:
+            answers = self._ask([c], "check", lambda _, c=c: lists(story(c, request)))
+            out += [SurvivorSignature(cid, bytes(a["signature"])) for cid, a in answers.items()]
+        return out
+
+    def lying_reveal(self, request, signatures):
+        signers = sorted(signatures)
+        for c in signers:
+            self._ask([c], "unmask", lambda _, c=c: {**lists(story(c, request)), "signers": signers,
+                                                     "signatures": [signatures[v] for v in signers]})
+        return []
+
+    monkeypatch.setattr(secagg_stages.FlowerSecureRound, "check", lying_check)
+    monkeypatch.setattr(secagg_stages.FlowerSecureRound, "reveal", lying_reveal)
+    def forward_all(self, signed):  # no check of its own: every signature goes to every node
+        self.signers = {s.client_id: s.signature for s in signed}
+        return self.signers
+
+    monkeypatch.setattr(SecAggServer, "collect_signatures", forward_all)
+    grid = RestartingGrid(signed_nodes(tmp_path, node_keys), lose={})
+    with pytest.raises(RoundStopped):
+        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys, grid=grid)
+    assert caplog.text.count("secure aggregation (unmask) failed on its node") == CLIENTS  # no node revealed a share
+    for c, told in ((1, "[0, 1, 2]"), (3, "[0, 1, 2, 3]")):
+        assert (f"client {c}: 2 valid signatures over the survivor list {told}, fewer than the consistency quorum 3"
+                in caplog.text)
+    assert "the server sent other clients another list" in caplog.text
+    assert "secure aggregation failed: 0 shares of client 0's self-mask seed arrived" in caplog.text
+
+
+def without_version(reply, msg):
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    record = reply.content.config_records["secagg"]
+    old = ConfigRecord({k: v for k, v in record.items() if k != "version"})
+    return Message(RecordDict({"secagg": old}), reply_to=msg)
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_a_node_or_a_serverapp_on_the_old_protocol_is_refused_with_a_clear_message(
+        tiny_recipe, tmp_path, node_keys, monkeypatch, caplog):
+    """Wire format version 2 (the consistency check): a node answering like version 1 (no ``version``) is left out
+    at the key advertisement with a message saying so (the round cannot start: no hang); a node sent a version-1
+    message refuses it."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from fedllm.privacy.secagg import SecAggError
+
+    answer = secagg_stages.answer_stage
+    monkeypatch.setattr(secagg_stages, "answer_stage", lambda msg, context: without_version(answer(msg, context), msg))
+    with pytest.raises(RoundStopped):
+        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys)
+    assert "its node speaks SecAgg+ protocol version 1, this ServerApp 2" in caplog.text
+    assert "secure aggregation cannot start" in caplog.text
+
+    old = Message(RecordDict({"secagg": ConfigRecord({"stage": "advertise", "token": "t", "round": 1,
+                                                        "context": b"c"})}),
+                  dst_node_id=100, message_type=secagg_stages.MESSAGE_TYPE)
+    context = Context(run_id=1, node_id=100, node_config=signed_nodes(tmp_path, node_keys)[0], state=RecordDict(),
+                      run_config={})
+    with pytest.raises(SecAggError, match="client 0: the ServerApp speaks SecAgg\\+ protocol version 1, this node 2"):
+        answer(old, context)
+
+
+class ForgettingGrid(RestartingGrid):
+    """A loopback grid whose nodes in ``forget[round]`` restart their worker between rounds, unnoticed: the new
+    worker has no encryption key when the round's ``keys`` message arrives."""
+
+    def __init__(self, node_configs, forget):
+        super().__init__(node_configs, lose={})
+        self.forget = forget
+
+    def send_and_receive(self, messages, *, timeout=None):
+        for m in messages:
+            record = m.content.config_records.get("secagg")
+            if m.metadata.message_type == "query.secagg" and record["stage"] == "keys":
+                cid = m.metadata.dst_node_id - 100
+                if cid in self.forget.get(int(record["round"]), ()):
+                    secagg_stages._ENCRYPTION_KEYS.pop((str(record["token"]), cid), None)
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_a_worker_restarted_between_rounds_sits_one_round_out_and_says_hello_again(
+        tiny_recipe, tmp_path, node_keys):
+    """Client 1's worker restarts before round 2 without the ServerApp noticing: its neighbours encrypt its shares to
+    its old key, it refuses round 2's ``keys`` message (lost before sharing; the round completes from the three
+    others) and says hello again in round 3, which it serves."""
+    grid = ForgettingGrid(signed_nodes(tmp_path, node_keys), forget={2: {1}})
+    flower, _ = flower_run(raw_recipe(tiny_recipe, rounds=3), tmp_path, node_keys, grid=grid)
+    assert "its SecAgg+ encryption key is not the one the ServerApp holds" in flower.history[1]["dropped"]["1"]
+    assert sorted(flower.history[1]["bytes_up"]) == ["0", "2", "3"]
+    assert sorted(flower.history[2]["bytes_up"]) == ["0", "1", "2", "3"] and "dropped" not in flower.history[2]
+    hellos = [int(m.content.config_records["secagg"]["round"]) for m in grid.messages
+              if m.metadata.message_type == "query.secagg" and m.content.config_records["secagg"]["stage"] == "hello"]
+    assert hellos == [1] * CLIENTS + [3]

@@ -5,7 +5,9 @@ or over torch.distributed processes: the protocol of :mod:`fedllm.privacy.secagg
 Per round: every sampled client advertises keys and exchanges encrypted shares before it trains (on the process
 that trains it, which alone holds its secrets); after training it uploads only its masked, quantised change
 (``MASKED_KEY``: int32/int64 words, gathered like any update); a client lost in between (training fault, non-finite
-update) is a dropout after sharing. The server's steps then unmask the *sum*, and the strategy aggregates from the
+update) is a dropout after sharing. The survivors sign the survivor list (the consistency check of Bonawitz et al.,
+CCS 2017, §4, with simulated identity keys: :func:`fedllm.privacy.secagg.identity.simulated`) and reveal their
+shares only for a list a quorum signed. The server's steps then unmask the *sum*, and the strategy aggregates from the
 round's mean upload (:meth:`fedllm.strategies.Strategy.aggregate_mean`) — no process's round loop ever holds a
 client's update in the clear. Quantisation rounds stochastically with a generator seeded by (seed, round,
 client): it hides nothing (the mask does), and it makes a run on N processes equal to the one-process run.
@@ -36,7 +38,9 @@ from fedllm.privacy.secagg import (
     SecAggParams,
     SecAggServer,
     ShareReveal,
+    SurvivorSignature,
     UnmaskRequest,
+    identity,
 )
 from fedllm.privacy.secagg.encoding import Layout, decode, encode, layout_of
 from fedllm.privacy.secagg.quantize import word_dtype
@@ -91,9 +95,10 @@ class SecureRoundServer:
         rnd: the round.
         sampled: the round's clients.
         salt: more bytes naming the round (:func:`round_names`).
+        peer_keys: the clients' registered public keys the survivors' signatures are checked against.
     """
 
-    def __init__(self, loop: Any, rnd: int, sampled: list[int], salt: bytes = b""):
+    def __init__(self, loop: Any, rnd: int, sampled: list[int], salt: bytes = b"", peer_keys: dict | None = None):
         recipe, strategy = loop.recipe, loop.fed.strategy
         self.loop, self.rnd = loop, rnd
         sizes = [len(loop.fed.data.clients[c]) for c in sampled]
@@ -112,7 +117,7 @@ class SecureRoundServer:
             {k: torch.empty(shape, device="meta") for k, (shape, _) in expected.items()},
             lambda k: not strategy.summed_unweighted(k),
         )
-        self.server = SecAggServer(self.params, sampled, self.graph_seed, self.context)
+        self.server = SecAggServer(self.params, sampled, self.graph_seed, self.context, peer_keys)
         self.sent: dict[int, int] = {}  # protocol bytes each counted client sent
         self.received: dict[int, int] = {}
 
@@ -120,16 +125,20 @@ class SecureRoundServer:
         """What a client's masked upload must look like (:func:`fedllm.engine.client_faults.update_problem`)."""
         return {MASKED_KEY: ((self.layout.size,), torch.int32 if self.params.mod_bits == 32 else torch.int64)}
 
-    def finish(self, updates: list[ClientUpdate], reveal: Callable[[UnmaskRequest], list[ShareReveal]]
+    def finish(self, updates: list[ClientUpdate], check: Callable[[UnmaskRequest], list[SurvivorSignature]],
+               reveal: Callable[[UnmaskRequest, dict[int, bytes]], list[ShareReveal]]
                ) -> tuple[list[ClientUpdate], dict[int, str], dict[str, Any]]:
         """The survivors as :class:`SummedUpdate` s carrying the round's mean upload, the clients dropped by the
         protocol (all of them when it fails: the round is then retried or stopped as any round without enough
-        updates), and the round's ``secure_aggregation`` record. ``reveal(request)``: the surviving clients' share
-        reveals for the unmasking request (however they travel)."""
+        updates), and the round's ``secure_aggregation`` record. ``check(request)``: the survivors' signatures of
+        the survivor list; ``reveal(request, signatures)``: their share reveals once each got the signatures
+        (however they travel)."""
         comm = self.loop.recipe.federation.comm_dtype
         try:
             request = self.server.collect_masked([masked_words(u, self.params) for u in updates])
-            reveals = reveal(request)
+            signed = check(request)
+            signatures = self.server.collect_signatures(signed)
+            reveals = reveal(request, signatures)
             decoded = decode(self.server.unmask(reveals), self.layout, self.params)
         except SecAggError as e:
             log.warning("round %d: secure aggregation failed: %s", self.rnd, e)
@@ -140,9 +149,14 @@ class SecureRoundServer:
         for r in reveals:
             if r.holder in self.sent:
                 self.sent[r.holder] += len(r.share) + 24
+        for s in signed:
+            if s.client_id in self.sent:
+                self.sent[s.client_id] += len(s.signature) + 8
+        lists = 8 * (len(request.survivors) + len(request.dropped))  # sent with the check and with the unmasking
+        forwarded = sum(len(s) + 8 for s in signatures.values())
         for c in request.survivors:
             if c in self.received:
-                self.received[c] += 8 * (len(request.survivors) + len(request.dropped))
+                self.received[c] += 2 * lists + forwarded
         nbytes = {u.client_id: u.state[MASKED_KEY].numel() * u.state[MASKED_KEY].element_size() for u in updates}
         out = [
             SummedUpdate(u.client_id, mean, u.num_examples, u.loss, u.steps, u.padding,
@@ -192,7 +206,9 @@ class SecureRound(SecureRoundServer):
     def __init__(self, loop: Any, rnd: int, sampled: list[int], local: list[int], exchange: Callable[[list], list]):
         super().__init__(loop, rnd, sampled)
         self.exchange = exchange
-        self.clients = {c: SecAggClient(c, self.params, sampled, self.graph_seed, self.context) for c in local}
+        who, registered = identity.simulated(local, exchange)
+        self.server.peer_keys = registered
+        self.clients = {c: SecAggClient(c, self.params, sampled, self.graph_seed, self.context, who[c]) for c in local}
         self.sent, self.received = dict.fromkeys(local, 0), dict.fromkeys(local, 0)
         adverts = exchange([c.advertise() for c in self.clients.values()])
         keys = self.server.route_keys(adverts)
@@ -209,10 +225,17 @@ class SecureRound(SecureRoundServer):
                            self.rnd, self.layout, self.params, self.clients[cid], self.routed.get(cid, []))
 
     def finish(self, updates: list[ClientUpdate]) -> tuple[list[ClientUpdate], dict[int, str], dict[str, Any]]:
-        """Server side, on every process (:meth:`SecureRoundServer.finish`); the reveals of the clients trained
-        here, exchanged between the processes."""
-        return super().finish(updates, lambda request: self.exchange(
-            [r for c in request.survivors if c in self.clients for r in self.clients[c].unmask(request)]))
+        """Server side, on every process (:meth:`SecureRoundServer.finish`); the signatures and reveals of the
+        clients trained here, exchanged between the processes."""
+        def check(request: UnmaskRequest) -> list[SurvivorSignature]:
+            return self.exchange([SurvivorSignature(c, self.clients[c].check(request))
+                                  for c in request.survivors if c in self.clients])
+
+        def reveal(request: UnmaskRequest, signatures: dict[int, bytes]) -> list[ShareReveal]:
+            return self.exchange([r for c in signatures if c in self.clients
+                                  for r in self.clients[c].unmask(request, signatures)])
+
+        return super().finish(updates, check, reveal)
 
     def protocol_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
         """``(sent, received)`` protocol bytes (keys, shares, the unmasking request and reveals) of every client of

@@ -3,23 +3,42 @@ ServerApp and the node workers, around the round's ``train`` message.
 
 Per round (Bell et al., CCS 2020, Fig. 4; the same code as in simulation, :mod:`fedllm.engine.secure_rounds`):
 
-1. ``query.secagg`` ``advertise`` → every sampled node: the round's public parameters; the node makes its client's
-   secrets (:class:`fedllm.privacy.secagg.SecAggClient`, kept in the worker's memory only) and answers its two public
-   keys, signed with its node key (:mod:`fedllm.privacy.secagg.identity`).
-2. ``query.secagg`` ``share`` → each node that advertised: its neighbours' keys and signatures; the node verifies
-   every signature against its own copy of the registered node public keys (a key substituted by the server is
-   refused) and answers its encrypted shares.
-3. ``train`` with a ``secagg`` record: the shares routed to the node; it trains as always and answers only its
-   masked, quantised change (``secagg/masked``) instead of its update.
-4. ``query.secagg`` ``unmask`` → the nodes whose masked input arrived: who survived and who dropped; each answers its
-   shares (of seeds for survivors, of masking keys for the dropped) and forgets the round's secrets.
+0. ``query.secagg`` ``hello`` → only a sampled node whose encryption key the ServerApp does not hold yet (its first
+   SecAgg+ round of the run, or after it failed in a round, e.g. its worker restarted): the node's long-lived X25519
+   encryption key ``c_u`` (one per run and worker, its private half in the worker's memory only and never revealed),
+   signed with its node key (:func:`fedllm.privacy.secagg.identity.sign_encryption_key`).
+1. ``query.secagg`` ``keys`` → every sampled node with a known key: the round's public parameters and its neighbours'
+   encryption keys with their signatures; the node verifies every signature against its own copy of the registered
+   node public keys (a key substituted by the server is refused), makes the round's secrets
+   (:class:`fedllm.privacy.secagg.SecAggClient`, in the worker's memory only) and answers, in one message, the
+   round's fresh masking key ``s_u`` (signed with its node key over the round's context and both keys) and its
+   shares encrypted to the neighbours' encryption keys: the key advertisement rides on the share exchange.
+2. ``train`` with a ``secagg`` record: the shares routed to the node and its neighbours' signed keys of the round;
+   the node verifies them, trains as always and answers only its masked, quantised change (``secagg/masked``)
+   instead of its update.
+3. ``query.secagg`` ``check`` → the nodes whose masked input arrived: the survivor list ``U3`` (and who dropped);
+   each node signs the round's context and ``U3`` with its node key — one list per round (Bonawitz et al., CCS 2017,
+   §4, ConsistencyCheck).
+4. ``query.secagg`` ``unmask`` → the nodes that signed: every survivor's signature; each node verifies them against
+   its copy of the registered node keys, and only when a quorum (:meth:`SecAggParams.quorum`) signed the very list it
+   signed does it answer its shares (of seeds for survivors, of masking keys for the others) and forget the round's
+   secrets. A server that tells some nodes that a client dropped and others that it survived gets no quorum.
+
+Every ``query.secagg`` message and answer carries the protocol's version (:data:`PROTOCOL_VERSION`): a node or a
+ServerApp of another version refuses the round with a message saying so (the other side answers an error at once,
+never a hang).
 
 The server's steps (:class:`fedllm.engine.secure_rounds.SecureRoundServer`) unmask the sum; the round loop hands
 the strategy the round's mean upload (``aggregate_mean``), as in simulation, so a Flower run equals the one-process
-SecAgg+ run. A node lost after stage 2 (its worker killed, its SuperNode gone, an error) is a dropout: up to
+SecAgg+ run. A node lost after stage 1 (its worker killed, its SuperNode gone, an error) is a dropout: up to
 ``privacy.secagg.max_dropouts`` of them the round completes; beyond, it fails like a round with too few updates
 (retried or stopped, then resumed). A restarted worker has lost its client's secrets (they are never written to
-disk, its journal included): it answers the round's remaining messages with an error, i.e. it drops out.
+disk, its journal included): it answers the round's remaining messages with an error, i.e. it drops out, and
+says hello again in the next round it is sampled for. A worker that restarts between two rounds without the ServerApp
+noticing misses the next round it is sampled for (its neighbours encrypted its shares to its old key: it refuses
+the ``keys`` message, is lost before sharing and says hello in the round after).
+
+Extra round trips per round: 3 (``keys``, ``check``, ``unmask``), 4 in a node's first round (``hello``).
 """
 
 from __future__ import annotations
@@ -40,7 +59,9 @@ from fedllm.privacy.secagg import (
     SecAggError,
     SecAggParams,
     ShareReveal,
+    SurvivorSignature,
     UnmaskRequest,
+    crypto,
     identity,
 )
 from fedllm.privacy.secagg.encoding import Layout
@@ -50,6 +71,10 @@ log = logging.getLogger("fedllm")
 RECORD = "secagg"
 """Name of the ConfigRecord that carries a stage's fields (and the shares of a ``train`` message)."""
 MESSAGE_TYPE = "query.secagg"
+PROTOCOL_VERSION = 2
+"""Version of the stages' wire format: 2 added the consistency check (``check`` and signed survivor lists) and the
+long-lived encryption keys (``hello``; ``keys`` replaced ``advertise`` and ``share``); 1 (no ``version`` field) had
+neither."""
 NODE_KEY, PEER_KEYS = "node-key", "peer-keys"
 """``--node-config`` entries: this node's private key (it signs its SecAgg+ keys) and the directory of every client's
 registered node public key (``client-K.pub``: the signatures of its neighbours' keys are checked against them)."""
@@ -66,6 +91,9 @@ class NodeRound:
 
 
 _ROUNDS: dict[tuple[str, int], NodeRound] = {}  # (run token, client id) -> its round in progress
+_ENCRYPTION_KEYS: dict[tuple[str, int], Any] = {}  # (run token, client id) -> its long-lived X25519 private key
+_KNOWN_KEYS: dict[tuple[str, int], tuple[bytes, bytes]] = {}
+"""On the ServerApp: (run token, client id) -> the node's encryption key and its signature, from its ``hello``."""
 
 
 def _open_round(token: str, cid: int, rnd: int, context: bytes) -> NodeRound:
@@ -77,60 +105,103 @@ def _open_round(token: str, cid: int, rnd: int, context: bytes) -> NodeRound:
     return current
 
 
+def _request(cfg: Any) -> UnmaskRequest:
+    return UnmaskRequest(tuple(int(c) for c in cfg["survivors"]), tuple(int(c) for c in cfg["dropped"]))
+
+
+def _node_identity(context: Any) -> identity.Identity:
+    """The node's signing key and its copy of the registered node public keys (each ``None`` when not configured)."""
+    key_path, peers = context.node_config.get(NODE_KEY), context.node_config.get(PEER_KEYS)
+    return identity.Identity(identity.load_signing_key(str(key_path)) if key_path else None,
+                             identity.load_peer_keys(str(peers)) if peers else None)
+
+
+def _share(cfg: Any, cid: int, token: str, rnd: int, ctx: bytes, who: identity.Identity) -> dict[str, Any]:
+    """The ``keys`` stage on the node: the round's secrets, its signed masking key and its encrypted shares."""
+    params = SecAggParams(**json.loads(str(cfg["params"])))
+    sampled = [int(c) for c in cfg["sampled"]]
+    problems = params.problems(len(sampled))
+    if problems or cid not in sampled:
+        raise SecAggError(f"client {cid}: refused SecAgg+ parameters {params} for clients {sampled}: "
+                          + ("; ".join(f"{k} must be {w}" for k, w in problems) or "this client is not sampled"))
+    key = _ENCRYPTION_KEYS.get((token, cid))
+    if key is None or crypto.public_of(key)[1] != bytes(cfg["own_key"]):
+        raise SecAggError(f"client {cid}: its SecAgg+ encryption key is not the one the ServerApp holds (its worker "
+                          "restarted since it said hello): it sits this round out and says hello again")
+    peers = [KeyAdvert(int(c), bytes(e), b"") for c, e in zip(cfg["ids"], cfg["encryption_keys"], strict=True)]
+    if who.peer_keys is not None:
+        for advert, signature in zip(peers, cfg["key_signatures"], strict=True):
+            identity.verify_encryption_key(who.peer_keys, advert.client_id, advert.encryption_key, bytes(signature))
+    else:
+        log.warning("client %d: SecAgg+ keys of its neighbours taken unverified (no peer keys: fedllm flower "
+                    "supernode --auth-key/--peer-keys): a server could substitute them", cid)
+    client = SecAggClient(cid, params, sampled, bytes(cfg["graph_seed"]), ctx, who, encryption_key=key)
+    _ROUNDS[(token, cid)] = NodeRound(rnd, ctx, client)
+    shares = client.share_keys(peers)
+    advert = client.advertise()
+    log.info("client %d: SecAgg+ round %d: keys verified, %d shares sent", cid, rnd, len(shares))
+    return {"masking_key": advert.masking_key,
+            "signature": identity.sign(who.signing_key, ctx, advert) if who.signing_key else b"",
+            "receivers": [s.receiver for s in shares], "sealed": [s.sealed for s in shares]}
+
+
 def answer_stage(msg: Message, context: Any) -> Message:
-    """A node's answer to a ``query.secagg`` message (stages 1, 2 and 4)."""
+    """A node's answer to a ``query.secagg`` message (key advertisement, share exchange, consistency check,
+    unmasking)."""
     from fedllm.flower.node import NodeConfig
 
     cid = NodeConfig.parse(dict(context.node_config)).client_id
     cfg = msg.content.config_records[RECORD]
+    version = int(cfg.get("version", 1))
+    if version != PROTOCOL_VERSION:
+        raise SecAggError(f"client {cid}: the ServerApp speaks SecAgg+ protocol version {version}, this node "
+                          f"{PROTOCOL_VERSION} (version 2 added the consistency check of the survivor list): refused; "
+                          "run the same fedllm on the ServerApp and the nodes")
     stage, token, rnd, ctx = str(cfg["stage"]), str(cfg["token"]), int(cfg["round"]), bytes(cfg["context"])
-    if stage == "advertise":
-        params = SecAggParams(**json.loads(str(cfg["params"])))
-        sampled = [int(c) for c in cfg["sampled"]]
-        problems = params.problems(len(sampled))
-        if problems or cid not in sampled:
-            raise SecAggError(f"client {cid}: refused SecAgg+ parameters {params} for clients {sampled}: "
-                              + ("; ".join(f"{k} must be {w}" for k, w in problems) or "this client is not sampled"))
-        client = SecAggClient(cid, params, sampled, bytes(cfg["graph_seed"]), ctx)
-        _ROUNDS[(token, cid)] = NodeRound(rnd, ctx, client)
-        advert = client.advertise()
-        key_path = context.node_config.get(NODE_KEY)
-        signature = identity.sign(identity.load_signing_key(str(key_path)), ctx, advert) if key_path else b""
-        out = {"encryption_key": advert.encryption_key, "masking_key": advert.masking_key, "signature": signature}
-    elif stage == "share":
+    who = _node_identity(context)
+    if stage == "hello":
+        key = _ENCRYPTION_KEYS.setdefault((token, cid), crypto.new_key_pair()[0])
+        public = crypto.public_of(key)[1]
+        signature = identity.sign_encryption_key(who.signing_key, cid, public) if who.signing_key else b""
+        out = {"encryption_key": public, "signature": signature}
+    elif stage == "keys":
+        out = _share(cfg, cid, token, rnd, ctx, who)
+    elif stage == "check":
         current = _open_round(token, cid, rnd, ctx)
-        adverts = [KeyAdvert(int(c), bytes(e), bytes(m)) for c, e, m in
-                   zip(cfg["ids"], cfg["encryption_keys"], cfg["masking_keys"], strict=True)]
-        peers = context.node_config.get(PEER_KEYS)
-        if peers:
-            keys = identity.load_peer_keys(str(peers))
-            for advert, signature in zip(adverts, cfg["signatures"], strict=True):
-                identity.verify(keys, ctx, advert, bytes(signature))
-        else:
-            log.warning("client %d: SecAgg+ keys of its neighbours taken unverified (no peer keys: fedllm flower "
-                        "supernode --auth-key/--peer-keys): a server could substitute them", cid)
-        shares = current.client.share_keys(adverts)
-        log.info("client %d: SecAgg+ round %d: keys verified, %d shares sent", cid, rnd, len(shares))
-        out = {"receivers": [s.receiver for s in shares], "sealed": [s.sealed for s in shares]}
+        out = {"signature": current.client.check(_request(cfg))}
+        log.info("client %d: SecAgg+ round %d: survivor list signed", cid, rnd)
     elif stage == "unmask":
         current = _open_round(token, cid, rnd, ctx)
-        del _ROUNDS[(token, cid)]  # asked once: a second request (other survivors) finds no secret to reveal
-        reveals = current.client.unmask(UnmaskRequest(tuple(int(c) for c in cfg["survivors"]),
-                                                      tuple(int(c) for c in cfg["dropped"])))
+        if current.client.who.peer_keys is None:
+            log.warning("client %d: SecAgg+ survivor list taken unverified (no peer keys: fedllm flower supernode "
+                        "--auth-key/--peer-keys): a server lying about dropouts is not detected", cid)
+        signatures = {int(c): bytes(s) for c, s in zip(cfg["signers"], cfg["signatures"], strict=True)}
+        try:
+            reveals = current.client.unmask(_request(cfg), signatures)
+        finally:
+            del _ROUNDS[(token, cid)]  # asked once, answered or refused: a second request finds no secret to reveal
         out = {"owners": [r.owner for r in reveals], "kinds": [r.kind for r in reveals],
                "indices": [r.index for r in reveals], "shares": [r.share for r in reveals]}
         log.info("client %d: SecAgg+ round %d: %d shares revealed", cid, rnd, len(reveals))
     else:
         raise SecAggError(f"client {cid}: unknown SecAgg+ stage {stage!r}")
-    return Message(RecordDict({RECORD: ConfigRecord({"client_id": cid, **out})}), reply_to=msg)
+    return Message(RecordDict({RECORD: ConfigRecord({"client_id": cid, "version": PROTOCOL_VERSION, **out})}),
+                   reply_to=msg)
 
 
 def check_secrets(msg: Message, cid: int) -> None:
-    """Before a ``train`` message of a SecAgg+ round is trained: this worker still holds the client's secrets."""
+    """Before a ``train`` message of a SecAgg+ round is trained: this worker still holds the client's secrets, and
+    the neighbours' keys of the round verify (a masking key substituted by the server is refused)."""
     cfg = msg.content.config_records.get(RECORD)
     if cfg is not None:
         head = msg.content.config_records["fedllm"]
-        _open_round(str(head["token"]), cid, int(head["round"]), bytes(cfg["context"]))
+        current = _open_round(str(head["token"]), cid, int(head["round"]), bytes(cfg["context"]))
+        adverts = [KeyAdvert(int(c), bytes(e), bytes(m)) for c, e, m in
+                   zip(cfg["ids"], cfg["encryption_keys"], cfg["masking_keys"], strict=True)]
+        if current.client.who.peer_keys is not None:
+            for advert, signature in zip(adverts, cfg["signatures"], strict=True):
+                identity.verify(current.client.who.peer_keys, current.context, advert, bytes(signature))
+        current.client.learn_masking_keys(adverts)
         log.info("client %d: SecAgg+ round %d: training (secrets held)", cid, int(head["round"]))
 
 
@@ -155,8 +226,9 @@ def masked_update(msg: Message, node: Any, update: Any, reference: dict) -> Any:
 
 # ----- the server side
 class FlowerSecureRound(SecureRoundServer):
-    """Stages 1-2 over the grid at construction, then the shares for the ``train`` messages (:meth:`attach`) and
-    stage 4 in :meth:`finish`. ``lost``: the sampled clients dropped before their shares were routed, and why.
+    """Stages 0-1 (``hello`` where needed, ``keys``) over the grid at construction, then the shares and the
+    neighbours' keys for the ``train`` messages (:meth:`attach`), the consistency check and unmasking in
+    :meth:`finish`. ``lost``: the sampled clients dropped before their shares were routed, and why.
 
     Args:
         executor: the :class:`fedllm.flower.executor.FlowerExecutor` (its grid, nodes and registered node keys).
@@ -166,20 +238,23 @@ class FlowerSecureRound(SecureRoundServer):
     """
 
     def __init__(self, executor: Any, loop: Any, rnd: int, sampled: list[int]):
-        super().__init__(loop, rnd, sampled, salt=executor.token.encode() + os.urandom(16))
-        self.executor, self.token = executor, executor.token
-        self.sent, self.received = dict.fromkeys(sampled, 0), dict.fromkeys(sampled, 0)
-        self.lost: dict[int, str] = {}
         self.peer_keys = None
         if executor.node_keys:
             from cryptography.hazmat.primitives import serialization
 
             self.peer_keys = {c: serialization.load_pem_public_key(k) for c, k in executor.node_keys.items()}
-        answers = self._ask(sampled, "advertise", lambda c: {
-            "sampled": list(sampled), "params": json.dumps(self.params.to_dict()), "graph_seed": self.graph_seed})
+        super().__init__(loop, rnd, sampled, salt=executor.token.encode() + os.urandom(16), peer_keys=self.peer_keys)
+        self.executor, self.token, self.sampled = executor, executor.token, list(sampled)
+        self.sent, self.received = dict.fromkeys(sampled, 0), dict.fromkeys(sampled, 0)
+        self.lost: dict[int, str] = {}
+        known = self._hello(sampled)
+        ready = [c for c in sampled if c in known]
+        answers = self._ask(ready, "keys", lambda c: self._keys_fields(c, known, ready))
+        for c in ready:
+            self.received[c] += sum(32 + len(known[v][1]) for v in self.server.graph[c] if v in known and v in ready)
         adverts, signatures = [], {}
         for cid, a in sorted(answers.items()):
-            advert = KeyAdvert(cid, bytes(a["encryption_key"]), bytes(a["masking_key"]))
+            advert = KeyAdvert(cid, known[cid][0], bytes(a["masking_key"]))
             try:
                 if self.peer_keys is not None:
                     identity.verify(self.peer_keys, self.context, advert, bytes(a["signature"]))
@@ -188,14 +263,11 @@ class FlowerSecureRound(SecureRoundServer):
                 continue
             adverts.append(advert)
             signatures[cid] = bytes(a["signature"])
-            self.sent[cid] += 64 + len(signatures[cid])
-        keys = self.server.route_keys(adverts)
-        answers = self._ask(sorted(keys), "share", lambda c: {
-            "ids": [a.client_id for a in keys[c]], "encryption_keys": [a.encryption_key for a in keys[c]],
-            "masking_keys": [a.masking_key for a in keys[c]], "signatures": [signatures[a.client_id] for a in keys[c]]})
-        for c in keys:
-            self.received[c] += sum(64 + len(signatures[a.client_id]) for a in keys[c])
-        shares = [EncryptedShare(cid, int(v), bytes(b)) for cid, a in sorted(answers.items())
+            self.sent[cid] += 32 + len(signatures[cid])
+        for cid in self.lost:  # a node that failed says hello again (its worker may have restarted)
+            _KNOWN_KEYS.pop((self.token, cid), None)
+        self.keys, self.signatures = self.server.route_keys(adverts), signatures
+        shares = [EncryptedShare(cid, int(v), bytes(b)) for cid, a in sorted(answers.items()) if cid in signatures
                   for v, b in zip(a["receivers"], a["sealed"], strict=True)]
         self.routed = self.server.route_shares(shares)
         for s in shares:
@@ -203,15 +275,39 @@ class FlowerSecureRound(SecureRoundServer):
                 self.sent[s.sender] += len(s.sealed) + 16
         for c, got in self.routed.items():
             self.received[c] += sum(len(s.sealed) + 16 for s in got)
+            self.received[c] += sum(64 + len(signatures[a.client_id]) for a in self.keys[c])
         for cid in sampled:
             if cid not in self.server.u2:
                 self.lost.setdefault(cid, "lost during the secure-aggregation key and share exchange")
+
+    def _hello(self, sampled: list[int]) -> dict[int, tuple[bytes, bytes]]:
+        """The sampled clients' encryption keys and their signatures: those the ServerApp holds from earlier rounds,
+        and, by a ``hello`` round trip, those of the nodes it holds none of (verified when it has the node keys)."""
+        missing = [c for c in sampled if (self.token, c) not in _KNOWN_KEYS]
+        answers = self._ask(missing, "hello", lambda c: {}) if missing else {}
+        for cid, a in sorted(answers.items()):
+            key, signature = bytes(a["encryption_key"]), bytes(a["signature"])
+            try:
+                if self.peer_keys is not None:
+                    identity.verify_encryption_key(self.peer_keys, cid, key, signature)
+            except SecAggError as e:
+                self.lost[cid] = str(e)
+                continue
+            _KNOWN_KEYS[(self.token, cid)] = (key, signature)
+            self.sent[cid] += 32 + len(signature)
+        return {c: _KNOWN_KEYS[(self.token, c)] for c in sampled if (self.token, c) in _KNOWN_KEYS}
+
+    def _keys_fields(self, c: int, known: dict[int, tuple[bytes, bytes]], ready: list[int]) -> dict[str, Any]:
+        peers = [v for v in self.server.graph[c] if v in ready]
+        return {"sampled": self.sampled, "params": json.dumps(self.params.to_dict()),
+                "graph_seed": self.graph_seed, "own_key": known[c][0], "ids": peers,
+                "encryption_keys": [known[v][0] for v in peers], "key_signatures": [known[v][1] for v in peers]}
 
     def _ask(self, clients: list[int], stage: str, fields) -> dict[int, Any]:
         """Send ``stage`` to the nodes of ``clients``; the ``secagg`` record of each client that answered."""
         nodes = self.executor.adapter.nodes
         messages = [Message(RecordDict({RECORD: ConfigRecord({
-            "stage": stage, "token": self.token, "round": self.rnd, "context": self.context, **fields(c)})}),
+            "version": PROTOCOL_VERSION, "stage": stage, "token": self.token, "round": self.rnd, "context": self.context, **fields(c)})}),
             dst_node_id=nodes[c], message_type=MESSAGE_TYPE) for c in clients]
         by_node = {nodes[c]: c for c in clients}
         out = {}
@@ -220,37 +316,58 @@ class FlowerSecureRound(SecureRoundServer):
             if cid is None:
                 continue
             if m.has_error():
-                self.lost[cid] = f"secure aggregation ({stage}) failed on its node: {m.error.reason}"
-                log.warning("round %d: client %d: %s", self.rnd, cid, self.lost[cid])
+                old = " (an older fedllm on that node?)" if "unknown SecAgg+ stage" in m.error.reason else ""
+                self.lost[cid] = f"secure aggregation ({stage}) failed on its node: {m.error.reason}{old}"
+            elif int(m.content.config_records[RECORD].get("version", 1)) != PROTOCOL_VERSION:
+                self.lost[cid] = (f"its node speaks SecAgg+ protocol version "
+                                  f"{int(m.content.config_records[RECORD].get('version', 1))}, this ServerApp "
+                                  f"{PROTOCOL_VERSION} (version 2 added the consistency check of the survivor list): "
+                                  "left out; run the same fedllm on the ServerApp and the nodes")
+            else:
+                out[cid] = m.content.config_records[RECORD]
                 continue
-            out[cid] = m.content.config_records[RECORD]
+            log.warning("round %d: client %d: %s", self.rnd, cid, self.lost[cid])
         return out
 
     def attach(self, messages: list[Message], sent: dict[int, int]) -> None:
-        """Add to each ``train`` message (``sent``: node -> client) the shares routed to its client, the round's
-        context and the layout the client encodes its change by."""
+        """Add to each ``train`` message (``sent``: node -> client) the shares routed to its client, its neighbours'
+        signed keys of the round, the round's context and the layout the client encodes its change by."""
         layout = json.dumps([list(self.layout.keys), [list(s) for s in self.layout.shapes], list(self.layout.weighted)])
         for m in messages:
-            got = self.routed.get(sent[m.metadata.dst_node_id], [])
-            m.content[RECORD] = ConfigRecord({"context": self.context, "layout": layout,
-                                              "senders": [s.sender for s in got], "sealed": [s.sealed for s in got]})
+            cid = sent[m.metadata.dst_node_id]
+            got, keys = self.routed.get(cid, []), self.keys.get(cid, [])
+            m.content[RECORD] = ConfigRecord({
+                "context": self.context, "layout": layout, "senders": [s.sender for s in got],
+                "sealed": [s.sealed for s in got], "ids": [a.client_id for a in keys],
+                "encryption_keys": [a.encryption_key for a in keys], "masking_keys": [a.masking_key for a in keys],
+                "signatures": [self.signatures[a.client_id] for a in keys]})
 
     def finish(self, updates: list[Any]) -> tuple[list[Any], dict[int, str], dict[str, Any]]:
-        """Stage 4 with the nodes of the survivors, then :meth:`SecureRoundServer.finish`."""
-        return super().finish(updates, self.reveal)
+        """The consistency check and unmasking with the nodes of the survivors, then
+        :meth:`SecureRoundServer.finish`."""
+        return super().finish(updates, self.check, self.reveal)
 
-    def reveal(self, request: UnmaskRequest) -> list[ShareReveal]:
-        answers = self._ask(list(request.survivors), "unmask", lambda c: {
-            "survivors": list(request.survivors), "dropped": list(request.dropped)})
-        for c in request.survivors:
-            self.received[c] += 8 * (len(request.survivors) + len(request.dropped))
+    @staticmethod
+    def _lists(request: UnmaskRequest) -> dict[str, list[int]]:
+        return {"survivors": list(request.survivors), "dropped": list(request.dropped)}
+
+    def check(self, request: UnmaskRequest) -> list[SurvivorSignature]:
+        """The survivors' signatures of the survivor list (each survivor is sent ``U3``)."""
+        answers = self._ask(list(request.survivors), "check", lambda c: self._lists(request))
+        return [SurvivorSignature(cid, bytes(a["signature"])) for cid, a in sorted(answers.items())]
+
+    def reveal(self, request: UnmaskRequest, signatures: dict[int, bytes]) -> list[ShareReveal]:
+        """The shares the signers reveal once each is sent every survivor's signature of ``U3``."""
+        signers = sorted(signatures)
+        answers = self._ask(signers, "unmask", lambda c: {
+            **self._lists(request), "signers": signers, "signatures": [signatures[v] for v in signers]})
         return [ShareReveal(cid, int(o), str(k), int(i), bytes(s)) for cid, a in sorted(answers.items())
                 for o, k, i, s in zip(a["owners"], a["kinds"], a["indices"], a["shares"], strict=True)]
 
 
 def train_secure(executor: Any, loop: Any, rnd: int, sampled: list[int], lr: float,
                  bar: Any) -> tuple[list[Any], dict[int, int], dict[int, str]]:
-    """:meth:`FlowerExecutor.train` under SecAgg+: the four stages around the ``train`` messages."""
+    """:meth:`FlowerExecutor.train` under SecAgg+: the stages around the ``train`` messages."""
     from flwr.app import ArrayRecord
 
     adapter = executor.adapter
@@ -271,6 +388,8 @@ def train_secure(executor: Any, loop: Any, rnd: int, sampled: list[int], lr: flo
     updates, lost, record = secure.finish(updates)
     for cid, why in {**secure.lost, **lost}.items():
         dropped.setdefault(cid, why)  # a client that failed on its node keeps that reason
+    for cid in dropped:  # it says hello again when next sampled (its worker may have restarted, with a new key)
+        _KNOWN_KEYS.pop((executor.token, cid), None)
     for u in updates:
         u.wire_bytes += secure.sent.get(u.client_id, 0)
     for cid, extra in secure.received.items():

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedllm.privacy.secagg import SecAggClient, SecAggError, SecAggParams, SecAggServer, crypto, masks
+from fedllm.privacy.secagg import SecAggClient, SecAggError, SecAggParams, SecAggServer, crypto, identity, masks
 from fedllm.privacy.secagg.encoding import decode, encode, layout_of
 from fedllm.privacy.secagg.graph import neighbour_graph
+from fedllm.privacy.secagg.messages import SurvivorSignature
 from fedllm.privacy.secagg.quantize import dequantize_sum, quantize
 from fedllm.privacy.secagg.rounds import secure_sum
 
@@ -25,9 +26,11 @@ def exact_sum(inputs, skip=()):
 
 
 def staged(params=P, ids=IDS):
-    """Clients and server after the key and share exchange; returns (clients, server, routed shares)."""
-    clients = {c: SecAggClient(c, params, ids, b"graph", b"ctx") for c in ids}
-    server = SecAggServer(params, ids, b"graph", b"ctx")
+    """Clients (with simulated identity keys) and server after the key and share exchange; returns (clients, server,
+    routed shares)."""
+    who, registered = identity.simulated(ids)
+    clients = {c: SecAggClient(c, params, ids, b"graph", b"ctx", who[c]) for c in ids}
+    server = SecAggServer(params, ids, b"graph", b"ctx", registered)
     keys = server.route_keys([c.advertise() for c in clients.values()])
     routed = server.route_shares([s for c in clients.values() for s in c.share_keys(keys[c.id])])
     return clients, server, routed
@@ -135,7 +138,9 @@ def test_secagg_too_few_shares_fail_loudly():
     clients, server, routed = staged()
     inputs = words(6)
     request = server.collect_masked([clients[c].mask(inputs[c], routed[c]) for c in IDS if c != 0])
-    reveals = [r for c in request.survivors for r in clients[c].unmask(request) if r.owner != 0 or r.holder == 1]
+    signatures = server.collect_signatures([SurvivorSignature(c, clients[c].check(request)) for c in request.survivors])
+    reveals = [r for c in request.survivors for r in clients[c].unmask(request, signatures)
+               if r.owner != 0 or r.holder == 1]
     with pytest.raises(SecAggError, match="1 shares of client 0's masking key arrived, fewer than the share thres"):
         server.unmask(reveals)
 
@@ -148,7 +153,9 @@ def test_secagg_a_client_never_reveals_both_secrets_of_a_neighbour():
     from fedllm.privacy.secagg import UnmaskRequest
 
     with pytest.raises(SecAggError, match="both secrets"):
-        clients[0].unmask(UnmaskRequest(tuple(IDS), (clients[0].neighbours[0],)))
+        clients[0].check(UnmaskRequest(tuple(IDS), (clients[0].neighbours[0],)))
+    with pytest.raises(SecAggError, match="not the list it signed"):  # unsigned: nothing revealed
+        clients[0].unmask(UnmaskRequest(tuple(IDS), (clients[0].neighbours[0],)), {})
 
 
 def test_secagg_shares_are_authenticated():

@@ -10,15 +10,22 @@ between fedllm's Flower ServerApp and its node workers (:mod:`fedllm.flower.seca
 - :mod:`.masks`: uniform integers modulo ``2^mod_bits`` expanded from a 256-bit seed by ChaCha20;
 - :mod:`.crypto`: X25519 key agreement, HKDF, ChaCha20-Poly1305 and Shamir sharing (pycryptodome);
 - :mod:`.graph`: the neighbour graph (a random Harary graph from a public round seed);
-- :mod:`.client` / :mod:`.server`: the four stages on each side — key advertisement, encrypted share exchange,
-  masked input collection, unmasking;
+- :mod:`.client` / :mod:`.server`: the stages on each side — key advertisement, encrypted share exchange,
+  masked input collection, the consistency check of the survivor list (Bonawitz et al., CCS 2017, §4), unmasking;
 - :mod:`.rounds`: one whole run of the stages among in-process clients (tests, benchmarks);
-- :mod:`.identity`: a client's public keys signed with its node key and verified against the registered ones
-  (Flower deployments: :mod:`fedllm.flower.secagg_stages`).
+- :mod:`.identity`: a client's public keys and its survivor list signed with its node key and verified against the
+  registered ones (Flower deployments: :mod:`fedllm.flower.secagg_stages`; simulated keys in simulation).
 """
 
 from fedllm.privacy.secagg.client import SecAggClient
-from fedllm.privacy.secagg.messages import EncryptedShare, KeyAdvert, MaskedInput, ShareReveal, UnmaskRequest
+from fedllm.privacy.secagg.messages import (
+    EncryptedShare,
+    KeyAdvert,
+    MaskedInput,
+    ShareReveal,
+    SurvivorSignature,
+    UnmaskRequest,
+)
 from fedllm.privacy.secagg.params import SecAggError, SecAggParams
 from fedllm.privacy.secagg.server import SecAggServer
 
@@ -31,5 +38,6 @@ __all__ = [
     "SecAggParams",
     "SecAggServer",
     "ShareReveal",
+    "SurvivorSignature",
     "UnmaskRequest",
 ]

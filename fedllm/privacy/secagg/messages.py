@@ -37,10 +37,20 @@ class MaskedInput:
 
 @dataclass(frozen=True)
 class UnmaskRequest:
-    """Stage 4, server → surviving clients: who sent a masked input and who was lost after sharing."""
+    """Consistency check and stage 4, server → surviving clients: who sent a masked input (``U3``) and who was lost
+    after sharing (``U2 − U3``)."""
 
     survivors: tuple[int, ...]
     dropped: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SurvivorSignature:
+    """Consistency check, client → server → every survivor: a survivor's signature over the round's context and the
+    survivor list ``U3`` it was sent (Bonawitz et al., CCS 2017, §4, ConsistencyCheck)."""
+
+    client_id: int
+    signature: bytes  # DER ECDSA P-384/SHA-384 with its (node) identity key; empty when it has none
 
 
 @dataclass(frozen=True)

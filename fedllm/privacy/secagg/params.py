@@ -61,6 +61,28 @@ class SecAggParams:
             )
         return out
 
+    def quorum(self, num_clients: int) -> int:
+        """``q``: valid signatures over one survivor list a client needs before it reveals any share (the
+        consistency check, :meth:`fedllm.privacy.secagg.SecAggClient.unmask`; also the fewest survivors a round
+        completes with).
+
+        Each honest client signs one list per round, and clients colluding with the server sign any; two different
+        lists can both gather ``q`` signatures only if at least ``2q − n`` of the round's ``n`` clients collude.
+        ``q = max(t, min(n − max_dropouts, ⌊(n + t − 1)/2⌋ + 1))``: at least the threshold (Bonawitz et al., CCS
+        2017, §4, checks ``t``; in SecAgg+'s sparse graph ``t`` counts *neighbours*, and two disjoint groups of
+        ``t`` could each reach it), large enough that the ``t − 1`` colluders of the threat model cannot make two
+        quorums, but never more than an honest round with ``max_dropouts`` lost still has (then fewer colluders are
+        tolerated: ``2q − n − 1``). Always a strict majority of ``n``.
+        """
+        n, t = num_clients, self.threshold
+        return max(t, min(n - self.max_dropouts, (n + t - 1) // 2 + 1))
+
+    def quorum_text(self, num_clients: int) -> str:
+        """The quorum of a round of ``num_clients`` and how it is made, for messages."""
+        return (f"the consistency quorum {self.quorum(num_clients)} (max(threshold {self.threshold}, min(clients "
+                f"{num_clients} - max_dropouts {self.max_dropouts}, a majority large enough against threshold - 1 "
+                "colluders)))")
+
     def effective_neighbours(self, num_clients: int) -> int:
         """Neighbours per client in a round of ``num_clients``: ``k`` rounded up to even, capped at ``n − 1``
         (:func:`fedllm.privacy.secagg.graph.neighbour_graph`)."""

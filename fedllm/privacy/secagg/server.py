@@ -4,8 +4,11 @@ nothing else about any one input (Bell et al., CCS 2020; semi-honest server, up 
 per neighbourhood).
 
 Sets of clients as in the paper: ``U1`` advertised keys, ``U2 ⊆ U1`` sent their shares, ``U3 ⊆ U2`` sent a
-masked input. The round completes when at most ``max_dropouts`` clients of ``U2`` are missing from ``U3`` and
-every needed secret gets ``threshold`` shares; otherwise :class:`SecAggError` says which and why.
+masked input, ``U4 ⊆ U3`` signed the survivor list ``U3`` in the consistency check (Bonawitz et al., CCS 2017, §4:
+the server forwards the signatures, and a client reveals its shares only when a quorum of them verify over the list
+it signed itself). The round completes when at most ``max_dropouts`` clients of ``U2`` are missing from ``U3``, a
+quorum (:meth:`SecAggParams.quorum`) signed ``U3`` and every needed secret gets ``threshold`` shares; otherwise
+:class:`SecAggError` says which and why.
 """
 
 from __future__ import annotations
@@ -14,18 +17,28 @@ from collections import defaultdict
 
 import numpy as np
 
-from fedllm.privacy.secagg import crypto, masks
+from fedllm.privacy.secagg import crypto, identity, masks
 from fedllm.privacy.secagg.client import mask_sign, pair_info
 from fedllm.privacy.secagg.graph import neighbour_graph
-from fedllm.privacy.secagg.messages import EncryptedShare, KeyAdvert, MaskedInput, ShareReveal, UnmaskRequest
+from fedllm.privacy.secagg.messages import (
+    EncryptedShare,
+    KeyAdvert,
+    MaskedInput,
+    ShareReveal,
+    SurvivorSignature,
+    UnmaskRequest,
+)
 from fedllm.privacy.secagg.params import SecAggError, SecAggParams
 from fedllm.privacy.secagg.quantize import word_dtype
 
 
 class SecAggServer:
-    """The server's state in one round (see the module docstring); arguments as :class:`SecAggClient`'s."""
+    """The server's state in one round (see the module docstring); arguments as :class:`SecAggClient`'s, and
+    ``peer_keys``: the registered public keys the survivors' signatures are checked against (``None``: unchecked here;
+    the clients check them)."""
 
-    def __init__(self, params: SecAggParams, client_ids: list[int], graph_seed: bytes, context: bytes):
+    def __init__(self, params: SecAggParams, client_ids: list[int], graph_seed: bytes, context: bytes,
+                 peer_keys: dict | None = None):
         problems = params.problems(len(set(client_ids)))
         if problems:
             raise SecAggError("; ".join(f"{key} must be {what}" for key, what in problems))
@@ -35,11 +48,18 @@ class SecAggServer:
         self.u2: set[int] = set()
         self.inputs: dict[int, np.ndarray] = {}
         self.request: UnmaskRequest | None = None
+        self.round_size, self.peer_keys = len(set(client_ids)), peer_keys
+        self.signers: dict[int, bytes] = {}  # U4: who signed U3, and their signatures
 
     # stage 1
     def route_keys(self, adverts: list[KeyAdvert]) -> dict[int, list[KeyAdvert]]:
         """Each advertising client's neighbours' keys (``U1``: the clients that advertised)."""
         self.adverts = {a.client_id: a for a in adverts if a.client_id in self.graph}
+        if len(self.adverts) < self.params.quorum(self.round_size):
+            raise SecAggError(
+                f"{len(self.adverts)} clients advertised keys, fewer than {self.params.quorum_text(self.round_size)}: "
+                "the round cannot complete"
+            )
         out = {u: [self.adverts[v] for v in self.graph[u] if v in self.adverts] for u in self.adverts}
         self._enough({u: len(v) for u, v in out.items()}, "neighbours advertised keys")
         return out
@@ -71,20 +91,49 @@ class SecAggServer:
             )
         if not self.inputs:
             raise SecAggError("no masked input arrived")
+        quorum = self.params.quorum(self.round_size)
+        if len(self.inputs) < quorum:  # the survivors would refuse to sign (SecAggClient.check)
+            raise SecAggError(
+                f"{len(self.inputs)} masked inputs arrived, fewer than {self.params.quorum_text(self.round_size)}: "
+                "the survivors would refuse to sign their list, the round cannot complete"
+            )
         self.request = UnmaskRequest(tuple(sorted(self.inputs)), dropped)
         return self.request
+
+    # consistency check
+    def collect_signatures(self, signatures: list[SurvivorSignature]) -> dict[int, bytes]:
+        """The survivors' signatures of ``U3`` to forward to each of them (``U4``: the survivors that signed, and
+        whose signature verifies when the server holds the registered keys); fewer than the quorum fail the round."""
+        if self.request is None:
+            raise SecAggError("consistency check before the masked inputs were collected")
+        got = {s.client_id: s.signature for s in signatures if s.client_id in self.request.survivors}
+        refused: dict[int, str] = {}
+        if self.peer_keys is not None:
+            valid, refused = identity.survivor_signers(self.peer_keys, self.context, self.request.survivors, got)
+            got = {c: got[c] for c in valid}
+        quorum = self.params.quorum(self.round_size)
+        if len(got) < quorum:
+            why = "".join(f"; client {c}: {r}" for c, r in refused.items())
+            raise SecAggError(
+                f"{len(got)} survivors signed the survivor list, fewer than {self.params.quorum_text(self.round_size)}"
+                f"{why}: the round cannot complete"
+            )
+        self.signers = got
+        return got
 
     # stage 4
     def unmask(self, reveals: list[ShareReveal]) -> np.ndarray:
         """``Σ_{u ∈ U3} x_u mod 2^mod_bits`` from the masked inputs and the survivors' revealed shares."""
         if self.request is None:
             raise SecAggError("unmask before the masked inputs were collected")
+        if not self.signers:
+            raise SecAggError("unmask before the survivors signed their list (the consistency check)")
         survivors, dropped = set(self.request.survivors), set(self.request.dropped)
         dtype = word_dtype(self.params)
         got: dict[tuple[int, str], dict[int, bytes]] = defaultdict(dict)
         for r in reveals:
             wanted = (r.kind == "seed" and r.owner in survivors) or (r.kind == "key" and r.owner in dropped)
-            if wanted and r.holder in survivors and r.holder in self.graph.get(r.owner, ()):
+            if wanted and r.holder in self.signers and r.holder in self.graph.get(r.owner, ()):
                 got[(r.owner, r.kind)][r.index] = r.share
         total = np.zeros(next(iter(self.inputs.values())).size, dtype=dtype)
         for y in self.inputs.values():
