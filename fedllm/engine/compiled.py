@@ -130,6 +130,7 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
     if cfg.compile == "cudagraphs" and device.type != "cuda":
         raise ValueError(f"train.compile: cudagraphs needs the model on a GPU (it is on {device}); use true or false")
     key = (cfg.compile, BACKEND)
+    before = [layer._compiled_call_impl for layer in layers]  # None, unless a caller compiled them itself
     new = sum(_compile_in_place(layer, key) for layer in layers)
     if new:
         log.info("train.compile: %s: %d %s layers compiled (%s backend%s, dynamic=False); micro-batches padded to "
@@ -151,8 +152,8 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
     finally:
         if hook is not None:
             hook.remove()
-        for layer in layers:
-            layer._compiled_call_impl = None
+        for layer, call in zip(layers, before, strict=True):
+            layer._compiled_call_impl = call
 
 
 def compile_choice(cfg: TrainConfig) -> dict[str, object]:
