@@ -17,7 +17,8 @@ not pay (docs/performance.md). This module holds the three pieces a federated ru
   ``labels`` -100): no position attends to it and no loss reads it.
 - with ``cudagraphs``, :func:`torch.compiler.cudagraph_mark_step_begin` before each forward pass (a pre-hook on the
   first layer): a replay overwrites the previous step's outputs, and fedllm's client reads the logged loss (computed
-  outside the layers) before the next micro-batch.
+  outside the layers) before the next micro-batch. One micro-batch per optimizer step only (``train.grad_accum: 1``):
+  a replay's parameter gradients may live in the graph's memory, which the next micro-batch's replay reuses.
 
 What cannot hold is refused at recipe load (:mod:`fedllm.recipe.compile_checks`).
 """
@@ -111,6 +112,11 @@ def _compile_in_place(layer: torch.nn.Module, key: tuple) -> bool:
     return True
 
 
+def on_gpu(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU (what ``cudagraphs`` needs)."""
+    return device.type == "cuda"
+
+
 @contextlib.contextmanager
 def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None]:
     """Context: ``model``'s repeated blocks compiled under ``train.compile`` while a client trains; eager again on
@@ -127,7 +133,7 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
         raise ValueError("train.compile: the model has no repeated decoder layers to compile; set train.compile: "
                          "false")
     device = next(model.parameters()).device
-    if cfg.compile == "cudagraphs" and device.type != "cuda":
+    if cfg.compile == "cudagraphs" and not on_gpu(device):
         raise ValueError(f"train.compile: cudagraphs needs the model on a GPU (it is on {device}); use true or false")
     key = (cfg.compile, BACKEND)
     before = [layer._compiled_call_impl for layer in layers]  # None, unless a caller compiled them itself

@@ -8,6 +8,9 @@ Refused, with the reason:
   padded ends to bound: its rows take every width);
 * ``cudagraphs`` without the model on one GPU (``model.device_map: cuda`` or ``cuda:N``): CUDA graphs capture CUDA
   kernels; a CPU has none, and ``auto`` may spread the layers over several devices and the CPU;
+* ``cudagraphs`` with ``train.grad_accum > 1``: the parameter gradients of one micro-batch's replay may be the
+  graph's own output memory, which the next micro-batch's replay reuses before the optimizer step reads them; not
+  checked on a GPU, so refused;
 * ``train.compile`` with ``train.packing``: packed rows take any width up to their capacity (each width a compiled
   graph of its own, ``dynamic=False``), and the padding that bounds the widths is what packing removes;
 * ``train.compile`` with ``train.clients_per_pass > 1``: the batched pass (:mod:`fedllm.engine.batched_clients`)
@@ -42,6 +45,10 @@ def compile_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     if given == "cudagraphs" and device_map.split(":")[0] != "cuda":
         expected = (f"true or false with model.device_map: {r.model.device_map or 'null'} (CUDA graphs need the "
                     "model on one GPU: model.device_map: cuda)")
+        p.append(("train.compile", given, expected))
+    if given == "cudagraphs" and tr.grad_accum > 1:
+        expected = (f"true or false with train.grad_accum: {tr.grad_accum} (a replay's gradients may live in memory the "
+                    "next micro-batch's replay reuses; not checked on a GPU)")
         p.append(("train.compile", given, expected))
     reasons = []
     if tr.packing:

@@ -96,9 +96,9 @@ def test_layers_are_compiled_only_inside_training_and_reused(tiny, eager_backend
         assert [x._compiled_call_impl for x in layers] == first
         tiny(input_ids=ids)
     assert eager_backend["stats"]["unique_graphs"] == graphs
-    with pytest.raises(ValueError, match="cudagraphs needs the model on a GPU"):
-        with compiled.compiled_training(tiny, TrainConfig(compile="cudagraphs")):
-            pass
+    with pytest.raises(ValueError, match="cudagraphs needs the model on a GPU"), \
+            compiled.compiled_training(tiny, TrainConfig(compile="cudagraphs")):
+        pass
 
 
 def test_a_compiled_run_equals_the_eager_run_bit_for_bit(tiny_recipe, ragged_file, tmp_path, eager_backend):
@@ -122,8 +122,25 @@ def test_a_compiled_run_equals_the_eager_run_bit_for_bit(tiny_recipe, ragged_fil
         assert all(torch.equal(a[f][k], b[f][k]) for k in a[f]), f
 
 
+def test_cudagraphs_marks_a_new_step_before_each_forward_pass(tiny, eager_backend, monkeypatch):
+    """One ``cudagraph_mark_step_begin`` per forward pass (per micro-batch), none after the client's training (the GPU
+    check is bypassed: the eager backend captures no CUDA graph)."""
+    marks = []
+    monkeypatch.setattr(compiled, "on_gpu", lambda device: True)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    ids = torch.randint(3, 100, (2, 64), generator=torch.Generator().manual_seed(0))
+    with compiled.compiled_training(tiny, TrainConfig(compile="cudagraphs")):
+        tiny(input_ids=ids)
+        tiny(input_ids=ids)
+    assert len(marks) == 2
+    tiny(input_ids=ids)
+    assert len(marks) == 2
+
+
 REFUSED = [
     ({"train": {"compile": "cudagraphs"}}, "train.compile", "model.device_map: null (CUDA graphs need"),
+    ({"train": {"compile": "cudagraphs", "grad_accum": 2}, "model": {"name": "tiny-llama", "device_map": "cuda"}},
+     "train.compile", "with train.grad_accum: 2"),
     ({"train": {"compile": True, "packing": True}}, "train.compile", "false with train.packing"),
     ({"train": {"compile": True, "clients_per_pass": 2}}, "train.compile", "false with train.clients_per_pass: 2"),
     ({"train": {"compile": True}, "privacy": {"mechanism": "dp_sgd", "noise_multiplier": 1.0}}, "train.compile",
@@ -134,7 +151,7 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("section,key,why", REFUSED, ids=["cudagraphs-cpu", "packing", "clients_per_pass", "dp_sgd",
+@pytest.mark.parametrize("section,key,why", REFUSED, ids=["cudagraphs-cpu", "cudagraphs-grad_accum", "packing", "clients_per_pass", "dp_sgd",
                                                           "integer", "zero", "pad-packing"])
 def test_what_cannot_hold_is_refused_at_recipe_load(tiny_recipe, section, key, why):
     from fedllm.recipe.checks import parse_recipe
