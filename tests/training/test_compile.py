@@ -137,6 +137,27 @@ def test_cudagraphs_marks_a_new_step_before_each_forward_pass(tiny, eager_backen
     assert len(marks) == 2
 
 
+def test_a_compiled_run_resumes_bit_exactly(tiny_recipe, ragged_file, tmp_path, eager_backend, crash_at_round):
+    from fedllm.engine.server import run
+    from fedllm.recipe.checks import parse_recipe
+
+    def recipe(name):
+        return parse_recipe(tiny_recipe(output_dir=str(tmp_path / name), data={"path": str(ragged_file)},
+                                        federation={"rounds": 3}, train={"max_length": 96, "compile": True},
+                                        checkpoint={"every": 1}))
+
+    full = run(recipe("full"))
+    cut = recipe("cut")
+    crash_at_round(2)
+    with pytest.raises(RuntimeError, match="power cut"):
+        run(cut)
+    crash_at_round(None)
+    resumed = run(cut, resume=True)
+    a = load_file(str(full.run_dir / "final" / "adapter.safetensors"))
+    b = load_file(str(resumed.run_dir / "final" / "adapter.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 REFUSED = [
     ({"train": {"compile": "cudagraphs"}}, "train.compile", "model.device_map: null (CUDA graphs need"),
     ({"train": {"compile": "cudagraphs", "grad_accum": 2}, "model": {"name": "tiny-llama", "device_map": "cuda"}},
