@@ -16,8 +16,8 @@ not pay (docs/performance.md). This module holds the three pieces a federated ru
   ``max_length / 64 + 1`` widths. The padding is right padding as collate's own (``attention_mask`` 0,
   ``labels`` -100): no position attends to it and no loss reads it.
 - with ``cudagraphs``, :func:`torch.compiler.cudagraph_mark_step_begin` before each forward pass (a pre-hook on the
-  first layer): a replay overwrites the previous step's outputs, and fedllm's client reads the logged loss (computed
-  outside the layers) before the next micro-batch. One micro-batch per optimizer step only (``train.grad_accum: 1``):
+  decoder that runs the layers, outside every compiled graph): a replay overwrites the previous step's outputs, and
+  fedllm's client reads the logged loss (computed outside the layers) before the next micro-batch. One micro-batch per optimizer step only (``train.grad_accum: 1``):
   a replay's parameter gradients may live in the graph's memory, which the next micro-batch's replay reuses.
 
 What cannot hold is refused at recipe load (:mod:`fedllm.recipe.compile_checks`).
@@ -137,14 +137,6 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
         raise ValueError(f"train.compile: cudagraphs needs the model on a GPU (it is on {device}); use true or false")
     key = (cfg.compile, BACKEND)
     before = [layer._compiled_call_impl for layer in layers]  # None, unless a caller compiled them itself
-    new = sum(_compile_in_place(layer, key) for layer in layers)
-    if new:
-        log.info("train.compile: %s: %d %s layers compiled (%s backend%s, dynamic=False); micro-batches padded to "
-                 "multiples of %d: at most %d widths", cfg.compile, new, type(layers[0]).__name__, BACKEND,
-                 f", mode {MODES[cfg.compile]}" if MODES[cfg.compile] else "", pad_multiple(cfg), widths(cfg))
-    hook = None
-    if cfg.compile == "cudagraphs":
-        hook = layers[0].register_forward_pre_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
     import torch._dynamo
 
     # a graph per width and per variant of the layer (the first layer's input needs no gradient, the others' do;
@@ -152,7 +144,16 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
     config = torch._dynamo.config
     limits = {"recompile_limit": max(config.recompile_limit, VARIANTS_PER_WIDTH * widths(cfg)),
               "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 2 * VARIANTS_PER_WIDTH * widths(cfg))}
+    hook = None
     try:
+        new = sum(_compile_in_place(layer, key) for layer in layers)
+        if new:
+            log.info("train.compile: %s: %d %s layers compiled (%s backend%s, dynamic=False); micro-batches padded "
+                     "to multiples of %d: at most %d widths", cfg.compile, new, type(layers[0]).__name__, BACKEND,
+                     f", mode {MODES[cfg.compile]}" if MODES[cfg.compile] else "", pad_multiple(cfg), widths(cfg))
+        if cfg.compile == "cudagraphs":  # on the (eager) module that runs the layers: outside every compiled graph
+            hook = stack_owner(model, layers[0]).register_forward_pre_hook(
+                lambda *_: torch.compiler.cudagraph_mark_step_begin())
         with config.patch(**limits):
             yield
     finally:
@@ -160,6 +161,16 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
             hook.remove()
         for layer, call in zip(layers, before, strict=True):
             layer._compiled_call_impl = call
+
+
+def stack_owner(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module:
+    """The module whose ``ModuleList`` holds ``layer`` (a decoder, e.g. ``LlamaModel``): it runs every layer once per
+    forward pass, and is not compiled itself."""
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, torch.nn.ModuleList) and any(m is layer for m in child):
+                return module
+    raise ValueError(f"no module holds {type(layer).__name__} in a ModuleList")
 
 
 def compile_choice(cfg: TrainConfig) -> dict[str, object]:
