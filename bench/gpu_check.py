@@ -188,7 +188,7 @@ def recipe_for(model_dir: Path, data: Path, out: Path, strategy: str, config: st
                        "strategy": strategy, "strategy_args": dict(STRATEGIES[strategy]),
                        "partition": {"method": "iid"}},
         "train": {"local_steps": w["steps"], "batch_size": w["batch"], "max_length": w["max_length"],
-                  "lr": 1.0e-3, "dtype": train_dtype},
+                  "lr": 1.0e-3, "dtype": train_dtype, "compile": w.get("compile", False)},
         "logging": {"progress": False, "quiet": True},
     }, source=f"<gpu_check {model_dir.name} {config} {strategy}>")
 
@@ -454,6 +454,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=330.0, help="start no further run after this many seconds")
     p.add_argument("--profile", default=None, help="profile the last round of the first run (torch.profiler and "
                                                    "cProfile summaries to this file) and stop after that run")
+    p.add_argument("--compile", choices=["false", "true", "cudagraphs"], default="false", help="train.compile of every run")
     p.add_argument("--work-dir", default=None, help="where models, data and run directories go (default: a temp dir)")
     args = p.parse_args(argv)
     if args.device is None:
@@ -531,9 +532,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             skipped += [f"{k} {c} {s}{' big' if b else ''}: over --budget-s {args.budget_s:g}"
                         for k, c, s, b in plan[i:]]
             break
-        w = workload(args, big)
+        w = {**workload(args, big), "compile": {"false": False, "true": True}.get(args.compile, args.compile)}
         row: dict[str, Any] = {"model": key, "config": config, "strategy": strategy, "batch": w["batch"],
-                               "max_length": w["max_length"]}
+                               "max_length": w["max_length"], "compile": w["compile"]}
         try:
             if key not in built:
                 t0 = time.perf_counter()

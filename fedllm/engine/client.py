@@ -21,6 +21,7 @@ import torch
 from fedllm.data.collate import is_pair_batch
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
 from fedllm.data.packing import PACKING_MODEL_TYPES, pack_batch
+from fedllm.engine.compiled import compiled_training, padded_to_multiple
 from fedllm.engine.compressed_rounds import compress_upload
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
 from fedllm.models.flops import TrainedWork
@@ -238,7 +239,7 @@ def micro_batch(collate: Callable[[list[dict]], dict], items: list[dict], cfg: T
                 row_length: int | None = None) -> tuple[dict, int]:
     """One training micro-batch and its real tokens: ``collate``'s padded batch, packed under ``train.packing``
     (rows of ``row_length``: :func:`packed_row_length`)."""
-    batch = collate(items)
+    batch = padded_to_multiple(collate(items), cfg)  # train.pad_to_multiple_of (few widths to compile)
     tokens = batch["input_ids"].numel()
     if "attention_mask" in batch:  # right-padded (every collate fedllm hands a client)
         padded, _ = padded_positions(batch["attention_mask"])
@@ -293,6 +294,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     original_flags = {name: p.requires_grad for name, p in params.items()}
     model.train()
     restore = contextlib.ExitStack()
+    restore.enter_context(compiled_training(model, cfg))  # train.compile: the decoder layers compiled
     restore.enter_context(lora_input_casts_skipped(model, cfg))
     row_length = None
     if cfg.packing:

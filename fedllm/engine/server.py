@@ -31,6 +31,7 @@ from fedllm.data.collate import collate  # the function (the package attribute i
 from fedllm.engine import client_faults
 from fedllm.engine.batched_clients import client_passes, run_clients
 from fedllm.engine.client import micro_batch_loss, run_client
+from fedllm.engine.compiled import compile_choice
 from fedllm.engine.compressed_rounds import Downlink
 from fedllm.engine.distributed import Dispatch
 from fedllm.engine.reference import (
@@ -619,6 +620,7 @@ class RoundLoop:
             "seconds": round(sum(h.get("seconds", 0) for h in rounds), 3),
             "threads": threads.in_effect(),
             "dtype": self.fed.dtypes or {"train": self.recipe.train.dtype, "model": self.recipe.model.dtype},
+            "compile": compile_choice(self.recipe.train),  # train.compile, its backend and micro-batch width multiple
             "throughput": self.throughput.run_summary(rounds),
             "startup_seconds": self.startup.get("seconds"), "startup": self.startup,
             "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},

@@ -172,6 +172,8 @@ class TrainConfig:
     group_by_length: bool = doc(False, "order each client's micro-batches so similar lengths share one (seeded; less padding)")
     packing: bool = doc(False, "padding-free: each micro-batch's examples end to end in one row, per-sequence position ids, no token attending across sequences (same examples and loss as padded; causal LMs, sft)")
     clients_per_pass: int = doc(1, "train this many sampled clients of a process together in one batched pass")
+    compile: Literal[False, True, "cudagraphs"] = doc(False, "torch.compile the decoder layers while a client trains (evaluation, generation and export stay eager): false; true (inductor); cudagraphs (inductor + CUDA graphs, mode reduce-overhead; one GPU: model.device_map cuda). Pays on a GPU (docs/gpu.md), not on the CPU quickstart (docs/performance.md)")
+    pad_to_multiple_of: Optional[int] = doc(None, "right-pad each micro-batch's width up to a multiple of this (masked: the loss is unchanged), at most to train.max_length, so a compiled run sees few widths; default: 64 with train.compile, else 1 (no padding)")
     threads: Optional[int] = doc(None, "CPU threads of this process; default: usable cores / local processes "
                                        "(env FEDLLM_THREADS overrides; see fedllm.common.threads)")
     objective: Literal["sft", "dpo"] = doc("sft", "what a local step minimises: sft (next-token loss on the answer) or dpo (a pairwise preference loss of train.preference on data.format: preference)")

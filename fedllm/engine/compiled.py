@@ -1,0 +1,179 @@
+"""``train.compile``: a client's training through compiled decoder layers, on micro-batches of few widths.
+
+On a GPU fedllm's client step is host-bound: about 4,000 kernel launches per micro-batch, the GPU busy ~15 ms of
+136 (docs/gpu.md). ``torch.compile`` of each decoder layer (inductor) fuses them: one bf16 step 1.7–2.3× faster on
+an H100, 2.5–6× with CUDA graphs (``mode="reduce-overhead"``; ``bench/gpu_step.py``). On the CPU quickstart it does
+not pay (docs/performance.md). This module holds the three pieces a federated run needs:
+
+- :func:`compiled_training`: a context that compiles every repeated block of the model (its decoder layers) in
+  place with ``nn.Module.compile(dynamic=False)`` while a client trains, and restores the eager call on exit, so
+  evaluation, generation and export never run a compiled graph. ``nn.Module.compile`` sets the module's
+  ``_compiled_call_impl`` and wraps nothing: parameter names, state dicts and saved adapters keep their keys (no
+  ``_orig_mod.`` prefix). The compiled callable is kept with its layer and set again by the next client, so one
+  process compiles each width once, not once per client.
+- :func:`padded_to_multiple`: ``dynamic=False`` compiles one graph per micro-batch width; each batch's width is
+  padded up to a multiple of ``train.pad_to_multiple_of`` (64 under ``train.compile``), so a run sees at most
+  ``max_length / 64 + 1`` widths. The padding is right padding as collate's own (``attention_mask`` 0,
+  ``labels`` -100): no position attends to it and no loss reads it.
+- with ``cudagraphs``, :func:`torch.compiler.cudagraph_mark_step_begin` before each forward pass (a pre-hook on the
+  decoder that runs the layers, outside every compiled graph): a replay overwrites the previous step's outputs, and
+  fedllm's client reads the logged loss (computed outside the layers) before the next micro-batch. One micro-batch per optimizer step only (``train.grad_accum: 1``):
+  a replay's parameter gradients may live in the graph's memory, which the next micro-batch's replay reuses.
+
+What cannot hold is refused at recipe load (:mod:`fedllm.recipe.compile_checks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from fedllm.data.tokens import IGNORE_INDEX
+from fedllm.recipe.schema import TrainConfig
+
+log = logging.getLogger("fedllm")
+
+#: Width multiple of ``train.pad_to_multiple_of: null`` under ``train.compile``.
+DEFAULT_MULTIPLE = 64
+#: ``torch.compile`` backend; tests set "eager" (dynamo's tracing and guards, no inductor code generation).
+BACKEND = "inductor"
+#: ``train.compile`` -> inductor's mode.
+MODES: dict[object, str | None] = {True: None, "cudagraphs": "reduce-overhead"}
+#: Graphs dynamo may compile per micro-batch width (room above the 2 of a LLaMA and the 4 of a Gemma 3).
+VARIANTS_PER_WIDTH = 8
+#: Fill value of each per-position key of a padded batch (collate's right padding; any id is masked out).
+PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}
+
+
+def pad_multiple(cfg: TrainConfig) -> int:
+    """The width multiple a micro-batch is padded to: ``train.pad_to_multiple_of``, default 64 under
+    ``train.compile`` and 1 (no padding: today's batches, bit for bit) otherwise."""
+    if cfg.pad_to_multiple_of is not None:
+        return cfg.pad_to_multiple_of
+    return DEFAULT_MULTIPLE if cfg.compile else 1
+
+
+def padded_width(width: int, multiple: int, max_length: int) -> int:
+    """``width`` rounded up to ``multiple``, never past ``max(width, max_length)``."""
+    return min(math.ceil(width / multiple) * multiple, max(width, max_length))
+
+
+def padded_to_multiple(batch: dict[str, torch.Tensor], cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """``batch`` with its per-position tensors right-padded to :func:`padded_width` (the same dict when no padding
+    is due). Rows are right-padded as collate pads them: masked, never attended to, never in the loss."""
+    width = batch["input_ids"].shape[-1]
+    target = padded_width(width, pad_multiple(cfg), cfg.max_length)
+    if target == width:
+        return batch
+    out = dict(batch)
+    for key, value in PAD_VALUES.items():
+        if key in batch and batch[key].dim() == 2 and batch[key].shape[1] == width:
+            out[key] = torch.nn.functional.pad(batch[key], (0, target - width), value=value)
+    return out
+
+
+def widths(cfg: TrainConfig) -> int:
+    """How many micro-batch widths a run can train on (each compiles once): multiples up to ``max_length``, and
+    ``max_length`` itself."""
+    return math.ceil(cfg.max_length / pad_multiple(cfg)) + 1
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: the members of a ``ModuleList`` whose class the model names in
+    ``_no_split_modules`` (transformers' decoder or encoder layers, e.g. ``LlamaDecoderLayer``)."""
+    from fedllm.models.supervised_loss import base_of
+
+    base = base_of(model)
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    return [m for lst in base.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst
+            if type(m).__name__ in names]
+
+
+KEPT = "_fedllm_compiled"
+"""Attribute of a layer holding ``(key, weak reference to the layer, compiled call)`` between clients (a deep copy of
+the layer carries the reference to the original, so it compiles its own)."""
+
+
+def _compile_in_place(layer: torch.nn.Module, key: tuple) -> bool:
+    """Set ``layer``'s compiled call for ``key`` (``(train.compile, backend)``): the one compiled before for this
+    same layer object, or a new one. True when new."""
+    kept = layer.__dict__.get(KEPT)
+    if kept is not None and kept[0] == key and kept[1]() is layer:
+        layer._compiled_call_impl = kept[2]
+        return False
+    mode = MODES[key[0]]
+    layer.compile(dynamic=False, backend=key[1], **({"mode": mode} if key[1] == "inductor" else {}))
+    layer.__dict__[KEPT] = (key, weakref.ref(layer), layer._compiled_call_impl)
+    return True
+
+
+def on_gpu(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU (what ``cudagraphs`` needs)."""
+    return device.type == "cuda"
+
+
+@contextlib.contextmanager
+def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None]:
+    """Context: ``model``'s repeated blocks compiled under ``train.compile`` while a client trains; eager again on
+    exit (nothing happens when ``train.compile`` is false).
+
+    Raises:
+        ValueError: the model has no repeated blocks to compile, or ``cudagraphs`` on a model not on a GPU.
+    """
+    if not cfg.compile:
+        yield
+        return
+    layers = repeated_blocks(model)
+    if not layers:
+        raise ValueError("train.compile: the model has no repeated decoder layers to compile; set train.compile: "
+                         "false")
+    device = next(model.parameters()).device
+    if cfg.compile == "cudagraphs" and not on_gpu(device):
+        raise ValueError(f"train.compile: cudagraphs needs the model on a GPU (it is on {device}); use true or false")
+    key = (cfg.compile, BACKEND)
+    before = [layer._compiled_call_impl for layer in layers]  # None, unless a caller compiled them itself
+    import torch._dynamo
+
+    # a graph per width and per variant of the layer (the first layer's input needs no gradient, the others' do;
+    # Gemma 3's sliding and global layers differ): past dynamo's default limit of 8 a layer would run eagerly
+    config = torch._dynamo.config
+    limits = {"recompile_limit": max(config.recompile_limit, VARIANTS_PER_WIDTH * widths(cfg)),
+              "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 2 * VARIANTS_PER_WIDTH * widths(cfg))}
+    hook = None
+    try:
+        new = sum(_compile_in_place(layer, key) for layer in layers)
+        if new:
+            log.info("train.compile: %s: %d %s layers compiled (%s backend%s, dynamic=False); micro-batches padded "
+                     "to multiples of %d: at most %d widths", cfg.compile, new, type(layers[0]).__name__, BACKEND,
+                     f", mode {MODES[cfg.compile]}" if MODES[cfg.compile] else "", pad_multiple(cfg), widths(cfg))
+        if cfg.compile == "cudagraphs":  # on the (eager) module that runs the layers: outside every compiled graph
+            hook = stack_owner(model, layers[0]).register_forward_pre_hook(
+                lambda *_: torch.compiler.cudagraph_mark_step_begin())
+        with config.patch(**limits):
+            yield
+    finally:
+        if hook is not None:
+            hook.remove()
+        for layer, call in zip(layers, before, strict=True):
+            layer._compiled_call_impl = call
+
+
+def stack_owner(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module:
+    """The module whose ``ModuleList`` holds ``layer`` (a decoder, e.g. ``LlamaModel``): it runs every layer once per
+    forward pass, and is not compiled itself."""
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, torch.nn.ModuleList) and any(m is layer for m in child):
+                return module
+    raise ValueError(f"no module holds {type(layer).__name__} in a ModuleList")
+
+
+def compile_choice(cfg: TrainConfig) -> dict[str, object]:
+    """What ``train.compile`` ran with, for ``summary.json``."""
+    return {"compile": cfg.compile, "backend": BACKEND if cfg.compile else None,
+            "mode": MODES.get(cfg.compile) if cfg.compile else None, "pad_to_multiple_of": pad_multiple(cfg)}
