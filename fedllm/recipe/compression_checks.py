@@ -9,9 +9,9 @@ What cannot hold is refused at recipe load, with the reason:
 * compression with ``federation.comm_dtype`` other than fp32: the compressed direction sets its own wire format;
 * download compression with a strategy outside :data:`DOWNLOAD_COMPRESSION_STRATEGIES` (the reason of each is in
   :data:`DOWNLOAD_REFUSED`);
-* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (HetLoRA, RoLoRA,
-  LoRA-FAIR, FedSVD, Fed-SB: their server maths is not worked out for DoRA's column norm of ``W + s·B·A``); a
-  merging one on a half-precision base or with its merges kept beside the base.
+* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (every registered one is
+  in them; a strategy registered from outside fedllm is refused until its server maths is worked out for DoRA's
+  column norm of ``W + s·B·A``); a merging one on a half-precision base or with its merges kept beside the base.
 """
 
 from __future__ import annotations
@@ -51,11 +51,14 @@ DOWNLOAD_REFUSED_DEFAULT = ("fedllm has not worked out which state its server ma
 #: them: ``fedsa_lora`` keeps the magnitude private beside ``B``; ``fedlora_pfl`` averages it with σ (its ``full``
 #: σ is the base weight itself, averaged as a tensor) and adds the private τ after the DoRA layer; ``flexlora``
 #: stacks its kept pieces inside DoRA's column norm; ``pflmf`` slices the magnitudes from ``U v`` with A and B (each
-#: strategy's module docstring says how).
+#: strategy's module docstring says how); ``rolora``, ``lora_fair``, ``fedsvd`` and ``fed_sb`` average it with the
+#: example (Fed-SB: uniform) weights while PEFT takes the column norm of the direction their factors give (LoRA-FAIR's
+#: refined ``B``, FedSVD's refactorised pair of the same product, Fed-SB's ``B·R·A`` through the ``R`` hook);
+#: ``hetlora`` averages it with each layer's norm weights ``p_k``, as that layer's factors.
 DORA_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedmedian",
     "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local", "fedsa_lora", "fedlora_pfl", "pflmf",
-    "flexlora",
+    "flexlora", "rolora", "lora_fair", "hetlora", "fedsvd", "fed_sb",
 })
 
 
@@ -102,8 +105,8 @@ def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
                       "lora.use_dora: factors or residuals kept beside the base are left out of DoRA's column norm")))
     elif r.federation.strategy not in DORA_STRATEGIES:
         p.append(("lora.use_dora", True, (f"false with federation.strategy: {r.federation.strategy} (its server "
-                  "maths (SVD refactorisations, corrections of B, per-client ranks or alternating factors) is not "
-                  "worked out for DoRA's column norm of W + s*B*A, which makes it non-linear; DoRA works with "
+                  "maths is not worked out for DoRA's column norm of W + s*B*A, which makes the layer non-linear in "
+                  "the adapter; DoRA works with "
                   f"{', '.join(sorted(DORA_STRATEGIES | DORA_MERGE_STRATEGIES))})")))
     if r.model.quantization != "none":
         p.append(("lora.use_dora", True, f"false with model.quantization: {r.model.quantization} (not tested here)"))

@@ -16,6 +16,13 @@ signs without forming the ``out × in`` product.
 
 Privacy: ``B``'s upload is the sent ``B`` plus the client's change and the SVD is post-processing of their (noised)
 mean, so client-level DP applies as for FFA-LoRA, and DP-SGD (the paper's setting) clips and noises ``B`` only.
+
+DoRA (``lora.use_dora``, Liu et al. 2024, Eq. 5): a layer computes ``m ⊙ V / ‖V‖_c``, ``V = W + s·B·A``. The clients
+train ``B`` and the magnitude ``m`` (A frozen), the server averages both (``m`` as any trainable tensor). The
+refactorisation replaces ``(B̄, A)`` by factors of the same product ``B̄·A`` (to the rounding of ``comm_dtype``), so
+``V``, its column norm and the layer ``m̄ ⊙ V / ‖V‖_c`` are the same before and after it: ``m`` is well defined
+through the SVD and keeps its meaning (the norm of each output row's direction, not of a factor). Under DP-SGD
+``m``'s gradients are clipped and noised with ``B``'s.
 """
 
 from __future__ import annotations

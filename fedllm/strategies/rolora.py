@@ -16,6 +16,12 @@ alternation starts from ``B``.
 Bytes: a client receives both factors (it may have missed the last rounds) and sends only the factor it
 trained, so the upload is half of FedAvg's. Other trainable keys (RoBERTa's classifier head) train and are
 averaged every round. Client-level DP applies as to FedAvg: the upload is the sent factor plus its change.
+
+DoRA (``lora.use_dora``, Liu et al. 2024, Eq. 5): a layer computes ``m ⊙ V / ‖V‖_c``, ``V = W + s·B·A``. The magnitude
+``m`` is neither factor: it trains every round beside the round's factor and is averaged with the example weights
+as any trainable tensor. The shared frozen factor keeps the directions exact (``mean_k V_k = W + s·B̄·A``) and PEFT
+takes the column norm of the ``V`` the averaged factors give, so the global layer is ``m̄ ⊙ V̄ / ‖V̄‖_c``; the
+magnitude is averaged as a tensor (the mean of the clients' DoRA weights is no DoRA layer of one adapter).
 """
 
 from __future__ import annotations

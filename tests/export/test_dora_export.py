@@ -145,7 +145,6 @@ def test_dora_merges_into_the_base_exactly_as_peft_merges(tmp_path, strategy, ar
 
 
 @pytest.mark.parametrize("strategy,args,sections,key", [
-    ("hetlora", {}, {}, "lora.use_dora"), ("fedsvd", {}, {}, "lora.use_dora"),
     ("fedloru", {"accumulate": "keep"}, {}, "federation.strategy_args.accumulate"),
     ("pfedloru", {"accumulate": "keep"}, {}, "federation.strategy_args.accumulate"),
     ("fedex_lora", {"residual": "dense"}, {}, "federation.strategy_args.residual"),
