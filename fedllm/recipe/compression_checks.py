@@ -25,10 +25,13 @@ from fedllm.recipe.schema import DORA_MERGE_STRATEGIES, Recipe
 #: FedOpt's pseudo-gradient ``θ̄ − θ_received``, FRLoRA's merge ``s·(B̄Ā − B_s·A_s)`` from the factors the clients
 #: started from, mFedLoRU's rebuild ``A + α·A_d·A_u`` on the received ``A``; FedLoRU's and FLoRA's merges read the
 #: uploads (their merge message travels uncompressed) and their re-initialised factors drop the download residual.
+#: HetLoRA, LoRA-FAIR, Fed-SB, FedLoRA-PFL and pFL^MF read only the uploads (HetLoRA's truncated factors and Fed-SB's
+#: fixed A, B travel uncompressed); RoLoRA and FedSVD keep the dequantised frozen factor their clients trained against.
 DOWNLOAD_COMPRESSION_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "ffa_lora", "fedsa_lora", "local", "fedmedian", "fedtrimmedavg", "krum",
     "multikrum", "bulyan", "bulyan_multikrum", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "frlora", "frlora_v1",
-    "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "mfedloru", "flora",
+    "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "mfedloru", "flora", "hetlora", "lora_fair", "fed_sb",
+    "fedlora_pfl", "pflmf", "rolora", "fedsvd",
 })
 
 #: Why download compression is refused with each other strategy (the recipe error's expected value).
@@ -36,10 +39,6 @@ DOWNLOAD_REFUSED = {
     "fedex_lora": ("its residual W ← W + Σ_k p_k·s·B_k·A_k − s·B̄·Ā must hold the factors every client continues from, "
                    "which a compressed download fixes only when the next round is sent, with the server's residual: "
                    "the effective weight would no longer be the clients' exact mean"),
-    "rolora": ("each round's clients train one factor against the dequantised other while the server keeps its own "
-               "copy of it: s·B̄·A would no longer be the clients' mean product, RoLoRA's exactness"),
-    "fedsvd": ("its server refactorises svd(B̄·A) with its own A while the clients trained B against the dequantised "
-               "A: the product would not be the clients'"),
     "flexlora": ("each client starts from its own SVD hand-back of the kept average, not from the global state: those "
                  "factors travel uncompressed, so a compressed download would save nothing on them"),
 }

@@ -27,6 +27,12 @@ the init writes ``(B, R, A)`` it is set again to ``‖W + s·B·R·A‖_c``, the
 from (PEFT's rule), so the DoRA model starts where LoRA-SB's does. Export as below: the pieces ``s·(B·R − B)·A``
 go into the base before PEFT's DoRA merge (inside the norm), or stack with ``B`` as a DoRA adapter of rank ``2r``.
 
+Compressed download (``federation.compression.download``): ``R``, ``m`` and a head travel compressed with the server's
+error feedback; the server averages the uploaded ``R_k``, reading nothing of what it sent. ``A`` and ``B`` travel
+uncompressed (:meth:`FedSB.exact_download_keys`): a client receives them once and keeps them fixed, so a quantised
+copy would give each client its own fixed factors (differing with the round it first trained in, as the server's
+residual moves) and ``mean_k B_k·R_k·A_k`` would no longer be ``B·R̄·A``, the exactness Fed-SB is built on.
+
 How it runs: ``R`` is an ``nn.Linear(r, r)`` named ``<layer>.fed_sb`` attached to each PEFT LoRA layer and applied
 by a forward hook to ``lora_A``'s output (the authors' ``default_lora_latent_mapping``), so opacus sees an ordinary
 linear layer for DP-SGD. The global state holds ``A``, ``B`` and ``R`` (checkpoints and exports are self-contained);
@@ -235,6 +241,10 @@ class FedSB(FedAvg):
 
     def client_upload(self, plan: ClientPlan, trained: StateDict, steps: int) -> StateDict:
         return {k: trained[k] for k in self.shared_keys()}
+
+    def exact_download_keys(self) -> frozenset[str]:
+        """``A`` and ``B`` travel uncompressed under a compressed download (module docstring)."""
+        return frozenset(self.factor_keys)
 
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         for u in updates:

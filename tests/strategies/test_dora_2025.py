@@ -8,7 +8,15 @@ export's weights."""
 
 import pytest
 import torch
-from strategy_helpers import effective_weights, make_raw, record_rounds
+from strategy_helpers import (
+    effective_weights,
+    example_weights,
+    make_raw,
+    norm_weights,
+    padded_mean,
+    record_rounds,
+    uniform_weights,
+)
 
 from fedllm.common.registry import strategies
 from fedllm.engine.server import run
@@ -26,44 +34,16 @@ def dora_weight(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return m.double()[:, None] * v / v.norm(dim=1, keepdim=True)
 
 
-def example_weights(layer, updates):
-    total = sum(u.num_examples for u in updates)
-    return [u.num_examples / total for u in updates]
-
-
-def uniform_weights(layer, updates):
-    return [1.0 / len(updates)] * len(updates)
-
-
-def norm_weights(layer, updates):
-    """HetLoRA's per-layer ``p_k = ‖B_kA_k‖_F / Σ_j ‖B_jA_j‖_F`` (Cho et al. 2024, Fig. 2b), on dense products."""
-    norms = [torch.linalg.matrix_norm(u.state[layer.b_key].double() @ u.state[layer.a_key].double()) for u in updates]
-    return [float(n / sum(norms)) for n in norms]
-
-
-def mean(key, updates, p, pad_to=None):
-    """``Σ_k p_k x_k`` in float64, ``A`` rows / ``B`` columns zero-padded to ``pad_to`` (HetLoRA)."""
-    out = 0
-    for u, pk in zip(updates, p, strict=True):
-        x = u.state[key].double()
-        if pad_to is not None and ".lora_A." in key:
-            x = torch.cat([x, x.new_zeros(pad_to - x.shape[0], x.shape[1])], 0)
-        if pad_to is not None and ".lora_B." in key:
-            x = torch.cat([x, x.new_zeros(x.shape[0], pad_to - x.shape[1])], 1)
-        out = out + pk * x
-    return out
-
-
 def rolora_direction(layer, sent, updates, p, out):
     """Round 2 trains ``A`` with ``B`` frozen: ``V = W + s·B·Ā``; ``B`` never travels up."""
     assert all(layer.b_key not in u.state for u in updates)
-    return layer.scale * sent[layer.b_key].double() @ mean(layer.a_key, updates, p)
+    return layer.scale * sent[layer.b_key].double() @ padded_mean(layer.a_key, updates, p)
 
 
 def lora_fair_direction(layer, sent, updates, p, out):
     """``V = W + s·(B̄ + ΔB)·Ā`` with ``ΔB`` of Eq. 8 solved from the uploads (the solver is replayed against its
     own oracle in test_lora_fair.py); the refinement moved ``B``."""
-    b_bar, a_bar = mean(layer.b_key, updates, p), mean(layer.a_key, updates, p)
+    b_bar, a_bar = padded_mean(layer.b_key, updates, p), padded_mean(layer.a_key, updates, p)
     delta = refine_b([u.state[layer.b_key] for u in updates], [u.state[layer.a_key] for u in updates], p, b_bar,
                      a_bar, 0.01, 50, 0.3)
     assert delta.abs().max() > 1e-6
@@ -73,7 +53,7 @@ def lora_fair_direction(layer, sent, updates, p, out):
 def hetlora_direction(layer, sent, updates, p, out):
     """``V = W + s·B̄Ā``, the zero-padded norm-weighted mean of uploads of different ranks."""
     assert len({u.state[layer.a_key].shape[0] for u in updates}) == 2
-    return layer.scale * mean(layer.b_key, updates, p, layer.rank) @ mean(layer.a_key, updates, p, layer.rank)
+    return layer.scale * padded_mean(layer.b_key, updates, p, layer.rank) @ padded_mean(layer.a_key, updates, p, layer.rank)
 
 
 def fedsvd_direction(layer, sent, updates, p, out):
@@ -82,13 +62,13 @@ def fedsvd_direction(layer, sent, updates, p, out):
     a = out[layer.a_key].double()
     assert not torch.allclose(a, sent[layer.a_key].double(), atol=1e-3)
     assert torch.allclose(a @ a.mT, torch.eye(a.shape[0], dtype=a.dtype), atol=1e-5)
-    return layer.scale * mean(layer.b_key, updates, p) @ sent[layer.a_key].double()
+    return layer.scale * padded_mean(layer.b_key, updates, p) @ sent[layer.a_key].double()
 
 
 def fed_sb_direction(layer, sent, updates, p, out):
     """``V = W + s·B·R̄·A``, ``B`` and ``A`` fixed (the global state's), ``R̄`` the mean of the uploaded ``R``."""
     latent = f"{layer.name}.fed_sb.weight"
-    return layer.scale * sent[layer.b_key].double() @ mean(latent, updates, p) @ sent[layer.a_key].double()
+    return layer.scale * sent[layer.b_key].double() @ padded_mean(latent, updates, p) @ sent[layer.a_key].double()
 
 
 CASES = {
@@ -120,7 +100,7 @@ def test_dora_2025_strategy_round_replays_in_float64_and_exports(strategy, data_
         assert not torch.equal(magnitudes[0], magnitudes[1])  # the clients trained m differently
         p = weights(layer, updates)
         v = layer.base.weight.double() + direction(layer, sent, updates, p, out)
-        oracle[name] = dora_weight(v, mean(layer.magnitude_key, updates, p))
+        oracle[name] = dora_weight(v, padded_mean(layer.magnitude_key, updates, p))
         assert (got[name].double() - oracle[name]).abs().max() <= 1e-5, name
         assert (result.global_state[layer.magnitude_key].double() - oracle[name].norm(dim=1)).abs().max() <= 1e-5
     if strategy == "fed_sb":  # DoRA starts where LoRA-SB does: m = ‖W + s·B·R_0·A‖_c of the initialised factors

@@ -1,0 +1,177 @@
+"""Compressed downloads (``federation.compression.download: nf4``) with HetLoRA, LoRA-FAIR, Fed-SB, FedLoRA-PFL, pFL^MF,
+RoLoRA and FedSVD. Each round's download is recomputed with bitsandbytes' own nf4 quantize -> dequantize of the
+global state plus the server's residual (error feedback, Seide et al. 2014), the residual dropped where the strategy
+says so; every client must have received exactly that (or, for HetLoRA's truncated factors and Fed-SB's fixed A and
+B, the exact fp32 values), the server's maths is replayed from the uploads (and, for RoLoRA and FedSVD, from the
+dequantised frozen factor the clients trained against), the final residual equals the replay's and the bytes are
+codes plus absmax of what travelled compressed and 4 bytes a value of the rest."""
+
+import json
+import math
+
+import bitsandbytes.functional as bnbf
+import pytest
+import torch
+from safetensors.torch import load_file
+from strategy_helpers import example_weights, make_raw, norm_weights, padded_mean, uniform_weights
+
+from fedllm.common.registry import strategies
+from fedllm.engine.server import run
+from fedllm.recipe.checks import parse_recipe
+from fedllm.strategies.lora_fair import refine_b
+from fedllm.strategies.residual import adapter_layers
+
+BLOCK = 64
+
+
+def nf4_round_trip(x: torch.Tensor) -> torch.Tensor:
+    flat = x.detach().float().reshape(-1).contiguous()
+    codes, state = bnbf.quantize_4bit(flat, blocksize=BLOCK, quant_type="nf4")
+    return bnbf.dequantize_4bit(codes, state).reshape(x.shape)
+
+
+def nf4_bytes(numel: int) -> int:
+    return (numel + 1) // 2 + 4 * math.ceil(numel / BLOCK)
+
+
+def record(monkeypatch, cls) -> tuple[list, list]:
+    """``(rounds, plans)``: every ``aggregate`` call as ``(rnd, state in, updates, state out, downloaded)`` and every
+    plan as a client opened it ``(rnd, client, state)`` (copies)."""
+    rounds, plans = [], []
+    aggregate, open_client = cls.aggregate, cls.open_client
+
+    def spy_aggregate(self, rnd, global_state, updates):
+        before = {k: v.clone() for k, v in global_state.items()}
+        down = {k: v.clone() for k, v in (self.downloaded or {}).items()}
+        out = aggregate(self, rnd, global_state, updates)
+        rounds.append((rnd, before, list(updates), {k: v.clone() for k, v in out.items()}, down))
+        return out
+
+    def spy_open(self, plan):
+        plans.append((plan.rnd, plan.client_id, {k: v.clone() for k, v in plan.state.items()}))
+        return open_client(self, plan)
+
+    monkeypatch.setattr(cls, "aggregate", spy_aggregate)
+    monkeypatch.setattr(cls, "open_client", spy_open)
+    return rounds, plans
+
+
+def replay_downloads(thetas, exact, dropped):
+    """Each round's dequantised download ``Q(θ + e)`` (``e ← θ + e − Q(θ + e)``; the keys in ``exact`` never
+    quantised, those of ``dropped[i]`` losing their residual after round ``i``) and the last residual."""
+    e, sent = {}, []
+    for theta, drop in zip(thetas, dropped, strict=True):
+        x = {k: v.float() + e.get(k, 0) for k, v in theta.items() if k not in exact}
+        sent.append({k: nf4_round_trip(v) for k, v in x.items()})
+        e = {k: x[k] - sent[-1][k] for k in x if k not in drop}
+    return sent, e
+
+
+def max_diff(a, b) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def lora_fair_server(strategy, layers, rnd, theta, down, updates, out):
+    for layer in layers.values():
+        p = example_weights(layer, updates)
+        b_bar, a_bar = padded_mean(layer.b_key, updates, p), padded_mean(layer.a_key, updates, p)
+        delta = refine_b([u.state[layer.b_key] for u in updates], [u.state[layer.a_key] for u in updates], p, b_bar,
+                         a_bar, 0.01, 50, 0.3)
+        assert max_diff(out[layer.b_key], b_bar + delta) <= 1e-6 and max_diff(out[layer.a_key], a_bar) <= 1e-6
+
+
+def hetlora_server(strategy, layers, rnd, theta, down, updates, out):
+    for layer in layers.values():
+        p = norm_weights(layer, updates)
+        for key in (layer.a_key, layer.b_key):
+            assert max_diff(out[key], padded_mean(key, updates, p, layer.rank)) <= 1e-6
+
+
+def fed_sb_server(strategy, layers, rnd, theta, down, updates, out):
+    for key in strategy.latent_keys:
+        assert max_diff(out[key], padded_mean(key, updates, uniform_weights(None, updates))) <= 1e-6
+    assert all(torch.equal(out[k], theta[k]) for k in strategy.factor_keys)  # A, B fixed
+
+
+def fedlora_pfl_server(strategy, layers, rnd, theta, down, updates, out):
+    for key in updates[0].state:  # eq. 8: the plain mean of σ
+        assert max_diff(out[key], padded_mean(key, updates, uniform_weights(None, updates))) <= 1e-6
+
+
+def pflmf_server(strategy, layers, rnd, theta, down, updates, out):
+    from fedllm.strategies.pflmf import U_KEY
+
+    g = padded_mean(U_KEY, updates, uniform_weights(None, updates))  # Alg. 1: U ← U − η_U·mean_i G_i, the exact U
+    assert max_diff(out[U_KEY], theta[U_KEY].double() - strategy.eta_u * g) <= 1e-6
+
+
+def rolora_server(strategy, layers, rnd, theta, down, updates, out):
+    trained, frozen = ("b_key", "a_key") if rnd % 2 else ("a_key", "b_key")
+    for layer in layers.values():
+        key, kept = getattr(layer, trained), getattr(layer, frozen)
+        assert max_diff(out[key], padded_mean(key, updates, example_weights(layer, updates))) <= 1e-6
+        assert torch.equal(out[kept], down[kept])  # the frozen factor the clients trained against
+        assert not torch.equal(out[kept], theta[kept])
+
+
+def fedsvd_server(strategy, layers, rnd, theta, down, updates, out):
+    for layer in layers.values():
+        b_bar = padded_mean(layer.b_key, updates, example_weights(layer, updates))
+        product = out[layer.b_key].double() @ out[layer.a_key].double()
+        assert max_diff(product, b_bar @ down[layer.a_key].double()) <= 1e-5  # svd(B̄·A_s): the clients' product
+        assert max_diff(product, b_bar @ theta[layer.a_key].double()) > 1e-5  # not the server's unsent A
+
+
+def factor_keys(layers, kinds):
+    return [getattr(layer, kind) for layer in layers.values() for kind in kinds]
+
+
+CASES = {
+    "lora_fair": ({}, {}, lora_fair_server, lambda layers, rnd: []),
+    "hetlora": ({"client_ranks": [4, 2, 1], "gamma": 1.0}, {}, hetlora_server, lambda layers, rnd: []),
+    "fed_sb": ({"init_samples": 8}, {}, fed_sb_server, lambda layers, rnd: []),
+    "fedlora_pfl": ({"e_lora": 1, "e_global": 1}, {}, fedlora_pfl_server, lambda layers, rnd: []),
+    "pflmf": ({"rank": 3, "eta_u": 0.5}, {"train": {"optimizer": "sgd"}}, pflmf_server, lambda layers, rnd: []),
+    "rolora": ({}, {}, rolora_server, lambda layers, rnd: factor_keys(layers, ["a_key"] if rnd % 2 else ["b_key"])),
+    "fedsvd": ({}, {}, fedsvd_server, lambda layers, rnd: factor_keys(layers, ["a_key", "b_key"])),
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(CASES))
+def test_download_compression_2025_replays_downloads_server_maths_residual_and_bytes(strategy, data_files, tmp_path,
+                                                                                     monkeypatch):
+    args, sections, server, dropped = CASES[strategy]
+    rounds, plans = record(monkeypatch, strategies.get(strategy))
+    raw = make_raw(data_files, tmp_path / "run", strategy, args, federation={"compression": {"download": "nf4"}},
+                   **sections)
+    result = run(parse_recipe(raw))
+    s = result.strategy
+    assert [r[0] for r in rounds] == [1, 2]
+    exact = s.exact_download_keys()
+    assert (strategy == "fed_sb") == bool(exact)
+    layers = adapter_layers(result.model)
+    sent, residual = replay_downloads([r[1] for r in rounds], exact, [dropped(layers, r[0]) for r in rounds])
+    fp32_keys = set()
+    for (rnd, theta, updates, out, down), want in zip(rounds, sent, strict=True):
+        assert down.keys() == want.keys() and all(torch.equal(down[k], want[k]) for k in want), rnd
+        server(s, layers, rnd, theta, down, updates, out)
+        lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        for prnd, cid, state in (p for p in plans if p[0] == rnd):
+            expected_bytes = 0
+            for key, value in state.items():
+                if key in want and value.shape == want[key].shape:  # a global tensor: its nf4 download
+                    assert torch.equal(value, want[key]), (rnd, cid, key)
+                    expected_bytes += nf4_bytes(value.numel())
+                else:  # HetLoRA's truncated factors, Fed-SB's A and B: exact fp32
+                    glob = theta[key]
+                    part = glob[:value.shape[0]] if ".lora_A." in key else glob[:, :value.shape[1]] \
+                        if ".lora_B." in key else glob
+                    assert torch.equal(value, part), (rnd, cid, key)
+                    expected_bytes += 4 * value.numel()
+                    fp32_keys.add(key)
+            assert lines[rnd - 1]["bytes_down"][str(cid)] == expected_bytes, (rnd, cid)
+    assert bool(fp32_keys) == (strategy in ("hetlora", "fed_sb")), fp32_keys
+    path = result.run_dir / "final" / "strategy.safetensors"  # none where nothing is kept (FedSVD drops A and B)
+    final = load_file(str(path)) if path.is_file() else {}
+    kept = {k.removeprefix("compression/"): v for k, v in final.items() if k.startswith("compression/")}
+    assert kept.keys() == residual.keys() and all(torch.equal(kept[k], residual[k]) for k in residual)
