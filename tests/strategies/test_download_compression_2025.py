@@ -175,3 +175,39 @@ def test_download_compression_2025_replays_downloads_server_maths_residual_and_b
     final = load_file(str(path)) if path.is_file() else {}
     kept = {k.removeprefix("compression/"): v for k, v in final.items() if k.startswith("compression/")}
     assert kept.keys() == residual.keys() and all(torch.equal(kept[k], residual[k]) for k in residual)
+
+
+def test_download_compression_fed_sb_dora_on_flower_sends_a_and_b_exact_and_matches_the_simulation(
+        data_files, tmp_path, monkeypatch):
+    """Fed-SB under DoRA with an nf4 download over the Flower apps (loopback grid, real ClientApp): the first plans
+    carry A and B as plain fp32 arrays beside the packed R and m, later plans only packed tensors; the model, the
+    server residual, every node's stored A and B and the bytes equal the simulation's (tol 0)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedllm.flower.executor import FlowerExecutor
+    from tests.test_flower_apps import LoopbackGrid, assert_close, node_state, nodes, parts
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    raw = make_raw(data_files, tmp_path / "sim", "fed_sb", {"init_samples": 8}, lora={"use_dora": True},
+                   federation={"compression": {"download": "nf4"}})
+    sim = run(parse_recipe(raw))
+    grid = LoopbackGrid(nodes(tmp_path, 3))
+    flower = run(parse_recipe({**raw, "output_dir": str(tmp_path / "flower")}), executor=FlowerExecutor(grid))
+    expected, got = parts(sim.run_dir), parts(flower.run_dir)
+    for part in ("adapter", "strategy"):
+        assert expected[part].keys() == got[part].keys()
+        assert all(torch.equal(expected[part][k], got[part][k]) for k in expected[part]), part
+    assert any(k.startswith("compression/") and ".fed_sb." in k for k in expected["strategy"])
+    assert not any(k.startswith("compression/") and ".lora_A." in k for k in expected["strategy"])
+    for cid in sorted({c for h in sim.history for c in h["clients"]}):
+        sim_entry = {k.split("/", 1)[1]: v for k, v in expected["clients"].items() if k.startswith(f"client{cid}/")}
+        on_node = {k.split("/", 1)[1]: v for k, v in node_state(tmp_path, cid).get("clients", {}).items()}
+        assert_close(sim_entry, on_node, f"client {cid}", tol=0)
+        assert any(".lora_A." in k for k in on_node)
+    assert [h["bytes_down"] for h in flower.history] == [h["bytes_down"] for h in sim.history]
+    train = [m.content.array_records for m in grid.messages if m.metadata.message_type == "train"]
+    factors = [any(".lora_A." in name for name in r["plan"]) for r in train]
+    assert factors[:2] == [True, True] and any(not f for f in factors[2:])  # A, B once per client, fp32
+    assert all(not any(".lora_" in name.rsplit("|", 1)[0] and "magnitude" not in name for name in r["plan.packed"])
+               for r in train)
