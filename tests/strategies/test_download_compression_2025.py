@@ -211,3 +211,18 @@ def test_download_compression_fed_sb_dora_on_flower_sends_a_and_b_exact_and_matc
     assert factors[:2] == [True, True] and any(not f for f in factors[2:])  # A, B once per client, fp32
     assert all(not any(".lora_" in name.rsplit("|", 1)[0] and "magnitude" not in name for name in r["plan.packed"])
                for r in train)
+
+
+def test_download_compression_fed_sb_dry_run_counts_a_and_b_at_fp32(data_files, tmp_path):
+    """The dry run counts Fed-SB's first download as the run does: A and B at 4 bytes a value, R and m as nf4."""
+    from fedllm.commands.dry_run import dry_run
+
+    raw = make_raw(data_files, tmp_path / "run", "fed_sb", {"init_samples": 8}, lora={"use_dora": True},
+                   federation={"compression": {"download": "nf4"}, "rounds": 1})
+    report = dry_run(parse_recipe(raw))
+    result = run(parse_recipe(raw))
+    s = result.strategy
+    per_client = sum(4 * result.global_state[k].numel() for k in s.factor_keys) + sum(
+        nf4_bytes(result.global_state[k].numel()) for k in s.shared_keys())
+    assert set(result.history[0]["bytes_down"].values()) == {per_client}
+    assert report.bytes_down == result.history[0]["bytes_down_total"] == 2 * per_client
