@@ -11,7 +11,9 @@ What cannot hold is refused at recipe load, with the reason:
   :data:`DOWNLOAD_REFUSED`);
 * DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (every registered one is
   in them; a strategy registered from outside fedllm is refused until its server maths is worked out for DoRA's
-  column norm of ``W + s·B·A``); a merging one on a half-precision base or with its merges kept beside the base.
+  column norm of ``W + s·B·A``); a merging one on a half-precision base or with its merges kept beside the base;
+  DoRA under DP-SGD (opacus has no per-example gradient of PEFT's magnitude module, which it calls without the
+  factors it needs).
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
                   f"{', '.join(sorted(DORA_STRATEGIES | DORA_MERGE_STRATEGIES))})")))
     if r.model.quantization != "none":
         p.append(("lora.use_dora", True, f"false with model.quantization: {r.model.quantization} (not tested here)"))
+    if r.privacy.mechanism == "dp_sgd":
+        p.append(("lora.use_dora", True, ("false with privacy.mechanism: dp_sgd (opacus computes per-example gradients "
+                  "module by module and calls an unsupported module's forward with its input alone; PEFT's DoRA "
+                  "magnitude module needs the LoRA factors and the base layer as keyword arguments, so no "
+                  "per-example gradient of m exists to clip and noise)")))
     if r.train.clients_per_pass > 1:
         p.append(("train.clients_per_pass", r.train.clients_per_pass,
                   "1 with lora.use_dora (the batched pass computes plain LoRA products)"))

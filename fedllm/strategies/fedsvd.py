@@ -26,8 +26,8 @@ DoRA (``lora.use_dora``, Liu et al. 2024, Eq. 5): a layer computes ``m ⊙ V / �
 train ``B`` and the magnitude ``m`` (A frozen), the server averages both (``m`` as any trainable tensor). The
 refactorisation replaces ``(B̄, A)`` by factors of the same product ``B̄·A`` (to the rounding of ``comm_dtype``), so
 ``V``, its column norm and the layer ``m̄ ⊙ V / ‖V‖_c`` are the same before and after it: ``m`` is well defined
-through the SVD and keeps its meaning (the norm of each output row's direction, not of a factor). Under DP-SGD
-``m``'s gradients are clipped and noised with ``B``'s.
+through the SVD and keeps its meaning (the norm of each output row's direction, not of a factor). DoRA under DP-SGD
+is refused at recipe load (opacus has no per-example gradient of PEFT's magnitude module); client-level DP applies.
 """
 
 from __future__ import annotations
