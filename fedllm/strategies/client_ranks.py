@@ -134,8 +134,11 @@ class RankedClients:
         return out
 
     def open_client(self, plan: Any) -> None:
-        """Client side: zero-pad the received rank-``r_k`` factors to the shared adapter's rank."""
-        plan.state = self.pad(plan.state)
+        """Client side: zero-pad the received rank-``r_k`` factors to the shared adapter's rank, into ``plan.local``
+        (loaded over ``plan.state``): ``plan.state`` stays as it arrived, the reference a compressed upload is
+        quantised against on the client and read back against on the server (``federation.compression.upload``)."""
+        padded = self.pad(plan.state)
+        plan.local = {**plan.local, **{k: v for k, v in padded.items() if v is not plan.state[k]}}
 
     def client_upload(self, plan: Any, trained: StateDict, steps: int) -> StateDict:
         """Send only the client's rank-``r_k`` factors (and the other trained keys of the plan)."""
