@@ -4,12 +4,12 @@ global state plus the server's residual (error feedback, Seide et al. 2014), the
 says so; every client must have received exactly that (or, for HetLoRA's truncated factors and Fed-SB's fixed A and
 B, the exact fp32 values), the server's maths is replayed from the uploads (and, for RoLoRA and FedSVD, from the
 dequantised frozen factor the clients trained against), the final residual equals the replay's and the bytes are
-codes plus absmax of what travelled compressed and 4 bytes a value of the rest."""
+codes plus absmax of what travelled compressed and 4 bytes a value of the rest. On the Flower apps: Fed-SB under DoRA
+(A and B sent exact once) and the ranked clients of HetLoRA and FLoRA under upload and download compression equal
+the simulation; Fed-SB's dry run counts its bytes."""
 
 import json
-import math
 
-import bitsandbytes.functional as bnbf
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -20,18 +20,7 @@ from fedllm.engine.server import run
 from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies.lora_fair import refine_b
 from fedllm.strategies.residual import adapter_layers
-
-BLOCK = 64
-
-
-def nf4_round_trip(x: torch.Tensor) -> torch.Tensor:
-    flat = x.detach().float().reshape(-1).contiguous()
-    codes, state = bnbf.quantize_4bit(flat, blocksize=BLOCK, quant_type="nf4")
-    return bnbf.dequantize_4bit(codes, state).reshape(x.shape)
-
-
-def nf4_bytes(numel: int) -> int:
-    return (numel + 1) // 2 + 4 * math.ceil(numel / BLOCK)
+from tests.training.test_download_compression import nf4_bytes, nf4_round_trip
 
 
 def record(monkeypatch, cls) -> tuple[list, list]:
