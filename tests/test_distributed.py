@@ -70,6 +70,19 @@ STATEFUL = {
     # DoRA: FedSA-LoRA's private magnitude follows its client; FlexLoRA's pieces inside DoRA's norm on every rank
     "fedsa_lora-dora": ("fedsa_lora", {}, {"lora": {"use_dora": True}}),
     "flexlora-dora": ("flexlora", {"client_ranks": [4, 1, 2, 4]}, {"lora": {"use_dora": True}}),
+    # DoRA with every other strategy: merges into the base (FedEx-LoRA, FLoRA, mFedLoRU, pFedLoRU), private parts
+    # after the DoRA layer (pFedLoRU, FedLoRA-PFL), m sliced from U·v (pFL^MF), m weighted by the layer's norms
+    # (HetLoRA), refined or refactorised factors under the norm (LoRA-FAIR, FedSVD), the R hook (Fed-SB), alternation
+    **{f"{name}-dora": (name, args, {"lora": {"use_dora": True}}) for name, args in (
+        ("fedex_lora", {}), ("flora", {"client_ranks": [4, 1, 2, 4]}),
+        ("mfedloru", {"tau": 2, "client_ranks": [4, 2, 1, 4]}), ("pfedloru", {"personal_r": 2, "personal_steps": 1,
+                                                                             "tau": 2}),
+        ("fedlora_pfl", {"e_lora": 1, "e_global": 1}), ("pflmf", {"rank": 3, "eta_u": 0.5}), ("lora_fair", {}))},
+    # ... and with an nf4 download on every rank: truncated factors sent exact (HetLoRA), the dequantised frozen
+    # factor kept by the server (RoLoRA, FedSVD), A and B sent exact once (Fed-SB)
+    **{f"{name}-dora-nf4": (name, args, {"lora": {"use_dora": True}}, {"compression": {"download": "nf4"}})
+       for name, args in (("hetlora", {"client_ranks": [4, 1, 2, 4], "gamma": 0.5, "prune_lambda": 5.0}),
+                          ("rolora", {}), ("fedsvd", {}), ("fed_sb", {}))},
 }
 RESUMED = ["frlora-moments", "scaffold"]  # checkpointed by 1 process and resumed by 2, and the reverse
 
@@ -81,9 +94,10 @@ def free_port() -> int:
 
 
 def stateful_raw(case: str, out, data, **extra) -> dict:
-    strategy, args, sections = STATEFUL[case]
+    strategy, args, sections, *federation = STATEFUL[case]  # (federation: extra keys of that section)
     return tiny_raw(out, data, federation={"num_clients": 4, "clients_per_round": 3, "rounds": 3,
-                                           "strategy": strategy, "strategy_args": args}, **sections, **extra)
+                                           "strategy": strategy, "strategy_args": args, **(federation or [{}])[0]},
+                    **sections, **extra)
 
 
 class TwoProcessLaunch:
@@ -202,6 +216,9 @@ def test_per_client_state_follows_the_client_across_processes(case, two_processe
         for key in ("epsilon", "client_epsilon"):
             assert [h.get(key) for h in lines] == [h.get(key) for h in one.history], key
         assert lines[-1]["epsilon"] > 0
+    if len(STATEFUL[case]) > 3:  # a compressed download: the same bytes (codes + absmax, exact tensors) per client
+        lines = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+        assert [h["bytes_down"] for h in lines] == [h["bytes_down"] for h in one.history]
 
 
 @pytest.mark.parametrize("case", RESUMED)

@@ -164,7 +164,8 @@ def client_bytes(recipe: Recipe, strategy: Any, plan: Any, global_state: Any, st
     comm, c = recipe.federation.comm_dtype, recipe.federation.compression
     down = strategy.download_bytes(plan, comm)
     if c.download != "none":  # the plan's global tensors travel compressed (fedllm.engine.compressed_rounds)
-        glob = {k: v for k, v in plan.state.items() if v is global_state.get(k)}
+        exact = strategy.exact_download_keys()
+        glob = {k: v for k, v in plan.state.items() if v is global_state.get(k) and k not in exact}
         down += wire_bytes(glob, c.download, c.block_size) - num_bytes(glob, comm)
     return down, upload_bytes(strategy, plan, steps, comm, c.upload, c.block_size)
 

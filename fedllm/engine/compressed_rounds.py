@@ -10,7 +10,8 @@ same values it computed, bit for bit).
 Download (server side, :class:`Downlink`): once a round the server quantises its global state plus its residual
 ``e_s`` and keeps ``e_s ← x + e_s − Q(x + e_s)`` (checkpointed with the strategy's state under ``compression/``);
 every sampled client whose plan carries a global tensor unchanged receives the read-back value. A plan's tensor
-that differs from the global state (a per-client one) travels uncompressed and is counted so.
+that differs from the global state (a per-client one) travels uncompressed and is counted so, as do the keys the
+strategy names in :meth:`fedllm.strategies.base.Strategy.exact_download_keys` (never quantised, no residual).
 
 The round's read-back global state is handed to the strategy for its aggregation
 (:attr:`fedllm.strategies.base.Strategy.downloaded`): server maths that measures the clients' progress against
@@ -45,8 +46,9 @@ def compress_upload(recipe: Any, received: StateDict, upload: StateDict,
 class Downlink:
     """The server's compressed download: one quantisation of the global state per round, with its residual."""
 
-    def __init__(self, recipe: Any):
+    def __init__(self, recipe: Any, exact: frozenset[str] = frozenset()):
         c = recipe.federation.compression
+        self.exact = exact  # keys that travel uncompressed (Strategy.exact_download_keys)
         self.kind, self.block_size, self.error_feedback = c.download, c.block_size, c.error_feedback
         self.residual: StateDict = {}
         self.start: StateDict = {}  # the residual at the start of round ``self.round``
@@ -64,8 +66,9 @@ class Downlink:
         if self.round == rnd:
             return
         self.start = self.residual
+        compressed = {k: v for k, v in global_state.items() if k not in self.exact}
         self.sent, self.residual, self.packed, _ = compress_state(
-            global_state, {}, self.residual, self.kind, self.block_size, self.error_feedback)
+            compressed, {}, self.residual, self.kind, self.block_size, self.error_feedback)
         self.round = rnd
 
     def received(self, rnd: int) -> StateDict | None:

@@ -325,7 +325,8 @@ class RoundLoop:
         self.collate = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
         self.global_state = read_state(self.model, fed.global_keys)
         self.store = ClientStore()  # per-client state of every client (DESIGN.md §3)
-        self.downlink = Downlink(self.recipe)  # the server's compressed download and its residual
+        # the server's compressed download and its residual
+        self.downlink = Downlink(self.recipe, fed.strategy.exact_download_keys())
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
         self.tracking = Tracking([])  # logging.report_to back-ends, started by run() on rank 0

@@ -9,9 +9,11 @@ What cannot hold is refused at recipe load, with the reason:
 * compression with ``federation.comm_dtype`` other than fp32: the compressed direction sets its own wire format;
 * download compression with a strategy outside :data:`DOWNLOAD_COMPRESSION_STRATEGIES` (the reason of each is in
   :data:`DOWNLOAD_REFUSED`);
-* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (HetLoRA, RoLoRA,
-  LoRA-FAIR, FedSVD, Fed-SB: their server maths is not worked out for DoRA's column norm of ``W + s·B·A``); a
-  merging one on a half-precision base or with its merges kept beside the base.
+* DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (every registered one is
+  in them; a strategy registered from outside fedllm is refused until its server maths is worked out for DoRA's
+  column norm of ``W + s·B·A``); a merging one on a half-precision base or with its merges kept beside the base;
+  DoRA under DP-SGD (opacus has no per-example gradient of PEFT's magnitude module, which it calls without the
+  factors it needs).
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ from fedllm.recipe.schema import DORA_MERGE_STRATEGIES, Recipe
 #: FedOpt's pseudo-gradient ``θ̄ − θ_received``, FRLoRA's merge ``s·(B̄Ā − B_s·A_s)`` from the factors the clients
 #: started from, mFedLoRU's rebuild ``A + α·A_d·A_u`` on the received ``A``; FedLoRU's and FLoRA's merges read the
 #: uploads (their merge message travels uncompressed) and their re-initialised factors drop the download residual.
+#: HetLoRA, LoRA-FAIR, Fed-SB, FedLoRA-PFL and pFL^MF read only the uploads (HetLoRA's truncated factors and Fed-SB's
+#: fixed A, B travel uncompressed); RoLoRA and FedSVD keep the dequantised frozen factor their clients trained against.
 DOWNLOAD_COMPRESSION_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "ffa_lora", "fedsa_lora", "local", "fedmedian", "fedtrimmedavg", "krum",
     "multikrum", "bulyan", "bulyan_multikrum", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "frlora", "frlora_v1",
-    "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "mfedloru", "flora",
+    "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "mfedloru", "flora", "hetlora", "lora_fair", "fed_sb",
+    "fedlora_pfl", "pflmf", "rolora", "fedsvd",
 })
 
 #: Why download compression is refused with each other strategy (the recipe error's expected value).
@@ -36,10 +41,6 @@ DOWNLOAD_REFUSED = {
     "fedex_lora": ("its residual W ← W + Σ_k p_k·s·B_k·A_k − s·B̄·Ā must hold the factors every client continues from, "
                    "which a compressed download fixes only when the next round is sent, with the server's residual: "
                    "the effective weight would no longer be the clients' exact mean"),
-    "rolora": ("each round's clients train one factor against the dequantised other while the server keeps its own "
-               "copy of it: s·B̄·A would no longer be the clients' mean product, RoLoRA's exactness"),
-    "fedsvd": ("its server refactorises svd(B̄·A) with its own A while the clients trained B against the dequantised "
-               "A: the product would not be the clients'"),
     "flexlora": ("each client starts from its own SVD hand-back of the kept average, not from the global state: those "
                  "factors travel uncompressed, so a compressed download would save nothing on them"),
 }
@@ -51,11 +52,14 @@ DOWNLOAD_REFUSED_DEFAULT = ("fedllm has not worked out which state its server ma
 #: them: ``fedsa_lora`` keeps the magnitude private beside ``B``; ``fedlora_pfl`` averages it with σ (its ``full``
 #: σ is the base weight itself, averaged as a tensor) and adds the private τ after the DoRA layer; ``flexlora``
 #: stacks its kept pieces inside DoRA's column norm; ``pflmf`` slices the magnitudes from ``U v`` with A and B (each
-#: strategy's module docstring says how).
+#: strategy's module docstring says how); ``rolora``, ``lora_fair``, ``fedsvd`` and ``fed_sb`` average it with the
+#: example (Fed-SB: uniform) weights while PEFT takes the column norm of the direction their factors give (LoRA-FAIR's
+#: refined ``B``, FedSVD's refactorised pair of the same product, Fed-SB's ``B·R·A`` through the ``R`` hook);
+#: ``hetlora`` averages it with each layer's norm weights ``p_k``, as that layer's factors.
 DORA_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "ffa_lora", "fedmedian",
     "fedtrimmedavg", "krum", "multikrum", "bulyan", "bulyan_multikrum", "local", "fedsa_lora", "fedlora_pfl", "pflmf",
-    "flexlora",
+    "flexlora", "rolora", "lora_fair", "hetlora", "fedsvd", "fed_sb",
 })
 
 
@@ -102,11 +106,16 @@ def dora_problems(r: Recipe) -> list[tuple[str, Any, str]]:
                       "lora.use_dora: factors or residuals kept beside the base are left out of DoRA's column norm")))
     elif r.federation.strategy not in DORA_STRATEGIES:
         p.append(("lora.use_dora", True, (f"false with federation.strategy: {r.federation.strategy} (its server "
-                  "maths (SVD refactorisations, corrections of B, per-client ranks or alternating factors) is not "
-                  "worked out for DoRA's column norm of W + s*B*A, which makes it non-linear; DoRA works with "
+                  "maths is not worked out for DoRA's column norm of W + s*B*A, which makes the layer non-linear in "
+                  "the adapter; DoRA works with "
                   f"{', '.join(sorted(DORA_STRATEGIES | DORA_MERGE_STRATEGIES))})")))
     if r.model.quantization != "none":
         p.append(("lora.use_dora", True, f"false with model.quantization: {r.model.quantization} (not tested here)"))
+    if r.privacy.mechanism == "dp_sgd":
+        p.append(("lora.use_dora", True, ("false with privacy.mechanism: dp_sgd (opacus computes per-example gradients "
+                  "module by module and calls an unsupported module's forward with its input alone; PEFT's DoRA "
+                  "magnitude module needs the LoRA factors and the base layer as keyword arguments, so no "
+                  "per-example gradient of m exists to clip and noise)")))
     if r.train.clients_per_pass > 1:
         p.append(("train.clients_per_pass", r.train.clients_per_pass,
                   "1 with lora.use_dora (the batched pass computes plain LoRA products)"))

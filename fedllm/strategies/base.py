@@ -274,6 +274,12 @@ class Strategy(abc.ABC):
             sent.update({k: self.downloaded[k].to(v.device, v.dtype) for k, v in sent.items() if k in self.downloaded})
         return sent
 
+    def exact_download_keys(self) -> frozenset[str]:
+        """Global state keys that travel uncompressed under a compressed download (``federation.compression``):
+        tensors a client receives once and keeps fixed, which must be the server's own values bit for bit (Fed-SB's
+        ``A`` and ``B``). Default: none."""
+        return frozenset()
+
     def reinitialised_at(self, rnd: int) -> list[str]:
         """Global state keys that ``after_aggregate`` of round ``rnd`` set to a newly drawn or derived value (a
         re-initialised factor): the server drops their download residual (``federation.compression``: the error

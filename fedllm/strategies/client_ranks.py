@@ -110,12 +110,13 @@ class RankedClients:
         self.factor_keys = {k for layer in self.layers.values() for k in (layer.a_key, layer.b_key)}
 
     def truncate(self, state: StateDict, rank: int) -> StateDict:
-        """``state`` with each layer's ``A`` cut to its first ``rank`` rows and ``B`` to its first ``rank`` columns."""
+        """``state`` with each layer's ``A`` cut to its first ``rank`` rows and ``B`` to its first ``rank`` columns (a
+        factor already of that rank is the same tensor: at full rank a plan carries the global one)."""
         out = dict(state)
         for layer in self.layers.values():
-            if layer.a_key in out:
+            if layer.a_key in out and out[layer.a_key].shape[0] > rank:
                 out[layer.a_key] = out[layer.a_key][:rank].clone()
-            if layer.b_key in out:
+            if layer.b_key in out and out[layer.b_key].shape[1] > rank:
                 out[layer.b_key] = out[layer.b_key][:, :rank].clone()
         return out
 
@@ -133,8 +134,11 @@ class RankedClients:
         return out
 
     def open_client(self, plan: Any) -> None:
-        """Client side: zero-pad the received rank-``r_k`` factors to the shared adapter's rank."""
-        plan.state = self.pad(plan.state)
+        """Client side: zero-pad the received rank-``r_k`` factors to the shared adapter's rank, into ``plan.local``
+        (loaded over ``plan.state``): ``plan.state`` stays as it arrived, the reference a compressed upload is
+        quantised against on the client and read back against on the server (``federation.compression.upload``)."""
+        padded = self.pad(plan.state)
+        plan.local = {**plan.local, **{k: v for k, v in padded.items() if v is not plan.state[k]}}
 
     def client_upload(self, plan: Any, trained: StateDict, steps: int) -> StateDict:
         """Send only the client's rank-``r_k`` factors (and the other trained keys of the plan)."""

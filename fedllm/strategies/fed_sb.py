@@ -18,6 +18,21 @@ their one training pass, and they set ``lora.alpha = r``, i.e. ``s = 1``). This 
 authors' code does: it is refused with ``privacy``. ``init: weights`` is the authors' data-free option
 (``find_and_initialize``, LoRA-XS): ``(B, A) = (U_r, diag(S_r)·Vh_r)`` of the pretrained weight, ``R ~ N(0, 1e-5²)``.
 
+DoRA (``lora.use_dora``, Liu et al. 2024, Eq. 5): the layer computes ``m ⊙ V / ‖V‖_c`` with ``V = W + s·B·R·A``. PEFT's
+DoRA reads ``B·A`` by calling ``lora_B(lora_A(I))``, so the ``R`` hook below enters its column norm as well as its
+output, and nothing is refactorised on the server: ``m`` is well defined, trains beside ``R`` and is averaged with
+the same weights as any trainable tensor (the directions average exactly, ``V̄ = W + s·B·R̄·A``; the magnitude as a
+trainable tensor). PEFT sets ``m = ‖W + s·B·A‖_c`` when it creates the adapter (``B = 0`` then: ``‖W‖_c``); after
+the init writes ``(B, R, A)`` it is set again to ``‖W + s·B·R·A‖_c``, the norms of the weight the layer now starts
+from (PEFT's rule), so the DoRA model starts where LoRA-SB's does. Export as below: the pieces ``s·(B·R − B)·A``
+go into the base before PEFT's DoRA merge (inside the norm), or stack with ``B`` as a DoRA adapter of rank ``2r``.
+
+Compressed download (``federation.compression.download``): ``R``, ``m`` and a head travel compressed with the server's
+error feedback; the server averages the uploaded ``R_k``, reading nothing of what it sent. ``A`` and ``B`` travel
+uncompressed (:meth:`FedSB.exact_download_keys`): a client receives them once and keeps them fixed, so a quantised
+copy would give each client its own fixed factors (differing with the round it first trained in, as the server's
+residual moves) and ``mean_k B_k·R_k·A_k`` would no longer be ``B·R̄·A``, the exactness Fed-SB is built on.
+
 How it runs: ``R`` is an ``nn.Linear(r, r)`` named ``<layer>.fed_sb`` attached to each PEFT LoRA layer and applied
 by a forward hook to ``lora_A``'s output (the authors' ``default_lora_latent_mapping``), so opacus sees an ordinary
 linear layer for DP-SGD. The global state holds ``A``, ``B`` and ``R`` (checkpoints and exports are self-contained);
@@ -122,6 +137,23 @@ class FedSB(FedAvg):
             self._write_factors(self._weights_init())
         elif data is not None:  # elsewhere (export, dry run) the factors come from the checkpoint or do not matter
             self._write_factors(self._gradient_init(model, *data))
+        else:
+            return
+        self._start_magnitudes()
+
+    @torch.no_grad()
+    def _start_magnitudes(self) -> None:
+        """DoRA: ``m = ‖W + s·B·R·A‖_c`` of the initialised factors (PEFT's own rule at adapter creation, the norm of
+        the weight the layer starts from), read through PEFT's ``get_lora_weight``, which calls ``lora_A`` and so
+        the ``R`` hook: the DoRA model starts at LoRA-SB's ``W + s·B·R·A`` (module docstring)."""
+        for layer in self.layers.values():
+            dora = layer.module.lora_magnitude_vector
+            if "default" not in dora:
+                continue
+            product = dora["default"].get_lora_weight(lora_A=layer.module.lora_A["default"],
+                                                      lora_B=layer.module.lora_B["default"])
+            norm = dora["default"].get_weight_norm(layer.base.weight, product, layer.scale)
+            dora["default"].weight.copy_(norm.to(dora["default"].weight.dtype))
 
     @torch.no_grad()
     def _write_factors(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
@@ -209,6 +241,10 @@ class FedSB(FedAvg):
 
     def client_upload(self, plan: ClientPlan, trained: StateDict, steps: int) -> StateDict:
         return {k: trained[k] for k in self.shared_keys()}
+
+    def exact_download_keys(self) -> frozenset[str]:
+        """``A`` and ``B`` travel uncompressed under a compressed download (module docstring)."""
+        return frozenset(self.factor_keys)
 
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         for u in updates:

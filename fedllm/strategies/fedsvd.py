@@ -16,6 +16,18 @@ signs without forming the ``out × in`` product.
 
 Privacy: ``B``'s upload is the sent ``B`` plus the client's change and the SVD is post-processing of their (noised)
 mean, so client-level DP applies as for FFA-LoRA, and DP-SGD (the paper's setting) clips and noises ``B`` only.
+
+Compressed download (``federation.compression.download``): the clients receive ``Q(A + e_s)`` and train ``B``
+against it, so the server keeps that dequantised ``A`` (:meth:`fedllm.strategies.base.Strategy.received`) and
+refactorises ``svd(B̄·A_s)``: the product is exactly the mean of the clients' products, as without compression.
+The residuals of ``A`` (adopted, then refactorised) and, in a refactorising round, of ``B`` (a new basis) are dropped.
+
+DoRA (``lora.use_dora``, Liu et al. 2024, Eq. 5): a layer computes ``m ⊙ V / ‖V‖_c``, ``V = W + s·B·A``. The clients
+train ``B`` and the magnitude ``m`` (A frozen), the server averages both (``m`` as any trainable tensor). The
+refactorisation replaces ``(B̄, A)`` by factors of the same product ``B̄·A`` (to the rounding of ``comm_dtype``), so
+``V``, its column norm and the layer ``m̄ ⊙ V / ‖V‖_c`` are the same before and after it: ``m`` is well defined
+through the SVD and keeps its meaning (the norm of each output row's direction, not of a factor). DoRA under DP-SGD
+is refused at recipe load (opacus has no per-example gradient of PEFT's magnitude module); client-level DP applies.
 """
 
 from __future__ import annotations
@@ -80,6 +92,9 @@ class FedSVD(FFALoRA):
 
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         out = super().aggregate(rnd, global_state, updates)
+        if self.downloaded:  # compressed download: the clients trained B against the dequantised A (module docstring)
+            received = self.received(global_state)
+            out.update({layer.a_key: received[layer.a_key] for layer in self.layers.values()})
         if self.refactorises(rnd):
             for layer in self.layers.values():
                 b, a = orthogonal_refactor(out[layer.b_key], out[layer.a_key])
@@ -87,3 +102,9 @@ class FedSVD(FFALoRA):
                 out[layer.b_key] = to_wire(b, self.comm_dtype, out[layer.b_key])
                 out[layer.a_key] = to_wire(a, self.comm_dtype, out[layer.a_key])
         return out
+
+    def reinitialised_at(self, rnd: int) -> list[str]:
+        """``A`` (the clients' own, or refactorised) and, when refactorised, ``B`` (a new basis): their download
+        residuals refer to values the server no longer holds."""
+        keys = [layer.a_key for layer in self.layers.values()]
+        return keys + ([layer.b_key for layer in self.layers.values()] if self.refactorises(rnd) else [])

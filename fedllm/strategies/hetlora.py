@@ -20,6 +20,13 @@ The server holds one adapter of the largest rank ``r_max = lora.r``; client ``k`
   have ``ΔW_k = 0`` (e.g. ``B`` still zero) is averaged uniformly. Other trainable keys (a classifier head) are
   averaged with the ``weighting`` example weights, as FedAvg.
 
+DoRA (``lora.use_dora``, Liu et al. 2024, Eq. 5): a layer computes ``m ⊙ (W + s·B·A) / ‖W + s·B·A‖_c``. The magnitude
+``m`` has one entry per output row, whatever the rank, so it is neither truncated nor padded: every client receives
+and trains all of it, and the server averages it with the same per-layer weights ``p_k`` as that layer's factors (the
+paper weights each LoRA module's upload by the norm of its update, Fig. 2b; ``m`` belongs to that module), uniform
+where all ``ΔW_k = 0``. PEFT computes the column norm from the current factors, so a client of rank ``r_k`` computes
+DoRA of its truncated ``W + s·B_k A_k`` and the global model DoRA of the padded mean ``W + s·B̄Ā`` with ``m̄``.
+
 Scaling as :mod:`fedllm.strategies.client_ranks`: every client computes ``s·B_k A_k`` with the shared
 ``s = alpha / r_max``. The client's current rank travels in its plan (``extra["rank"]``), so the client side needs
 no stored state; the server keeps every client's current rank (checkpointed).
@@ -121,10 +128,10 @@ class HetLoRA(RankedClients, FedAvg):
             norms = [product_norm(u.state[layer.b_key], u.state[layer.a_key]) for u in updates]
             total = sum(norms)
             p = [n / total for n in norms] if total > 0 else [1.0 / len(updates)] * len(updates)
-            padded = [self.pad({layer.b_key: u.state[layer.b_key], layer.a_key: u.state[layer.a_key]})
-                      for u in updates]
-            out.update(weighted_mean(padded, p))
-        heads = [{k: v for k, v in u.state.items() if k not in self.factor_keys} for u in updates]
+            keys = [layer.b_key, layer.a_key] + ([layer.magnitude_key] if layer.magnitude_key else [])
+            out.update(weighted_mean([self.pad({k: u.state[k] for k in keys}) for u in updates], p))
+        layer_keys = self.factor_keys | {layer.magnitude_key for layer in self.layers.values()}
+        heads = [{k: v for k, v in u.state.items() if k not in layer_keys} for u in updates]
         if heads[0]:
             out.update(weighted_mean(heads, self.weights(updates)))
         for u, rank in zip(updates, ranks, strict=True):

@@ -19,6 +19,12 @@ The cosine term is scale-free, so its gradient in ``ΔB`` scales as ``||Ā||/||(
 overshoot small adapters and stall on large ones; the step is therefore ``refine_lr · ||B̄Ā||²_F / ||Ā||²_F``
 (``refine_lr`` dimensionless; 0.3 with 50 steps converges on this toolkit's tiny and small tasks). The
 ``s = alpha / r`` scaling cancels in the cosine. Bytes are FedAvg's: the refined factors travel in place of the averaged ones.
+
+DoRA (``lora.use_dora``, Liu et al. 2024, Eq. 5): a layer computes ``m ⊙ V / ‖V‖_c`` with ``V = W + s·B·A``. Client
+``k``'s direction is ``W + s·B_k A_k``, so the ideal direction is ``W + ΔW`` with Eq. 8's ``ΔW`` unchanged, and ``ΔB``
+is solved as without DoRA; the magnitude ``m`` is averaged with the example weights as any trainable tensor. PEFT
+takes the column norm of the current factors, i.e. of the *refined* ``V = W + s·(B̄ + ΔB)·Ā``: the global layer is
+``m̄ ⊙ V / ‖V‖_c`` of the direction the clients continue from.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class AdapterLayer:
     b_key: str
     scale: float
     base_key: str = ""  # state key of the wrapped base weight
+    magnitude_key: str = ""  # state key of DoRA's magnitude vector m (``lora.use_dora``), "" without DoRA
 
     @property
     def base(self) -> torch.nn.Module:
@@ -92,9 +93,11 @@ def adapter_layers(model: torch.nn.Module, adapter: str = "default") -> dict[str
         module = model.get_submodule(name)
         if getattr(module, "fan_in_fan_out", False):
             raise ValueError(f"{name}: fan_in_fan_out (Conv1D) layers are not supported by merge-and-reinit strategies")
+        magnitude = getattr(module, "lora_magnitude_vector", {})
         out[name] = AdapterLayer(name, module, names[id(module.lora_A[adapter].weight)],
                                  names[id(module.lora_B[adapter].weight)], float(module.scaling[adapter]),
-                                 names.get(id(module.get_base_layer().weight), ""))
+                                 names.get(id(module.get_base_layer().weight), ""),
+                                 names[id(magnitude[adapter].weight)] if adapter in magnitude else "")
     return out
 
 

@@ -16,6 +16,18 @@ alternation starts from ``B``.
 Bytes: a client receives both factors (it may have missed the last rounds) and sends only the factor it
 trained, so the upload is half of FedAvg's. Other trainable keys (RoBERTa's classifier head) train and are
 averaged every round. Client-level DP applies as to FedAvg: the upload is the sent factor plus its change.
+
+Compressed download (``federation.compression.download``): a client receives the dequantised factors
+``Q(A + e_s)``, ``Q(B + e_s)`` (the server's error feedback) and trains one against the other it holds. So that
+``s·B̄·A`` stays the exact mean of the clients' products, the server keeps as the frozen factor the dequantised one
+its clients received (:meth:`fedllm.strategies.base.Strategy.received`) and drops that factor's download residual
+(its value is now exactly what the clients hold); the trained factor is averaged from the uploads as before.
+
+DoRA (``lora.use_dora``, Liu et al. 2024, Eq. 5): a layer computes ``m ⊙ V / ‖V‖_c``, ``V = W + s·B·A``. The magnitude
+``m`` is neither factor: it trains every round beside the round's factor and is averaged with the example weights
+as any trainable tensor. The shared frozen factor keeps the directions exact (``mean_k V_k = W + s·B̄·A``) and PEFT
+takes the column norm of the ``V`` the averaged factors give, so the global layer is ``m̄ ⊙ V̄ / ‖V̄‖_c``; the
+magnitude is averaged as a tensor (the mean of the clients' DoRA weights is no DoRA layer of one adapter).
 """
 
 from __future__ import annotations
@@ -64,4 +76,12 @@ class RoLoRA(FedAvg):
         return {k: trained[k] for k in plan.phases[0].keys}
 
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
-        return {**global_state, **super().aggregate(rnd, global_state, updates)}
+        out = {**global_state, **super().aggregate(rnd, global_state, updates)}
+        if self.downloaded:  # compressed download: keep the frozen factor the clients trained against
+            received = self.received(global_state)
+            out.update({k: received[k] for k in self.frozen_keys(rnd)})
+        return out
+
+    def reinitialised_at(self, rnd: int) -> list[str]:
+        """The frozen factor: the server now holds what its clients received, nothing of it is owed to them."""
+        return list(self.frozen_keys(rnd))

@@ -145,12 +145,13 @@ def test_dora_merges_into_the_base_exactly_as_peft_merges(tmp_path, strategy, ar
 
 
 @pytest.mark.parametrize("strategy,args,sections,key", [
-    ("hetlora", {}, {}, "lora.use_dora"), ("fedsvd", {}, {}, "lora.use_dora"),
     ("fedloru", {"accumulate": "keep"}, {}, "federation.strategy_args.accumulate"),
     ("pfedloru", {"accumulate": "keep"}, {}, "federation.strategy_args.accumulate"),
     ("fedex_lora", {"residual": "dense"}, {}, "federation.strategy_args.residual"),
     ("flora", {}, {"model": {"dtype": "bf16"}}, "model.dtype"),
     ("frlora", {}, {"model": {"dtype": "bf16"}}, "model.dtype"),
+    ("fedsvd", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8, "clipping_norm": 0.5}},
+     "lora.use_dora"),
 ])
 def test_dora_refused_where_it_cannot_hold(tmp_path, strategy, args, sections, key):
     arith, _ = write_data(tmp_path)
@@ -158,4 +159,5 @@ def test_dora_refused_where_it_cannot_hold(tmp_path, strategy, args, sections, k
                       federation={"strategy": strategy, "strategy_args": args}, **sections)
     with pytest.raises(RecipeError) as err:
         parse_recipe(raw)
-    assert any(k == key and "column norm" in expected for k, _, expected in err.value.problems), err.value.problems
+    reason = "per-example gradient of m" if "privacy" in sections else "column norm"
+    assert any(k == key and reason in expected for k, _, expected in err.value.problems), err.value.problems

@@ -169,3 +169,31 @@ def assert_dp_sgd_epsilon_per_client(result, noise_multiplier: float, batch_size
                 for cid, s in steps.items()}
         assert line["client_epsilon"] == pytest.approx(want, rel=1e-9) and line["epsilon"] == max(want.values())
     return lines
+
+
+def example_weights(layer, updates):
+    total = sum(u.num_examples for u in updates)
+    return [u.num_examples / total for u in updates]
+
+
+def uniform_weights(layer, updates):
+    return [1.0 / len(updates)] * len(updates)
+
+
+def norm_weights(layer, updates):
+    """HetLoRA's per-layer ``p_k = ‖B_kA_k‖_F / Σ_j ‖B_jA_j‖_F`` (Cho et al. 2024, Fig. 2b), on dense products."""
+    norms = [torch.linalg.matrix_norm(u.state[layer.b_key].double() @ u.state[layer.a_key].double()) for u in updates]
+    return [float(n / sum(norms)) for n in norms]
+
+
+def padded_mean(key, updates, p, pad_to=None):
+    """``Σ_k p_k x_k`` in float64, ``A`` rows / ``B`` columns zero-padded to ``pad_to`` (HetLoRA)."""
+    out = 0
+    for u, pk in zip(updates, p, strict=True):
+        x = u.state[key].double()
+        if pad_to is not None and ".lora_A." in key:
+            x = torch.cat([x, x.new_zeros(pad_to - x.shape[0], x.shape[1])], 0)
+        if pad_to is not None and ".lora_B." in key:
+            x = torch.cat([x, x.new_zeros(x.shape[0], pad_to - x.shape[1])], 1)
+        out = out + pk * x
+    return out

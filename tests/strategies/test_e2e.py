@@ -54,6 +54,10 @@ CASES = {
     "pfedloru_dora": ("pfedloru", {"tau": 1, "personal_r": 2, "personal_steps": 1, "global_steps": 2},
                       {"lora": {"use_dora": True}, "train": {"optimizer_state": "per_client"}}),
     "pflmf_dora": ("pflmf", {"rank": 3, "eta_u": 0.5}, {"lora": {"use_dora": True}, "train": {"optimizer": "sgd"}}),
+    # DoRA with a client's rank pruned under the magnitude's norm weights; Fed-SB's m re-set from B·R·A at init
+    "hetlora_dora": ("hetlora", {"client_ranks": [4, 2, 3], "gamma": 0.5, "prune_lambda": 5.0},
+                     {"lora": {"use_dora": True}, "train": {"optimizer_state": "per_client"}}),
+    "fed_sb_dora": ("fed_sb", {"init_samples": 8}, {"lora": {"use_dora": True}}),
 }
 FULL: dict = {}
 

@@ -85,13 +85,15 @@ def test_equal_ranks_and_identical_clients_equal_fedavg_of_the_products():
 def test_a_training_client_sees_only_its_own_factors():
     model, strategy, w0, state, _ = setup_round([2, 4, 8])
     plan = strategy.configure_client(2, 0, state)
-    strategy.open_client(plan)  # client side: pads to R and switches the global update off
-    write_state(model, plan.state)
-    assert plan.state[next(iter(strategy.layers.values())).a_key].shape[0] == R
+    strategy.open_client(plan)  # client side: pads to R (into plan.local) and switches the global update off
+    loaded = {**plan.state, **plan.local}  # what the engine writes (client.run_client)
+    write_state(model, loaded)
+    assert loaded[next(iter(strategy.layers.values())).a_key].shape[0] == R
+    assert plan.state[next(iter(strategy.layers.values())).a_key].shape[0] == 2  # as it arrived
     now = effective_weights(model)
     s = ALPHA / R
     for name, layer in strategy.layers.items():
-        expected = s * plan.state[layer.b_key] @ plan.state[layer.a_key]
+        expected = s * loaded[layer.b_key] @ loaded[layer.a_key]
         assert torch.allclose(now[name] - w0[name], expected, atol=1e-6)
 
 
