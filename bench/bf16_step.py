@@ -14,10 +14,7 @@ train_client`), which counts its tokens, FLOPs (:mod:`fedllm.models.flops`) and 
   skips under autocast (:data:`fedllm.engine.client.SKIP_LORA_INPUT_CASTS`; the same bits either way);
 - ``bf16-flash``: as ``bf16`` with SDPA's flash kernel for attention, which fedllm replaces by eager attention on a
   CPU in bf16 up to :data:`fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH` positions;
-- ``bf16-factors``: as ``bf16`` with the LoRA factors (hence their gradients and AdamW moments) in bf16 too;
-- ``bf16-peft-scaling``, ``fp32-peft-scaling``: as ``bf16``, ``fp32`` with PEFT's product of LoRA's scaling on the
-  layer's output, which fedllm moves onto the rank-r activation (:data:`fedllm.engine.client.SCALE_LORA_RANK`,
-  :mod:`fedllm.models.lora_scaling`; the same bits either way).
+- ``bf16-factors``: as ``bf16`` with the LoRA factors (hence their gradients and AdamW moments) in bf16 too.
 
 The variants run interleaved (trial after trial, each variant ``--steps`` steps after one warm-up step), so the
 machine's load moves them alike; each figure is the best trial's. Peaks: fedllm's probe of the model's matmul
@@ -46,8 +43,7 @@ if str(ROOT) not in sys.path:
 import torch
 
 EAGER_MAX_LENGTH = 256  # fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH as shipped
-VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors", "bf16-peft-scaling",
-            "fp32-peft-scaling")
+VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors")
 
 
 def build(threads: int):
@@ -76,9 +72,9 @@ def build(threads: int):
 
 def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     """A copy of the fp32 PEFT model in ``variant``'s dtypes (base bf16 with fp32 factors, as PEFT loads it)."""
-    if variant in ("fp32", "bf16-autocast", "fp32-peft-scaling"):
+    if variant in ("fp32", "bf16-autocast"):
         return model
-    if variant in ("bf16-peft-casts", "bf16-flash", "bf16-peft-scaling"):
+    if variant in ("bf16-peft-casts", "bf16-flash"):
         variant = "bf16"
     m = copy.deepcopy(model).to(torch.bfloat16)
     if variant == "bf16":
@@ -96,10 +92,9 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
     from fedllm.strategies.base import Phase
 
     client.SKIP_LORA_INPUT_CASTS = variant != "bf16-peft-casts"
-    client.SCALE_LORA_RANK = not variant.endswith("-peft-scaling")
     client.EAGER_ATTENTION_MAX_LENGTH = 0 if variant == "bf16-flash" else EAGER_MAX_LENGTH
     cfg = copy.copy(recipe.train)
-    cfg.dtype = "fp32" if variant.startswith("fp32") else "bf16"
+    cfg.dtype = "fp32" if variant == "fp32" else "bf16"
     strategy = fed.strategy
     plan = strategy.configure_client(1, 0, state)
     plan.lr = cfg.lr
@@ -163,7 +158,7 @@ def main(argv=None) -> int:
     best = {v: min(rows[v], key=lambda r: r["cpu_s_per_step"]) for v in variants}
     for v in variants:
         b = best[v]
-        mfu = b["flops_per_cpu_s"] / peak["fp32" if v.startswith("fp32") else "bf16"]
+        mfu = b["flops_per_cpu_s"] / peak["fp32" if v == "fp32" else "bf16"]
         speed = best["fp32"]["cpu_s_per_step"] / b["cpu_s_per_step"] if "fp32" in best else float("nan")
         print(f"{v:<14} {b['s_per_step']:>7.2f} {b['cpu_s_per_step']:>10.2f} {b['flops_per_step'] / 1e9:>10.1f} "
               f"{b['flops_per_cpu_s'] / 1e9:>11.1f} {100 * mfu:>8.1f}% {speed:>10.2f}x")

@@ -25,7 +25,6 @@ from fedllm.engine.compressed_rounds import compress_upload
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
 from fedllm.models.flops import TrainedWork
 from fedllm.models.loading import read_state, write_state
-from fedllm.models.lora_scaling import scaling_on_rank
 from fedllm.models.preference_loss import pair_loss
 from fedllm.models.state import DTYPES, StateDict
 from fedllm.models.supervised_loss import loss_path
@@ -165,12 +164,6 @@ def lora_input_casts_skipped(model: torch.nn.Module, cfg: TrainConfig):
     return disable_input_dtype_casting(model, active=SKIP_LORA_INPUT_CASTS and cfg.dtype in ("bf16", "fp16"))
 
 
-#: LoRA's scaling multiplies the rank-r activation ``A x`` instead of the layer's output while a client trains, where
-#: that gives the same bits (a power-of-two scaling ≥ 1: :mod:`fedllm.models.lora_scaling`). False keeps PEFT's order
-#: (``bench/bf16_step.py`` measures both).
-SCALE_LORA_RANK = True
-
-
 #: Micro-batches up to this many positions train on a CPU under bf16/fp16 autocast with eager attention (matmuls
 #: and an fp32 softmax) instead of SDPA's flash kernel, whose CPU bf16 backward is slow at short lengths: one
 #: SmolLM2-shaped layer (4 x 9 heads x 64) forward + backward, 1 thread, CPU-ms: S=96 flash 9.0 / eager 2.7,
@@ -305,7 +298,6 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     switched = training_mode(model)
     restore = contextlib.ExitStack()
     restore.enter_context(lora_input_casts_skipped(model, cfg))
-    restore.enter_context(scaling_on_rank(model, active=SCALE_LORA_RANK))
     row_length = None
     if cfg.packing:
         check_packable(model)
