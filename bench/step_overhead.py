@@ -210,6 +210,7 @@ class ComparingExecutor(LocalExecutor):
         model, cfg = loop.model, loop.recipe.train
         trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
         saved = {n: p.detach().clone() for n, p in trained.items()}
+        was_training = model.training  # a run's model is in eval mode between clients: left so
         model.train()
         for mode, loss_of in (("bare", supervised_loss), ("bare-plain", plain_loss)):
             with Timer(self.synchronize) as t, self.profiled(mode, torch_round and mode == "bare", False):
@@ -219,6 +220,7 @@ class ComparingExecutor(LocalExecutor):
                 for n, p in trained.items():
                     p.copy_(saved[n])
                     p.grad = None
+        model.train(was_training)
         if torch_round:
             row["profiled"] = True  # not counted: the profiler slows what it watches
             self.profiled_micro_batches = micro

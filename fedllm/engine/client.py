@@ -295,7 +295,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     scaler = torch.amp.GradScaler(device.type) if cfg.dtype == "fp16" else None
     was_training = model.training
     original_flags = {name: p.requires_grad for name, p in params.items()}
-    switched = training_mode(model)
+    model.train()
     restore = contextlib.ExitStack()
     restore.enter_context(lora_input_casts_skipped(model, cfg))
     row_length = None
@@ -360,23 +360,13 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
         restore.close()
         for name, p in params.items():
             p.requires_grad_(original_flags[name])
-        if switched or not was_training:
-            model.train(was_training)
+        model.train(was_training)
     # the values float() of each would read (fp64 holds any loss dtype exactly), in one device sync
     losses_read = torch.stack([x.double() for x in losses]).tolist() if losses else []
     loss = sum(losses_read) / len(losses_read) if losses_read else 0.0  # none: DP-SGD drew only empty batches
     return ClientResult(state=read_state(model, touched), loss=loss, steps=total_steps,
                         optimizer_state=new_opt_state if cfg.optimizer_state == "per_client" else None,
                         padding=(padded, positions), work=work)
-
-
-def training_mode(model: torch.nn.Module) -> bool:
-    """Put every module of ``model`` in training mode; False when all already were (``model.train()`` walks and
-    sets all of them: 5.8 ms for a 30-layer PEFT model's 1,599 modules, against 2.1 ms to look)."""
-    if all(m.training for m in model.modules()):
-        return False
-    model.train()
-    return True
 
 
 def head_at_every_position(model: torch.nn.Module, cfg: TrainConfig) -> bool:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedllm.data.collate import collate
-from fedllm.engine.client import OPTIMIZERS, BatchStream, train_client, training_mode
+from fedllm.engine.client import OPTIMIZERS, BatchStream, train_client
 from fedllm.engine.server import build_federation, run
 from fedllm.recipe.checks import parse_recipe
 from fedllm.recipe.schema import TrainConfig
@@ -78,14 +78,6 @@ def test_client_training_equals_a_bare_peft_loop_bit_for_bit(tiny_recipe):
     assert result.loss == sum(losses) / 3
     assert all(torch.equal(result.state[k], params[k]) for k in keys)
     assert any(not torch.equal(result.state[k], start[k]) for k in keys)
-
-
-def test_training_mode_switches_only_when_a_module_is_not_training():
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Dropout(0.1)))
-    model.train()
-    assert training_mode(model) is False
-    model[1][0].eval()
-    assert training_mode(model) is True and all(m.training for m in model.modules())
 
 
 def test_bench_bare_loops_leave_fedllm_run_untouched(tmp_path):
