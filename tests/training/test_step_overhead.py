@@ -107,3 +107,30 @@ def test_non_finite_key_reads_all_flags_at_once_and_names_the_first():
     assert non_finite_key({k: v for k, v in state.items() if k != "b"}) == "c"
     assert non_finite_key({"a": state["a"], "ids": state["ids"], "d": state["d"]}) is None
     assert non_finite_key({}) is None
+
+
+def test_supervised_positions_found_once_give_the_masked_values_and_gradients(tiny_recipe):
+    """supervised_hidden gathers by one nonzero() instead of three boolean masks: the same values, rows and
+    gradients as the masks give."""
+    from fedllm.models.supervised_loss import base_of, supervised_hidden
+
+    recipe = parse_recipe(tiny_recipe())
+    fed = build_federation(recipe)
+    model = fed.loaded.model
+    coll = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
+    batch = coll([fed.data.examples[i] for i in fed.data.clients[0][:4]])
+    hidden, targets, rows = supervised_hidden(model, batch)
+    full = base_of(model).get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                        use_cache=False).last_hidden_state
+    keep = batch["labels"][:, 1:] != -100
+    assert 0 < int(keep.sum()) < keep.numel()
+    assert torch.equal(hidden, full[:, :-1][keep]) and torch.equal(targets, batch["labels"][:, 1:][keep])
+    assert torch.equal(rows, torch.arange(keep.shape[0])[:, None].expand_as(keep)[keep])
+    weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for h in (hidden, full[:, :-1][keep]):
+        model.zero_grad(set_to_none=True)
+        (h * weights).sum().backward(retain_graph=True)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
