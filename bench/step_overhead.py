@@ -1,7 +1,8 @@
 """Host overhead per training micro-batch: fedllm's federated round against a bare PEFT loop, interleaved.
 
     python bench/step_overhead.py [--trials 3] [--rounds 3] [--layers 30] [--batch 8] [--max-length 128]
-                                  [--dtype fp32] [--device cpu] [--shapes PRESET] [--profile] [--json OUT]
+                                  [--dtype fp32] [--device cpu] [--shapes PRESET] [--compile MODE] [--profile]
+                                  [--json OUT]
 
 On a GPU fedllm's loop was host-bound (docs/gpu.md): a round of SmolLM2 shapes took about as long for 8 micro-batches
 of 8 x 128 tokens as of 32 x 512. This bench measures that fixed cost where compute is negligible: a deep, narrow
@@ -18,6 +19,9 @@ trained again by bare loops on the same model:
 - ``bare-plain``: the same with ``model(**batch).loss`` (logits at every position) instead of fedllm's
   supervised-positions loss (:func:`fedllm.models.supervised_loss.supervised_positions_loss`), whose LM head runs
   at the answer positions only.
+
+``--compile MODE`` sets ``train.compile`` (``true``: inductor, ``cudagraphs``: inductor and CUDA graphs) for fedllm's
+clients only: the bare loops stay eager, so the ratio then shows what compiling gains over a bare eager loop.
 
 The bare loops start from the state fedllm's last client left and the model is restored after them, so fedllm's
 run is untouched. Figures per micro-batch (wall and CPU seconds of this process; the device synchronised around
@@ -58,6 +62,7 @@ from bench.gpu_check import write_data
 from fedllm.engine.server import LocalExecutor
 
 MODES = ("fedllm round", "fedllm loop", "bare", "bare-plain")
+COMPILE = {"false": False, "true": True, "cudagraphs": "cudagraphs"}  # --compile -> train.compile (the bare loops stay eager)
 
 
 def build_model_dir(where: Path, layers: int, hidden: int, heads: int, vocab: int, shapes: str | None = None) -> Path:
@@ -92,7 +97,8 @@ def recipe_for(model_dir: Path, data: Path, out: Path, args: argparse.Namespace)
                  "fields": {"instruction": "question", "output": "answer"}},
         "federation": {"num_clients": 4, "clients_per_round": 2, "rounds": args.rounds, "partition": {"method": "iid"}},
         "train": {"local_steps": args.steps, "batch_size": args.batch, "max_length": args.max_length, "lr": 1e-3,
-                  "dtype": args.dtype, "threads": args.threads},
+                  "dtype": args.dtype, "threads": args.threads,
+                  **({"compile": COMPILE[args.compile]} if getattr(args, "compile", None) else {})},
         "logging": {"progress": False, "quiet": True}}, source="<step_overhead>")
 
 
@@ -281,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", default=None, choices=tuple(COMPILE), help="train.compile for fedllm's clients "
+                   "(the bare loops stay eager); default: the recipe's default")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU-seconds free of OpenMP's waits)")
     p.add_argument("--profile", action="store_true", help="one more trial (not counted), profiled")
     p.add_argument("--json", default=None)
@@ -301,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{m} {1e3 * r[m][0]:.1f} ms ({1e3 * r[m][1]:.1f} CPU-ms)" for m in MODES), flush=True)
     summary = summarise(rows)
     load = os.getloadavg()
-    model = args.shapes or f"{args.layers} layers x hidden {args.hidden}"
+    model = (args.shapes or f"{args.layers} layers x hidden {args.hidden}") + (
+        f", fedllm with train.compile {args.compile}" if args.compile else "")
     print(f"\n{model}, micro-batch {args.batch} x {args.max_length}, {args.dtype}, "
           f"{args.device}, {args.threads} thread(s); load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print(f"{'per micro-batch':<14} {'ms':>8} {'CPU-ms':>8} {'ratio':>7} {'ratio CPU':>9}")
