@@ -34,10 +34,14 @@ from fedllm.recipe.schema import TrainConfig
 from fedllm.runs.client_store import ClientStore, join_optimizer, join_residual, residual_part, split_optimizer
 from fedllm.strategies.base import ClientPlan, ClientUpdate, Strategy
 
+#: ``train.optimizer`` -> the local optimizer. ``foreach=True``: one multi-tensor update per step instead of a Python
+#: loop over the parameters (torch's default on a GPU, not on a CPU), bit-identical to the loop on both
+#: (``tests/training/test_step_overhead.py``); 240 LoRA factors of a 30-layer model: 6.5 -> 4.2 ms per AdamW step
+#: on one CPU thread. ``fused=True`` is 7x faster still on a CPU but not bit-identical (2e-7), so not taken.
 OPTIMIZERS: dict[str, Callable[[list, TrainConfig, float], torch.optim.Optimizer]] = {
-    "adamw": lambda params, cfg, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay),
+    "adamw": lambda params, cfg, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, foreach=True),
     "sgd": lambda params, cfg, lr: torch.optim.SGD(params, lr=lr, momentum=cfg.momentum,
-                                                   weight_decay=cfg.weight_decay),
+                                                   weight_decay=cfg.weight_decay, foreach=True),
 }
 
 
@@ -274,15 +278,15 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     if not indices:
         raise ValueError(f"client {plan.client_id} has no training examples")
     torch.manual_seed(seed)
-    write_state(model, {**plan.state, **plan.local})
-    device = next(model.parameters()).device
-    cfg = resolved(cfg, device)
     params = dict(model.named_parameters())
+    write_state(model, {**plan.state, **plan.local}, params)
+    device = next(iter(params.values())).device
+    cfg = resolved(cfg, device)
     private = strategy.sample_level_privacy(plan, len(indices))  # DP-SGD (fedllm.privacy.dp_sgd) or None
     stream = private.stream(indices) if private else batch_stream(cfg, examples, indices, seed)
     default_steps = steps_per_round(cfg, len(indices))
     touched = list(plan.state) + [k for k in plan.local if k not in plan.state]
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []  # read once at the end: no device sync per micro-batch
     total_steps = 0
     padded = positions = 0
     work = TrainedWork()
@@ -335,7 +339,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
                                 loss = micro_batch_loss(model, batch, cfg)
                                 extra = strategy.client_loss(model, plan)
                                 total = loss if extra is None else loss + extra
-                        losses.append(float(loss.detach()))
+                        losses.append(loss.detach())
                         total = total / cfg.grad_accum
                         (scaler.scale(total) if scaler else total).backward()
                     if scaler:
@@ -351,14 +355,17 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
                     total_steps += 1
                     if progress is not None:
                         progress.update(1)
-            new_opt_state.update(_named_optimizer_state(opt, names))
+            if cfg.optimizer_state == "per_client":
+                new_opt_state.update(_named_optimizer_state(opt, names))
         work.seconds, work.cpu_seconds = time.perf_counter() - wall0, time.process_time() - cpu0
     finally:
         restore.close()
         for name, p in params.items():
             p.requires_grad_(original_flags[name])
         model.train(was_training)
-    loss = sum(losses) / len(losses) if losses else 0.0  # none: DP-SGD drew only empty Poisson batches
+    # the values float() of each would read (fp64 holds any loss dtype exactly), in one device sync
+    losses_read = torch.stack([x.double() for x in losses]).tolist() if losses else []
+    loss = sum(losses_read) / len(losses_read) if losses_read else 0.0  # none: DP-SGD drew only empty batches
     return ClientResult(state=read_state(model, touched), loss=loss, steps=total_steps,
                         optimizer_state=new_opt_state if cfg.optimizer_state == "per_client" else None,
                         padding=(padded, positions), work=work)

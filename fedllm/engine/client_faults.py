@@ -78,11 +78,17 @@ def update_problem(update: ClientUpdate, expected: Optional[Layout]) -> Optional
 
 
 def non_finite_key(state: StateDict) -> Optional[str]:
-    """The first floating-point tensor of ``state`` holding a nan/inf, or None."""
-    for key, value in state.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            return key
-    return None
+    """The first floating-point tensor of ``state`` holding a nan/inf, or None. The per-tensor flags are read
+    together, one device sync per device: a sync per tensor cost 50 ms per client for SmolLM2's 240 LoRA factors
+    on an H100 (issue #39's GPU profile)."""
+    keys = [k for k, v in state.items() if v.is_floating_point()]
+    by_device: dict[torch.device, list[str]] = {}
+    for key in keys:
+        by_device.setdefault(state[key].device, []).append(key)
+    finite: dict[str, bool] = {}
+    for group in by_device.values():
+        finite.update(zip(group, torch.stack([torch.isfinite(state[k]).all() for k in group]).tolist()))
+    return next((k for k in keys if not finite[k]), None)
 
 
 def update_norm(update: StateDict, global_state: StateDict) -> float:

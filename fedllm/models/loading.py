@@ -352,9 +352,11 @@ def read_state(model: torch.nn.Module, keys) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def write_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` into the model's parameters of the same names (shapes checked)."""
-    params = dict(model.named_parameters())
+def write_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                params: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """Copy ``state`` into the model's parameters of the same names (shapes checked; ``params``:
+    ``dict(model.named_parameters())`` where the caller has it)."""
+    params = dict(model.named_parameters()) if params is None else params
     for k, v in state.items():
         if k not in params:
             raise KeyError(f"model has no parameter {k}")

@@ -68,9 +68,9 @@ def supervised_hidden(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch
     hidden = base.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                                 position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
     targets = batch["labels"][:, 1:]
-    keep = targets != IGNORE_INDEX
-    rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[keep]
-    return hidden[:, :-1][keep], targets[keep], rows
+    # the supervised positions found once (boolean-mask indexing finds them per tensor, each a device sync on a GPU)
+    rows, cols = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
+    return hidden[:, :-1][rows, cols], targets[rows, cols], rows
 
 
 def token_losses(model: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
