@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +35,8 @@ from fedllm.recipe.schedule import steps_per_round
 from fedllm.recipe.schema import TrainConfig
 from fedllm.runs.client_store import ClientStore, join_optimizer, join_residual, residual_part, split_optimizer
 from fedllm.strategies.base import ClientPlan, ClientUpdate, Strategy
+
+log = logging.getLogger("fedllm")
 
 #: ``train.optimizer`` -> the local optimizer. ``foreach=True``: one multi-tensor update per step instead of a Python
 #: loop over the parameters (torch's default on a GPU, not on a CPU), bit-identical to the loop on both
@@ -236,7 +240,17 @@ def packed_row_length(model: torch.nn.Module, cfg: TrainConfig) -> int | None:
     current = getattr(getattr(base_of(model), "config", None), "_attn_implementation", None)
     device = next(model.parameters()).device
     flash = training_attention_choice(current, device, cfg.dtype, 0, packed=True) == "flash_attention_2"
+    if device.type == "cuda" and not flash:
+        _warn_dense_packing_on_gpu()
     return None if flash else cfg.max_length
+
+
+@functools.cache
+def _warn_dense_packing_on_gpu() -> None:
+    """Once per process: packing on a GPU without flash-attention's variable-length kernel was measured slower."""
+    log.warning("train.packing on a GPU without flash-attention 2 (flash-attn not installed, or train.dtype fp32) "
+                "packs into dense rows: measured 0.48-0.83x the padded batches' tokens/s on an H100 "
+                "(docs/gpu.md, Packing on the GPU); set train.packing: false, or install flash-attn")
 
 
 def micro_batch(collate: Callable[[list[dict]], dict], items: list[dict], cfg: TrainConfig,
