@@ -8,7 +8,7 @@ What cannot hold is refused at recipe load, with the reason:
   update's norm above the bound the noise is calibrated to;
 * compression with ``federation.comm_dtype`` other than fp32: the compressed direction sets its own wire format;
 * download compression with a strategy outside :data:`DOWNLOAD_COMPRESSION_STRATEGIES` (the reason of each is in
-  :data:`DOWNLOAD_REFUSED`);
+  :data:`DOWNLOAD_REFUSED`), or in a format :data:`DOWNLOAD_KIND_REFUSED` names (FedEx-LoRA with int8);
 * DoRA with a strategy outside :data:`DORA_STRATEGIES` and :data:`DORA_MERGE_STRATEGIES` (every registered one is
   in them; a strategy registered from outside fedllm is refused until its server maths is worked out for DoRA's
   column norm of ``W + s·B·A``); a merging one on a half-precision base or with its merges kept beside the base;
@@ -29,20 +29,28 @@ from fedllm.recipe.schema import DORA_MERGE_STRATEGIES, Recipe
 #: uploads (their merge message travels uncompressed) and their re-initialised factors drop the download residual.
 #: HetLoRA, LoRA-FAIR, Fed-SB, FedLoRA-PFL and pFL^MF read only the uploads (HetLoRA's truncated factors and Fed-SB's
 #: fixed A, B travel uncompressed); RoLoRA and FedSVD keep the dequantised frozen factor their clients trained against.
+#: FedEx-LoRA takes its residual against the factors' next download ``(B̃, Ã)`` and keeps them as the global factors
+#: (nf4 and fp4 only: :data:`DOWNLOAD_KIND_REFUSED`).
 DOWNLOAD_COMPRESSION_STRATEGIES = frozenset({
     "fedavg", "fedprox", "scaffold", "ffa_lora", "fedsa_lora", "local", "fedmedian", "fedtrimmedavg", "krum",
     "multikrum", "bulyan", "bulyan_multikrum", "fedavgm", "fedadagrad", "fedyogi", "fedadam", "frlora", "frlora_v1",
     "frlora_v2", "frlora_v3", "fedloru", "pfedloru", "mfedloru", "flora", "hetlora", "lora_fair", "fed_sb",
-    "fedlora_pfl", "pflmf", "rolora", "fedsvd",
+    "fedlora_pfl", "pflmf", "rolora", "fedsvd", "fedex_lora",
 })
 
 #: Why download compression is refused with each other strategy (the recipe error's expected value).
 DOWNLOAD_REFUSED = {
-    "fedex_lora": ("its residual W ← W + Σ_k p_k·s·B_k·A_k − s·B̄·Ā must hold the factors every client continues from, "
-                   "which a compressed download fixes only when the next round is sent, with the server's residual: "
-                   "the effective weight would no longer be the clients' exact mean"),
     "flexlora": ("each client starts from its own SVD hand-back of the kept average, not from the global state: those "
                  "factors travel uncompressed, so a compressed download would save nothing on them"),
+}
+#: Download formats refused with a strategy that takes others, and why (``{strategy: {format: reason}}``).
+DOWNLOAD_KIND_REFUSED = {
+    "fedex_lora": {"int8": (
+        "its residual W ← W + Σ_k p_k·s·B_k·A_k − s·B̃·Ã is taken against the dequantised download (B̃, Ã), which the "
+        "server then holds as its factors, so the next download must send them unchanged; bitsandbytes' dynamic 8-bit "
+        "code runs from −0.993 to 1, so re-quantising a dequantised block whose largest magnitude is negative shrinks "
+        "its absmax and the clients would continue from other factors than the server's model; nf4 and fp4 map each "
+        "block's absmax to a code of ±1 and send a dequantised tensor unchanged: use nf4 or fp4")},
 }
 DOWNLOAD_REFUSED_DEFAULT = ("fedllm has not worked out which state its server maths assumes the clients started from "
                             "under a compressed download")
@@ -86,6 +94,9 @@ def compression_problems(r: Recipe) -> list[tuple[str, Any, str]]:
         p.append(("federation.compression.download", c.download,
                   (f"none with federation.strategy: {fed.strategy} ({why}; download compression works with "
                    f"{', '.join(sorted(DOWNLOAD_COMPRESSION_STRATEGIES))})")))
+    elif c.download in DOWNLOAD_KIND_REFUSED.get(fed.strategy, {}):
+        p.append(("federation.compression.download", c.download,
+                  f"nf4 or fp4 with federation.strategy: {fed.strategy} ({DOWNLOAD_KIND_REFUSED[fed.strategy][c.download]})"))
     return p
 
 

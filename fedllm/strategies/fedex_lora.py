@@ -10,6 +10,18 @@ The residual is computed with the factors as every client receives them (rounded
 in place in fp32 for an fp32 base, or kept as an fp32 dense residual beside a 4/8-bit or half-precision base.
 Bytes: every client receives the residual each round, as the cheaper of the dense ``out × in`` matrix and
 its factors ``[p_1 B_1 … p_K B_K, −B̄]·[A_1; …; A_K; Ā]`` (rank ``(K+1)·r``).
+
+Compressed download (``federation.compression.download: nf4 | fp4``): the clients of the next round continue from
+the dequantised download ``(B̃, Ã) = (deq(q(B̄)), deq(q(Ā)))``, not from ``(B̄, Ā)``. §3's exactness (the model the
+clients continue from is the mean of their updated models) then needs the residual taken against what they
+receive: ``W ← W + Σ_k p_k·s·B_k A_k − s·B̃Ã``, so ``W + s·B̃Ã = W_prev + Σ_k p_k·s·B_k A_k``. bitsandbytes'
+quantisation is deterministic, so the server computes ``(B̃, Ã)`` when it aggregates and keeps them as the global
+factors: its own model is the one its clients continue from. The next download quantises them again with no
+residual (:meth:`FedExLoRA.reinitialised_at`: the quantisation error is already in the base, nothing is left to
+send later), and nf4 and fp4 send a dequantised tensor unchanged (each block's absmax is a code of ±1), so the
+clients receive exactly ``(B̃, Ã)``. The classifier head and DoRA's magnitude travel as with FedAvg (error
+feedback). ``int8`` is refused (:data:`fedllm.recipe.compression_checks.DOWNLOAD_KIND_REFUSED`): its dynamic code
+runs from −0.993 to 1, so a dequantised block is not sent unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from fedllm.strategies.residual import (
     BaseUpdates,
     MergesIntoBase,
     adapter_layers,
+    recipe_value,
     resolve_residual_mode,
     to_wire,
 )
@@ -66,15 +79,43 @@ class FedExLoRA(MergesIntoBase, FedAvg):
         weights = self.weights(updates)
         total = sum(weights)
         wire = DTYPES[self.comm_dtype]
+        received = self._next_download(out)
         for name, layer in self.layers.items():
-            b_bar = to_wire(out[layer.b_key], self.comm_dtype, out[layer.b_key])  # what every client receives
-            a_bar = to_wire(out[layer.a_key], self.comm_dtype, out[layer.a_key])
+            if received is not None:  # what the next round's clients receive under a compressed download
+                b_bar, a_bar = received[layer.b_key], received[layer.a_key]
+            else:  # what every client receives
+                b_bar = to_wire(out[layer.b_key], self.comm_dtype, out[layer.b_key])
+                a_bar = to_wire(out[layer.a_key], self.comm_dtype, out[layer.a_key])
             terms = [(u.state[layer.b_key].to(wire), u.state[layer.a_key].to(wire), layer.scale * w / total)
                      for u, w in zip(updates, weights, strict=True)]
             self.base.add(name, LowRankMerge(terms + [(b_bar, a_bar, -layer.scale)]), rnd)
             out[layer.b_key], out[layer.a_key] = b_bar, a_bar
         self.clients_last_round = len(updates)
         return out
+
+    def _compressed_download(self):
+        """``federation.compression`` when the download is compressed, else None."""
+        c = recipe_value(self.recipe, "federation.compression", None)
+        return c if c is not None and c.download != "none" else None
+
+    def _next_download(self, averaged: StateDict) -> StateDict | None:
+        """``{key: deq(q(x))}`` of the averaged factors, the next round's download of them (bitsandbytes, no residual:
+        :meth:`reinitialised_at`), or None when the download is not compressed."""
+        c = self._compressed_download()
+        if c is None:
+            return None
+        from fedllm.models.compression import compress_state
+
+        factors = {k: averaged[k] for layer in self.layers.values() for k in (layer.b_key, layer.a_key)}
+        return compress_state(factors, {}, {}, c.download, c.block_size, False)[0]
+
+    def reinitialised_at(self, rnd: int) -> list[str]:
+        """Under a compressed download the factors are replaced by their dequantised download, whose quantisation
+        error the residual already put into the base: their download residual is dropped (carried, it would make the
+        next download differ from the ``(B̃, Ã)`` the base was corrected for, and send that error a second time)."""
+        if self._compressed_download() is None:
+            return []
+        return [k for layer in self.layers.values() for k in (layer.a_key, layer.b_key)]
 
     def extra_download_bytes(self, rnd: int, sampled: list[int], num_clients: int, comm_dtype: str) -> dict[int, int]:
         """Every client receives the round's residual (dense or as factors, whichever is smaller): the factors of the

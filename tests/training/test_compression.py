@@ -122,7 +122,7 @@ def test_compression_resume_is_bit_exact(tmp_path, arith_file):
     ({"privacy": {"mechanism": "central", "noise_multiplier": 1.0}}, "federation.compression.upload", "clipping_norm"),
     ({"federation": {"comm_dtype": "bf16"}}, "federation.comm_dtype", "fp32"),
     ({"federation": {"strategy": "fedex_lora", "compression": {"upload": "none", "download": "int8"}}},
-     "federation.compression.download", "fedex_lora (its residual"),
+     "federation.compression.download", "nf4 or fp4 with federation.strategy: fedex_lora (its residual"),
     ({"federation": {"compression": {"upload": "nf4", "block_size": 100}}}, "federation.compression.block_size",
      "4096"),
 ])
