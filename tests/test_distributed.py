@@ -78,6 +78,8 @@ STATEFUL = {
         ("mfedloru", {"tau": 2, "client_ranks": [4, 2, 1, 4]}), ("pfedloru", {"personal_r": 2, "personal_steps": 1,
                                                                              "tau": 2}),
         ("fedlora_pfl", {"e_lora": 1, "e_global": 1}), ("pflmf", {"rank": 3, "eta_u": 0.5}), ("lora_fair", {}))},
+    # FedEx-LoRA with an nf4 download: every rank takes the residual against the factors' next download
+    "fedex_lora-nf4": ("fedex_lora", {}, {}, {"compression": {"download": "nf4"}}),
     # ... and with an nf4 download on every rank: truncated factors sent exact (HetLoRA), the dequantised frozen
     # factor kept by the server (RoLoRA, FedSVD), A and B sent exact once (Fed-SB)
     **{f"{name}-dora-nf4": (name, args, {"lora": {"use_dora": True}}, {"compression": {"download": "nf4"}})
