@@ -49,13 +49,17 @@ def max_diff(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def test_fedex_lora_compression_nf4_download_clients_continue_from_the_exact_mean(data_files, tmp_path, monkeypatch):
-    """Three rounds with an nf4 download: every client of round t+1 starts from ``W_t + s·B̃·Ã`` equal (float64,
+@pytest.mark.parametrize("dora", [False, True])
+def test_fedex_lora_compression_nf4_download_clients_continue_from_the_exact_mean(dora, data_files, tmp_path,
+                                                                                  monkeypatch):
+    """Three rounds with an nf4 download (and under DoRA, whose direction is this ``W + s·B·A``; its magnitude travels
+    as FedAvg's, with error feedback): every client of round t+1 starts from ``W_t + s·B̃·Ã`` equal (float64,
     ≤ 1e-6) to ``W_{t−1} + Σ_k p_k·s·B_k·A_k`` from the uploads; ``(B̃, Ã)`` is bitsandbytes' nf4 round trip of the
     averaged factors, what the server keeps and what every plan holds bit for bit; with FedEx-LoRA's uncompressed
     rule (residual against ``(B̄, Ā)``) the start would be off by more than 1e-5; no download residual of the factors
     is kept; the bytes are the nf4 factors plus the fp32 residual factors, and the dry run counts round 1 alike."""
-    raw = make_raw(data_files, tmp_path / "run", "fedex_lora", federation={**NF4, "rounds": 3})
+    raw = make_raw(data_files, tmp_path / "run", "fedex_lora", federation={**NF4, "rounds": 3},
+                   lora={"use_dora": dora})
     forecast = dry_run(parse_recipe({**raw, "output_dir": str(tmp_path / "dry")}))
     rounds, plans = record(monkeypatch)
     result = run(parse_recipe(raw))
@@ -90,8 +94,9 @@ def test_fedex_lora_compression_nf4_download_clients_continue_from_the_exact_mea
             assert max_diff(uncompressed_rule, exact) > 1e-5, (rnd, name)
     path = result.run_dir / "final" / "strategy.safetensors"  # none where nothing is kept
     kept = load_file(str(path)) if path.is_file() else {}
-    assert not any(k.startswith("compression/") for k in kept)  # the factors' error is in the base, not resent
-    lora = sum(nf4_bytes(layer.rank * n) for layer in layers.values() for n in layer.shape)
+    kept = [k for k in kept if k.startswith("compression/")]  # the factors' error is in the base, not resent
+    assert not any(".lora_A." in k or ".lora_B." in k for k in kept) and bool(kept) == dora  # (DoRA: m's residual)
+    lora = sum(nf4_bytes(v.numel()) for v in final.values())  # every global tensor travels as nf4
     residual = sum(4 * min(layer.shape[0] * layer.shape[1], 3 * layer.rank * (layer.shape[0] + layer.shape[1]))
                    for layer in layers.values())
     lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
