@@ -17,32 +17,26 @@ from fedllm.engine.server import run
 from fedllm.recipe.checks import parse_recipe
 from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies.fedex_lora import FedExLoRA
+from tests.strategies.test_download_compression_2025 import record
 from tests.test_flower_apps import parts
 from tests.training.test_download_compression import nf4_bytes, nf4_round_trip
 
 NF4 = {"compression": {"download": "nf4"}}
 
 
-def record(monkeypatch) -> tuple[list, list]:
-    """``(rounds, plans)``: every ``aggregate`` as ``(rnd, updates, state out, base before, base after)`` and every
-    plan as its client opened it ``(rnd, client, state)`` (copies)."""
-    rounds, plans = [], []
-    aggregate, open_client = FedExLoRA.aggregate, FedExLoRA.open_client
+def record_bases(monkeypatch) -> list:
+    """Every ``aggregate``'s base weights ``(before, after)`` (copies; beside the 2025 tests' ``record``)."""
+    bases = []
+    aggregate = FedExLoRA.aggregate
 
-    def spy_aggregate(self, rnd, global_state, updates):
+    def spy(self, rnd, global_state, updates):
         before = {n: layer.base.weight.detach().clone() for n, layer in self.layers.items()}
         out = aggregate(self, rnd, global_state, updates)
-        after = {n: layer.base.weight.detach().clone() for n, layer in self.layers.items()}
-        rounds.append((rnd, list(updates), {k: v.clone() for k, v in out.items()}, before, after))
+        bases.append((before, {n: layer.base.weight.detach().clone() for n, layer in self.layers.items()}))
         return out
 
-    def spy_open(self, plan):
-        plans.append((plan.rnd, plan.client_id, {k: v.clone() for k, v in plan.state.items()}))
-        return open_client(self, plan)
-
-    monkeypatch.setattr(FedExLoRA, "aggregate", spy_aggregate)
-    monkeypatch.setattr(FedExLoRA, "open_client", spy_open)
-    return rounds, plans
+    monkeypatch.setattr(FedExLoRA, "aggregate", spy)
+    return bases
 
 
 def max_diff(a, b) -> float:
@@ -61,9 +55,11 @@ def test_fedex_lora_compression_nf4_download_clients_continue_from_the_exact_mea
     raw = make_raw(data_files, tmp_path / "run", "fedex_lora", federation={**NF4, "rounds": 3},
                    lora={"use_dora": dora})
     forecast = dry_run(parse_recipe({**raw, "output_dir": str(tmp_path / "dry")}))
-    rounds, plans = record(monkeypatch)
+    recorded, plans = record(monkeypatch, FedExLoRA)
+    bases = record_bases(monkeypatch)
     result = run(parse_recipe(raw))
     layers = result.strategy.layers
+    rounds = [(rnd, updates, out, *base) for (rnd, _, updates, out, _), base in zip(recorded, bases, strict=True)]
     assert [r[0] for r in rounds] == [1, 2, 3]
     first = [state for r, _, state in plans if r == 1]  # B = 0 arrives as 0: round 1 starts from W_0 exactly
     assert len(first) == 2 and all(not state[layer.b_key].any() for state in first for layer in layers.values())
