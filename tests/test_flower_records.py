@@ -101,7 +101,7 @@ def test_compressed_tensors_travel_in_one_array():
 def test_a_record_of_an_older_fedllm_is_refused_with_a_message():
     old = ArrayRecord({"a.weight|float32|bfloat16": Array(np.zeros(3, dtype=np.int16)),
                        "n|int64|int64": Array(np.arange(2))})
-    with pytest.raises(records.RecordError, match=r"one per tensor \(entry 'a.weight\|float32\|bfloat16'\).*same "
+    with pytest.raises(records.RecordError, match=r"one Array per tensor \(2, e.g. 'a.weight\|float32\|bfloat16'\).*same "
                                                   "fedllm on the ServerApp and the nodes"):
         records.decode(old)
     with pytest.raises(records.RecordError, match="not a fedllm record"):
@@ -152,3 +152,25 @@ def test_a_journal_keeps_a_one_array_message_and_replays_it_exactly(tmp_path, ta
     _, (replayed, _) = read_journal(tmp_path / "j")
     back, want = records.decode(replayed.content.array_records["plan"]), cast(state, "bf16")
     assert all(torch.equal(back[k], want[k]) for k in state)
+
+
+def test_an_upload_of_an_older_fedllm_drops_its_client_saying_why(task_identity):
+    from flwr.app import MetricRecord
+
+    from fedllm.flower.adapter import FedllmStrategy
+
+    class Strategy:
+        def uploads_seen(self, rnd, seen):
+            self.seen = seen
+
+    adapter = FedllmStrategy.__new__(FedllmStrategy)
+    adapter.strategy, adapter.sent, adapter.origin, adapter.expected = Strategy(), {7: 2}, {}, {2: None}
+    adapter.synced, adapter.steps, adapter.received = {}, {}, {}
+    sent = Message(RecordDict(), dst_node_id=7, message_type="train")
+    old = ArrayRecord({"a.weight|float32|float32": Array(np.zeros(3, dtype=np.float32))})
+    reply = Message(RecordDict({"update": old, "metrics": MetricRecord({"synced": 0, "num_examples": 4, "steps": 1})}),
+                    reply_to=sent)
+    reply.metadata.__dict__["_src_node_id"] = 7
+    updates, dropped = adapter.decode_updates(1, [reply])
+    assert updates == [] and list(dropped) == [2]
+    assert dropped[2].startswith("its upload cannot be read: a record with one Array per tensor (1, e.g. ")

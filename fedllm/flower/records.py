@@ -82,7 +82,7 @@ def _blob(record: ArrayRecord) -> bytes | None:
         old = [e for e in entries if e.count(SEP) >= 2]
         if old:
             raise RecordError(
-                f"a record of {len(entries)} arrays, one per tensor (entry {old[0]!r}): the format of a fedllm before "
+                f"a record with one Array per tensor ({len(entries)}, e.g. {old[0]!r}): the format of a fedllm before "
                 f"{FORMAT} (one Array per record); run the same fedllm on the ServerApp and the nodes")
         raise RecordError(f"not a fedllm record: entries {entries[:3]} (expected one {ENTRY!r} of stype {STYPE!r})")
     return record[ENTRY].data
