@@ -7,7 +7,8 @@ All tensors of a record travel end to end in one contiguous buffer in the safete
 a JSON header naming each tensor's wire dtype, shape and byte offsets, then the bytes; bf16 natively), written and
 checked by the ``safetensors`` library; the header's metadata names the format (:data:`FORMAT`), the original
 dtype of each tensor that travels in another (a float cast to ``comm_dtype``) and the tensors' order (safetensors
-sorts them; fedllm's keyed states keep theirs). The record holds that buffer as its only ``Array`` (entry :data:`ENTRY`, ``stype`` :data:`STYPE`).
+sorts them; fedllm's keyed states keep theirs). The record holds that buffer as its only ``Array`` (entry
+:data:`ENTRY`, ``stype`` :data:`STYPE`).
 Why one: every ``Array`` of a Flower message is an object of Flower's object store, and so is each of its 5 MiB
 chunks; each object is its own request through each hop (ServerApp → SuperLink → SuperNode → worker and back), so an
 adapter sent one Array per tensor (240 for SmolLM2's r 8 q/k/v/o) was ~480 requests per hop, and is now its size
@@ -112,11 +113,12 @@ def decode(record: ArrayRecord) -> StateDict:
         dtypes, order = json.loads(meta["dtypes"]), json.loads(meta["order"])
     except (KeyError, ValueError) as e:
         raise RecordError(f"{ENTRY}: no readable original dtypes and order in its metadata ({e!r})") from e
-    if not isinstance(order, list) or sorted(order) != list(range(len(wire))):
+    if not isinstance(order, list) or not all(type(i) is int for i in order) or sorted(order) != list(range(len(wire))):
         raise RecordError(f"{ENTRY}: its order {str(order)[:40]} is not a permutation of its {len(wire)} tensors")
-    if not isinstance(dtypes, dict) or not set(dtypes) <= set(wire):
-        raise RecordError(f"{ENTRY}: its metadata names the dtypes of {sorted(set(dtypes) - set(wire))[:3]}, which "
-                          "it does not carry")
+    if not isinstance(dtypes, dict) or not all(isinstance(d, str) for d in dtypes.values()) \
+            or not set(dtypes) <= set(wire):
+        raise RecordError(f"{ENTRY}: its metadata's dtypes {str(dtypes)[:60]} are not names of tensors it carries "
+                          "and their dtypes")
     out: StateDict = {}
     names = sorted(wire)
     for key in (names[i] for i in order):
