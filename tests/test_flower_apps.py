@@ -167,7 +167,7 @@ def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_id
         assert grid.sent.count("train.sync") == 3
     # catch-up is compact: factors (one side at most the rank r = 4, or a coefficient), never a dense matrix
     synced = [a for m in grid.messages for name, rec in m.content.array_records.items() if name.startswith("sync.")
-              for a in rec.values()]
+              for a in records.decode(rec).values()]
     assert bool(synced) == (strategy in ("frlora", "pfedloru", "fedloru", "fedex_lora", "flora"))
     stacked = 8 if strategy == "flora" else 4  # FLoRA's stack has the rank r_i + r_j of the round's two clients
     assert all(min(a.shape) <= stacked for a in synced)

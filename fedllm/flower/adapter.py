@@ -200,12 +200,17 @@ class FedllmStrategy(FlowerStrategy):
             self.synced[cid] = int(metrics["synced"])
             self.steps[cid] = int(metrics.get("step", server_round))
             arrays = m.content.array_records
-            state, wire = records.decode(arrays["update"]), None
-            if "update.packed" in arrays:  # a compressed upload: its change from what the client received
+            try:
+                state, wire = records.decode(arrays["update"]), None
+                packed = (records.decode_packed(arrays["update.packed"], str(m.content.config_records["fedllm"]
+                                                                             ["packed"]))
+                          if "update.packed" in arrays else None)
+            except records.RecordError as e:  # e.g. a node of another fedllm version: dropped, saying why
+                dropped[cid] = f"its upload cannot be read: {e}"
+                continue
+            if packed is not None:  # a compressed upload: its change from what the client received
                 from fedllm.models.compression import read_packed
 
-                layout = str(m.content.config_records["fedllm"]["packed"])
-                packed = records.decode_packed(arrays["update.packed"], layout)
                 state = read_packed(packed, state, self.received.get(cid, {}), like=self.received.get(cid))
                 wire = records.record_bytes(arrays["update"]) + records.record_bytes(arrays["update.packed"])
             update = ClientUpdate(cid, state, int(metrics["num_examples"]),

@@ -173,6 +173,7 @@ def test_download_compression_fed_sb_dora_on_flower_sends_a_and_b_exact_and_matc
     server residual, every node's stored A and B and the bytes equal the simulation's (tol 0)."""
     from flwr.supercore.task_identity import TaskIdentity
 
+    from fedllm.flower import records
     from fedllm.flower.executor import FlowerExecutor
     from tests.test_flower_apps import LoopbackGrid, assert_close, node_state, nodes, parts
 
@@ -196,10 +197,10 @@ def test_download_compression_fed_sb_dora_on_flower_sends_a_and_b_exact_and_matc
         assert any(".lora_A." in k for k in on_node)
     assert [h["bytes_down"] for h in flower.history] == [h["bytes_down"] for h in sim.history]
     train = [m.content.array_records for m in grid.messages if m.metadata.message_type == "train"]
-    factors = [any(".lora_A." in name for name in r["plan"]) for r in train]
+    factors = [any(".lora_A." in name for name in records.decode(r["plan"])) for r in train]
     assert factors[:2] == [True, True] and any(not f for f in factors[2:])  # A, B once per client, fp32
-    assert all(not any(".lora_" in name.rsplit("|", 1)[0] and "magnitude" not in name for name in r["plan.packed"])
-               for r in train)
+    assert all(not any(".lora_" in name.rsplit("|", 1)[0] and "magnitude" not in name
+                       for name in records.decode(r["plan.packed"])) for r in train)
 
 
 def test_download_compression_fed_sb_dry_run_counts_a_and_b_at_fp32(data_files, tmp_path):

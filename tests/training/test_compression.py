@@ -141,6 +141,7 @@ def test_compression_and_dora_on_flower_carry_codes_and_match_the_simulation(tin
     included) equal the simulation's."""
     from flwr.supercore.task_identity import TaskIdentity
 
+    from fedllm.flower import records
     from fedllm.flower.executor import FlowerExecutor
     from tests.test_flower_apps import LoopbackGrid, assert_close, node_state, nodes, parts
 
@@ -167,7 +168,8 @@ def test_compression_and_dora_on_flower_carry_codes_and_match_the_simulation(tin
     back = [r.content.array_records["update.packed"] for r in grid.replies if "update.packed" in r.content.array_records]
     assert len(sent) == len(back) == 4
     for record in sent + back:
-        dtypes = {name.rsplit("|", 1)[1]: str(a.dtype) for name, a in record.items()}
+        dtypes = {name.rsplit("|", 1)[1]: str(t.dtype).removeprefix("torch.")
+                  for name, t in records.decode(record).items()}
         assert dtypes == {"codes": "uint8", "absmax": "float32"}
 
 

@@ -196,6 +196,7 @@ def test_download_compression_frlora_on_flower_matches_the_simulation(tiny_recip
     merges it replayed (with each round's compressed download), equal the simulation's bit for bit."""
     from flwr.supercore.task_identity import TaskIdentity
 
+    from fedllm.flower import records
     from fedllm.flower.executor import FlowerExecutor
     from tests.test_flower_apps import LoopbackGrid, assert_close, node_state, nodes, parts
 
@@ -215,11 +216,12 @@ def test_download_compression_frlora_on_flower_matches_the_simulation(tiny_recip
     assert [h["bytes_up"] for h in flower.history] == [h["bytes_up"] for h in sim.history]
     catch_up = [n for m in grid.messages for n in m.content.array_records if n.startswith("sync.")]
     assert catch_up  # a node replaying a round's merge was sent that round's compressed download (codes, absmax)
-    assert all(any(k.startswith("download/") and k.split("|")[0].endswith("/codes") for k in
-                   m.content.array_records[n]) for m in grid.messages for n in m.content.array_records
+    assert all(any(k.startswith("download/") and k.endswith("/codes") for k in
+                   records.decode(m.content.array_records[n])) for m in grid.messages for n in m.content.array_records
                if n.startswith("sync."))
     sent = [m.content.array_records["plan.packed"] for m in grid.messages if m.metadata.message_type == "train"]
-    assert len(sent) == 4 and all({n.rsplit("|", 1)[1]: str(a.dtype) for n, a in r.items()} ==
+    assert len(sent) == 4 and all({n.rsplit("|", 1)[1]: str(t.dtype).removeprefix("torch.")
+                                   for n, t in records.decode(r).items()} ==
                                   {"codes": "uint8", "absmax": "float32"} for r in sent)
 
 
