@@ -139,6 +139,7 @@ def test_fedex_lora_compression_nf4_download_on_flower_matches_the_simulation(da
     base and bytes, and every node's base rebuilt from the merges it replayed, equal the simulation's (tol 0)."""
     from flwr.supercore.task_identity import TaskIdentity
 
+    from fedllm.flower import records
     from fedllm.flower.executor import FlowerExecutor
     from tests.test_flower_apps import LoopbackGrid, assert_close, node_state, nodes
 
@@ -158,5 +159,5 @@ def test_fedex_lora_compression_nf4_download_on_flower_matches_the_simulation(da
     nf4_plan = sum(nf4_bytes(layer.rank * n) for layer in sim.strategy.layers.values() for n in layer.shape)
     assert flower.history[0]["bytes_down"] == {str(c): nf4_plan for c in sim.history[0]["clients"]}
     sent = [m.content.array_records["plan.packed"] for m in grid.messages if m.metadata.message_type == "train"]
-    assert len(sent) == 4 and all({n.rsplit("|", 1)[1]: str(a.dtype) for n, a in r.items()} ==
+    assert len(sent) == 4 and all({n.rsplit("|", 1)[1]: str(t.dtype).removeprefix("torch.") for n, t in records.decode(r).items()} ==
                                   {"codes": "uint8", "absmax": "float32"} for r in sent)
