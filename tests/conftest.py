@@ -246,3 +246,20 @@ def tensor_digests(model) -> dict:
 
     return {k: (str(v.dtype), hashlib.sha256(v.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest())
             for k, v in model.state_dict().items()}
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """With ``FEDLLM_TESTS_MEMORY_LOG=FILE``: at the end of each test file, this process (an xdist worker, or the
+    one pytest process) appends ``worker file RSS-now-MB peak-RSS-MB`` to FILE, to find the files that hold more
+    memory than they need (the suite runs beside other jobs on a 23 GB machine). Off by default."""
+    where = os.environ.get("FEDLLM_TESTS_MEMORY_LOG")
+    if not where or (nextitem is not None and nextitem.path == item.path):
+        return
+    import resource
+    from pathlib import Path
+
+    now = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(where, "a") as log:
+        log.write(f"{worker} {item.path.relative_to(item.config.rootpath)} {now} {peak}\n")
