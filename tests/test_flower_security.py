@@ -129,7 +129,7 @@ def started(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa
         launch.items["plain"] = deployment.node(2, "node2-plain", where / "node2", "--no-worker", logs=where)
         intruder = deployment.node(0, "intruder", where / "intruder", key=deployment.key(3), logs=where)
         launch.items["intruder"] = intruder
-        wait_until(lambda: logged(where / "intruder.log", "SuperNode ID"), 120, "intruder joined",
+        wait_until(lambda: logged(where / "intruder.log", "SuperNode ID"), 600, "intruder joined",
                    where / "intruder.log")
         # node 1's worker stops itself (SIGSTOP) at its round-2 message, received and journaled, not yet answered
         launch.items["stopped"] = deployment.stop_at(1, 2)
