@@ -70,5 +70,20 @@ def install() -> None:
     sys.meta_path.insert(0, PatchOnImport())
 
 
+def run_shadowed() -> None:
+    """Run the ``sitecustomize`` this module shadows on ``sys.path`` (a distribution's Python may have one), as Python
+    would have run it."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.machinery.PathFinder.find_spec(
+        "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != here])
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+run_shadowed()
 if STOP_AT:
     install()
