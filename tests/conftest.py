@@ -246,3 +246,38 @@ def tensor_digests(model) -> dict:
 
     return {k: (str(v.dtype), hashlib.sha256(v.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest())
             for k, v in model.state_dict().items()}
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages this process has freed back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+    A test file that loads a real model (SmolLM2: a 2.5 GB peak) leaves its xdist worker at 1.6 GB of RSS after
+    everything it held is freed: glibc keeps the freed pages, and the worker then carries them through every later
+    file. Measured: 1,605 MB -> 616 MB after ``tests/reliability/test_offline_presets.py``."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """At the end of each test file, after its fixtures are finalized: :func:`release_freed_memory`; with ``FEDLLM_TESTS_MEMORY_LOG=FILE``, append
+    ``worker file RSS-now-MB peak-RSS-MB`` of this process (an xdist worker, or the one pytest process) to FILE, to
+    find the files that hold more memory than they need (the suite runs beside other jobs on a 23 GB machine)."""
+    yield
+    if nextitem is not None and nextitem.path == item.path:
+        return
+    release_freed_memory()
+    where = os.environ.get("FEDLLM_TESTS_MEMORY_LOG")
+    if not where:
+        return
+    import resource
+    from pathlib import Path
+
+    now = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(where, "a") as log:
+        log.write(f"{worker} {item.path.relative_to(item.config.rootpath)} {now} {peak}\n")

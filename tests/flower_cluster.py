@@ -28,9 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+WORKER_HOOKS = Path(__file__).resolve().parent / "worker_hooks"
+"""tests/worker_hooks/sitecustomize.py: the SuperNodes' test-only stop point (inert until a test arms it)."""
+
+
 def env_for(home: Path) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_HOME": str(home), "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false"}
+
+
+def hooked(env: dict, stop_at: Path) -> dict:
+    """``env`` with :data:`WORKER_HOOKS` first on ``PYTHONPATH`` and its stop folder ``stop_at``."""
+    path = os.pathsep.join(p for p in (str(WORKER_HOOKS), env.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": path, "FEDLLM_TESTS_STOP_AT": str(stop_at)}
 
 
 def start(args, log_path, env, cwd=None):
@@ -194,6 +204,8 @@ class Deployment:
         self.nodes: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, Path] = {}  # client -> log of the SuperNode serving it now
         self.states = {cid: root / f"node{cid}" for cid in range(2)}
+        self.stops = root / "stops"  # Deployment.stop_at's files
+        self.stops.mkdir()
         try:
             last = f"client-{self.CLIENT_KEYS - 1}.pub registered"
             wait_until(lambda: port_open(port) and logged(root / "superlink.log", last), 180,
@@ -213,9 +225,17 @@ class Deployment:
         proc = start(["flower", "supernode", "--superlink", self.address, "--client", str(cid), "--root-certificates",
                       str(ca or self.certs / "ca.crt"), "--auth-key", str(key or self.key(cid)), "--state-dir",
                       str(state), "--port", str(free_port()), *options], (logs or self.root) / f"{name}.log",
-                     self.env)
+                     hooked(self.env, self.stops))
         self.procs.append(proc)
         return proc
+
+    def stop_at(self, cid: int, rnd: int) -> Path:
+        """Arm the stop point of tests/worker_hooks/sitecustomize.py: the process of a SuperNode serving client
+        ``cid`` that opens the round ``rnd`` train message (received and journaled, not yet answered) stops itself
+        with SIGSTOP and writes its pid into the returned file, whose appearance is the event to wait on."""
+        armed = self.stops / f"stop-client-{cid}-round-{rnd}"
+        armed.touch()
+        return armed.with_name(armed.name + ".reached")
 
     def serve(self, cid: int, name: str | None = None) -> None:
         """(Re)start the SuperNode of client ``cid`` (0 or 1) on its state directory."""

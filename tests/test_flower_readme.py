@@ -78,7 +78,7 @@ def test_flower_readme_section_runs_as_written_and_equals_one_process(tmp_path):
 
     def run_step(argv: list[str]) -> None:
         done = subprocess.run([sys.executable, "-m", "fedllm", *argv], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=900, check=False)
+                              text=True, timeout=1800, check=False)  # a guard: ~1 min idle
         assert done.returncode == 0, f"{shlex.join(argv)}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
     port = free_port()
@@ -94,6 +94,9 @@ def test_flower_readme_section_runs_as_written_and_equals_one_process(tmp_path):
         for cid in clients:
             procs.append(start(filled(steps["supernode"][0], port, cid), tmp_path / f"node{cid}.log", env,
                                tmp_path))
+        for cid in clients:  # every node connected before the run starts: its --wait-nodes is no race on a busy machine
+            wait_until(lambda c=cid: logged(tmp_path / f"node{c}.log", "SuperNode ID"), 600, f"SuperNode {cid} joined",
+                       tmp_path / f"node{cid}.log")
         run_step(filled(steps["run"][0], port))  # returns when the run has finished on the SuperLink
     finally:
         for proc in reversed(procs):

@@ -55,22 +55,15 @@ def test_secagg_on_a_real_deployment_survives_a_worker_killed_mid_round(deployme
         raw = tiny_recipe(federation={"num_clients": 4, "clients_per_round": 4, "rounds": 3, "strategy": "fedavg"},
                           privacy=SECAGG, train={"local_steps": 8, "batch_size": 4, "lr": 1e-2, "max_length": 64,
                                                  "dtype": "fp32"})
+        # node 3's worker stops itself (SIGSTOP) in its round-1 train message: secrets held, message journaled,
+        # no reply sent (tests/worker_hooks/sitecustomize.py); the test waits for that, then kills it. Round 1: with
+        # client 3 lost in round 2 instead the plain run's distance below was measured at 2.3 % (> its 2 % bound)
+        stopped, rnd = deployment.stop_at(3, 1), 1
         run_ = deployment.submit("secagg", raw, tmp_path)
         node_log, journal = tmp_path / "secagg-node3.log", tmp_path / "node3" / ".worker-3.inflight"
-        victim, tried = None, set()
-        while victim is None:  # node 3's worker, stopped (SIGSTOP) in the middle of a round's train message
-            wait_until(lambda: (s := last_stage(node_log)) is not None and s[1] == "training" and s[0] not in tried
-                       and journal.is_file(), 600, "node 3 training a SecAgg+ round", node_log, every_s=0.05)
-            rnd = last_stage(node_log)[0]
-            pid = worker_pid(extra[3])
-            assert pid is not None
-            os.kill(pid, signal.SIGSTOP)
-            if journal.is_file() and last_stage(node_log) == (rnd, "training"):  # mid-message: its reply not sent
-                victim = pid
-            else:  # it finished between the look and the stop (a busy machine): try the next round
-                os.kill(pid, signal.SIGCONT)
-                tried.add(rnd)
-                assert rnd < 3, "node 3 answered every round before it could be stopped in one"
+        wait_until(stopped.is_file, 600, "node 3's worker stopped in its round-1 train message", node_log, every_s=0.1)
+        victim = int(stopped.read_text())
+        assert victim == worker_pid(extra[3]) and journal.is_file() and last_stage(node_log) == (rnd, "training")
         os.kill(victim, signal.SIGKILL)
         run_.finish()
         assert logged(node_log, "node worker exited with code -9; restarting it")

@@ -129,12 +129,12 @@ def started(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa
         launch.items["plain"] = deployment.node(2, "node2-plain", where / "node2", "--no-worker", logs=where)
         intruder = deployment.node(0, "intruder", where / "intruder", key=deployment.key(3), logs=where)
         launch.items["intruder"] = intruder
-        wait_until(lambda: logged(where / "intruder.log", "SuperNode ID"), 120, "intruder joined",
+        wait_until(lambda: logged(where / "intruder.log", "SuperNode ID"), 600, "intruder joined",
                    where / "intruder.log")
-        # 200 local steps: a message takes node 1's worker ~2 s to answer (6 took 0.1 s, plus 0.2 s to hand back,
-        # since the worker is woken at once and polls no more: the test then missed every message at load 6)
+        # node 1's worker stops itself (SIGSTOP) at its round-2 message, received and journaled, not yet answered
+        launch.items["stopped"] = deployment.stop_at(1, 2)
         raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 3, "rounds": 3, "strategy": "scaffold"},
-                          train={"local_steps": 200, "batch_size": 4, "lr": 1e-2, "max_length": 64})
+                          train={"local_steps": 6, "batch_size": 4, "lr": 1e-2, "max_length": 64})
         launch.items["disrupted"] = deployment.submit("disrupted", raw, where)
     return launch.items
 
@@ -188,8 +188,9 @@ def test_flower_security_unregistered_or_untrusting_node_is_refused(started):
 
 
 def disrupted(started, deployment, tmp_path):  # noqa: F811
-    """Drive the disrupted run (once per module): kill -9 of node 1's worker mid round 2, node 1 restarted after
-    round 2. Returns ``(run, simulation run dir, pid of the killed worker, pid of its successor)``."""
+    """Drive the disrupted run (once per module): kill -9 of node 1's worker mid round 2 (stopped where its
+    round-2 message is received and journaled, its reply not sent), node 1 restarted after round 2. Returns
+    ``(run, simulation run dir, pid of the killed worker, pid of its successor)``."""
     if "result" in started:
         return started["result"]
     run_ = started["disrupted"]
@@ -199,18 +200,10 @@ def disrupted(started, deployment, tmp_path):  # noqa: F811
     def rounds() -> int:
         return metrics.read_text().count("\n") if metrics.is_file() else 0
 
-    victim = None
-    while victim is None:  # node 1's worker stopped (SIGSTOP) while its journal shows a message half answered
-        wait_until(lambda: rounds() >= 1 and journal.is_file(), 600, "node 1 answering a round-2 message",
-                   deployment.logs[1], every_s=0.05)
-        pid = worker_pid(deployment.nodes[1])
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        if journal.is_file():  # stopped mid-message (the journal goes only after the reply): the kill interrupts it
-            victim = pid
-        else:  # it finished between the look and the stop (a busy machine): let it go on to its next message
-            os.kill(pid, signal.SIGCONT)
-            assert rounds() < 2, "node 1 answered every round-2 message before it could be stopped in one"
+    stopped = started["stopped"]  # node 1's worker stopped itself mid-message (tests/worker_hooks/sitecustomize.py)
+    wait_until(stopped.is_file, 600, "node 1's worker stopped at its round-2 message", deployment.logs[1], every_s=0.1)
+    victim = int(stopped.read_text())
+    assert victim == worker_pid(deployment.nodes[1]) and journal.is_file() and rounds() < 2
     os.kill(victim, signal.SIGKILL)
     wait_until(lambda: worker_pid(deployment.nodes[1]) not in (None, victim), 120, "node 1's worker restarted",
                deployment.logs[1])
