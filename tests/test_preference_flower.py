@@ -15,17 +15,21 @@ from tests.conftest import write_jsonl
 from tests.preference_helpers import preference_records
 from tests.test_flower_apps import LoopbackGrid, assert_close, flower_identity, node_state, nodes, parts  # noqa: F401
 
-CASES = {"fedavg": ("fedavg", {}), "frlora": ("frlora", {}), "scaffold": ("scaffold", {})}
+#: DP-SGD on the nodes, a pair one example: Poisson draws and noise seeded per (noise_seed, round, client)
+DP_SGD = {"mechanism": "dp_sgd", "noise_multiplier": 0.8, "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5}
+CASES = {"fedavg": ("fedavg", {}), "frlora": ("frlora", {}), "scaffold": ("scaffold", {}),
+         "fedavg-dp-sgd": ("fedavg", {}, {"privacy": DP_SGD})}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_preference_flower_matches_the_simulation(case, tiny_recipe, tmp_path, flower_identity):  # noqa: F811
-    strategy, args = CASES[case]
+    strategy, args, *more = CASES[case]
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_records(30))
     raw = tiny_recipe(
         data={"path": str(data), "format": "preference", "fields": {}},
         federation={"num_clients": 3, "clients_per_round": 2, "rounds": 3, "strategy": strategy, "strategy_args": args},
         train={"objective": "dpo", "max_length": 48, "lr": 5e-2},
+        **(more[0] if more else {}),
     )
     sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")}))
     flower = run(
@@ -40,4 +44,6 @@ def test_preference_flower_matches_the_simulation(case, tiny_recipe, tmp_path, f
         sim_entry = {k.split("/", 1)[1]: v for k, v in expected["clients"].items() if k.startswith(f"client{cid}/")}
         assert "reference/logps" in node_entry
         assert_close(sim_entry, node_entry, f"per-client state of client {cid}")
-    assert [h["train_loss"] for h in flower.history] == pytest.approx([h["train_loss"] for h in sim.history], abs=1e-6)
+    for key in ("train_loss", "epsilon"):  # DP-SGD: no loss released, the same per-client budget spent
+        want = [h.get(key) for h in sim.history]
+        assert [h.get(key) for h in flower.history] == (want if None in want else pytest.approx(want, abs=1e-6))

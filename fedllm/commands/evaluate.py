@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -20,6 +21,8 @@ from fedllm.common.registry import tasks
 from fedllm.evaluation.prompt_styles import prompt_styles
 from fedllm.evaluation.report import markdown_table
 from fedllm.recipe.schema import EvalConfig, Recipe
+
+log = logging.getLogger("fedllm")
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,7 +140,7 @@ def heldout_examples(recipe: Recipe, tokenizer: Any, checkpoint: str,
     them (else none: the adapter-disabled base is the reference)."""
     from fedllm.data.formats import make_encoder
     from fedllm.data.validation import bad_record_kind
-    from fedllm.engine.reference import HELD_OUT, with_reference
+    from fedllm.engine.reference import HELD_OUT, REFERENCE_KEY
     from fedllm.runs import checkpoint as ckpt_io
 
     if not records:
@@ -147,11 +150,28 @@ def heldout_examples(recipe: Recipe, tokenizer: Any, checkpoint: str,
     if recipe.data.format != "preference":
         return examples
     store = ckpt_io.client_store(ckpt_io.load_checkpoint(ckpt_io.resolve_checkpoint(Path(checkpoint))))
-    part = store.reference(HELD_OUT)
-    table = next(iter(part.values()), None)
-    if table is None or len(table) != len(examples):
+    return list(kept_reference(recipe, examples, store.reference(HELD_OUT), REFERENCE_KEY, "the held-out pairs"))
+
+
+def kept_reference(recipe: Recipe, examples: list[dict], part: Any, key: str, what: str) -> Any:
+    """``examples`` with the reference log-probabilities the run kept for them (``part[key]``, one row per pair),
+    as the run's own evaluation scores them. Without a usable table — none kept, or one of another length (the
+    data changed since) — the examples as they are: ``pref_accuracy`` then takes the adapter-disabled base as the
+    reference (exact only for a strategy that never changes the base), and a run that should have kept one says
+    why in the log."""
+    from fedllm.engine.reference import uses_precomputed, with_reference
+
+    table = part.get(key)
+    if not examples:
         return examples
-    return list(with_reference(examples, range(len(examples)), part))
+    if table is not None and len(table) == len(examples):
+        return with_reference(examples, range(len(examples)), part, key)
+    if uses_precomputed(recipe.train):
+        why = ("the checkpoint keeps none for them" if table is None else
+               f"the checkpoint's table has {len(table)} rows for {len(examples)} pairs")
+        log.warning("pref_accuracy of %s: the adapter-disabled base is the reference, not the run's reference "
+                    "log-probabilities (%s)", what, why)
+    return examples
 
 
 def default_out_dir(checkpoint: str) -> Path:
@@ -309,14 +329,14 @@ def _client_splits(recipe: Any, tokenizer: Any, checkpoint: str, store: Any):
     ``pref_accuracy`` then equals the run's own evaluation of the personal model)."""
     if recipe.data.client_eval_fraction > 0:
         from fedllm.data import build_federated_data
-        from fedllm.engine.reference import EVAL_REFERENCE_KEY, with_reference
+        from fedllm.engine.reference import EVAL_REFERENCE_KEY
         from fedllm.models.loading import resolve_task
 
         data = build_federated_data(recipe.data, recipe.federation.partition, recipe.federation.num_clients,
                                     tokenizer, recipe.train.max_length, recipe.seed, resolve_task(recipe.model))
         return (lambda c: data.client_eval_records[c]), (
-            lambda c: with_reference(data.client_eval[c], range(len(data.client_eval[c])), store.reference(c),
-                                     EVAL_REFERENCE_KEY))
+            lambda c: kept_reference(recipe, data.client_eval[c], store.reference(c), EVAL_REFERENCE_KEY,
+                                     f"client {c}'s held-out pairs"))
 
     held = heldout_records(recipe)
     examples = heldout_examples(recipe, tokenizer, checkpoint, held)

@@ -170,6 +170,15 @@ def needs_reference(cfg: Any) -> bool:
     return cfg.loss not in REFERENCE_FREE
 
 
+def pair_losses(model: Any, batch: dict[str, torch.Tensor], cfg: Any,
+                positions: str = "supervised") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss of each pair, chosen rewards, rejected rewards)`` of ``train.preference`` (``cfg``) on a collated
+    preference batch (``B`` each): :func:`pair_loss`'s terms, one per pair (DP-SGD clips each pair's gradient)."""
+    policy = sequence_logps(model, batch, positions)
+    ref = reference_logps(model, batch, positions) if needs_reference(cfg) else torch.zeros_like(policy.logps)
+    return PREFERENCE_LOSSES[cfg.loss](policy, ref.detach(), cfg)
+
+
 def pair_loss(model: Any, batch: dict[str, torch.Tensor], cfg: Any, positions: str = "supervised") -> PairLoss:
     """The preference loss of ``train.preference`` (``cfg``) on a collated preference batch.
 
@@ -179,7 +188,5 @@ def pair_loss(model: Any, batch: dict[str, torch.Tensor], cfg: Any, positions: s
         cfg: ``loss``, ``beta``, ``label_smoothing``, ``gamma``.
         positions: ``train.loss_positions``.
     """
-    policy = sequence_logps(model, batch, positions)
-    ref = reference_logps(model, batch, positions) if needs_reference(cfg) else torch.zeros_like(policy.logps)
-    losses, chosen, rejected = PREFERENCE_LOSSES[cfg.loss](policy, ref.detach(), cfg)
+    losses, chosen, rejected = pair_losses(model, batch, cfg, positions)
     return PairLoss(losses.mean(), chosen.detach(), rejected.detach())

@@ -20,6 +20,15 @@ only each example's gradient *norm* (``GradSampleModuleFastGradientClipping``: g
 second backward pass of ``Σ_i c_i·loss_i`` with the clipping factors ``c_i`` gives the clipped sum
 (``DPTensorFastGradientClipping``), and ``DPOptimizerFastGradientClipping`` adds the same noise. Both give the same
 step (up to float rounding) and the same ε.
+
+Under ``train.objective: dpo`` an example is a preference *pair* (:mod:`fedllm.models.preference_loss`): its loss
+couples its chosen and rejected sequences, which a collated batch holds as two rows (``2B``: the chosen rows, then
+the rejected). opacus builds one gradient per row of the batch's summed per-pair losses; a row's forward touches
+no other row, so pair ``i``'s gradient is exactly the sum of rows ``i`` and ``B + i`` (:class:`PerPairSum` folds
+them after the backward pass), and :class:`DPOptimizer` then clips each *pair's* gradient to ``C``, sums, adds
+``N(0, (z·C)²)`` and divides by the expected number of pairs. The Poisson draws and the accountant count pairs
+(``q = batch_size / pairs of the client``). Ghost clipping takes per-row norms without the gradients, and a pair's
+norm needs the inner product of its two rows' gradients: it is refused with DPO at recipe load.
 """
 
 from __future__ import annotations
@@ -28,12 +37,13 @@ import contextlib
 import logging
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fedllm.common.errors import InputError
+from fedllm.data.collate import is_pair_batch
 from fedllm.data.tokens import IGNORE_INDEX
 from fedllm.models.state import StateDict
 from fedllm.privacy import accounting
@@ -69,12 +79,50 @@ def per_example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -
     return token.sum(dim=1) / counts.clamp(min=1)
 
 
+def fold_pair_rows(params: list[torch.nn.Parameter], pairs: int) -> None:
+    """Turn the per-row gradients opacus left from the last backward pass (``2B`` rows: chosen, then rejected) into
+    per-pair ones: row ``i`` + row ``B + i``, the gradient of pair ``i``'s loss."""
+    for p in params:
+        samples = getattr(p, "grad_sample", None)
+        if samples is None:
+            continue
+        last = samples[-1] if isinstance(samples, list) else samples
+        if last.shape[0] != 2 * pairs:
+            raise ValueError(f"per-example gradients of {last.shape[0]} rows for {pairs} preference pairs")
+        folded = last[:pairs] + last[pairs:]
+        if isinstance(samples, list):
+            samples[-1] = folded
+        else:
+            p.grad_sample = folded
+
+
+class PerPairSum:
+    """The sum of a batch's per-pair preference losses, whose ``backward()`` leaves one per-example gradient per
+    pair (:func:`fold_pair_rows`) for opacus's DP optimizer to clip; divisible like a tensor (``loss / grad_accum``),
+    as opacus's ``DPTensorFastGradientClipping``."""
+
+    def __init__(self, total: torch.Tensor, params: list[torch.nn.Parameter], pairs: int):
+        self.total, self.params, self.pairs = total, params, pairs
+
+    def __truediv__(self, other: float) -> PerPairSum:
+        return PerPairSum(self.total / other, self.params, self.pairs)
+
+    def detach(self) -> torch.Tensor:
+        return self.total.detach()
+
+    def backward(self) -> None:
+        self.total.backward()
+        fold_pair_rows(self.params, self.pairs)
+
+
 class LocalDPSGD:
     """The client side of DP-SGD for one client and round (see the module docstring)."""
 
     def __init__(self, noise_multiplier: float, clipping_norm: float, batch_size: int, num_examples: int,
-                 seed: int, grad_sample_mode: str = "hooks"):
+                 seed: int, grad_sample_mode: str = "hooks", preference: Any = None,
+                 loss_positions: str = "supervised"):
         self.noise_multiplier, self.clipping_norm = noise_multiplier, clipping_norm
+        self.preference, self.loss_positions = preference, loss_positions  # train.preference under DPO
         self.batch_size, self.rate = batch_size, min(1.0, batch_size / num_examples)
         self.gen = torch.Generator().manual_seed(seed)
         self.mode = grad_sample_mode
@@ -118,7 +166,11 @@ class LocalDPSGD:
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum of per-example losses to backpropagate, their mean to report)``; with ghost clipping the sum is
-        opacus's ``DPTensorFastGradientClipping``, whose ``backward()`` takes the norms' pass and the clipped one."""
+        opacus's ``DPTensorFastGradientClipping``, whose ``backward()`` takes the norms' pass and the clipped one;
+        with preference pairs (``train.objective: dpo``) the sum of per-pair losses, whose ``backward()`` leaves
+        per-pair gradients (:class:`PerPairSum`)."""
+        if is_pair_batch(batch):
+            return self.pair_loss(model, batch)
         if self.mode != "ghost":
             losses = per_example_losses(model, batch)
             return losses.sum(), losses.detach().mean()
@@ -130,6 +182,18 @@ class LocalDPSGD:
             raise InputError(f"privacy.grad_sample_mode: got 'ghost'; expected hooks for this model: {e}") from e
         return (DPTensorFastGradientClipping(self.wrapped, self.optimizer, losses, loss_reduction="sum"),
                 losses.detach().mean())
+
+    def pair_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[PerPairSum, torch.Tensor]:
+        """:meth:`loss` of a batch of preference pairs: each pair's loss of ``train.preference``."""
+        from fedllm.models.preference_loss import pair_losses
+
+        if self.preference is None:
+            raise ValueError("preference pairs need train.objective: dpo (data.format: preference)")
+        if self.mode == "ghost":  # refused at recipe load (fedllm.recipe.preference_checks)
+            raise InputError("privacy.grad_sample_mode: got 'ghost'; expected hooks with train.objective: dpo (ghost "
+                             "clipping takes each sequence's gradient norm, a pair's needs its two sequences' gradients)")
+        losses, _, _ = pair_losses(model, batch, self.preference, self.loss_positions)
+        return PerPairSum(losses.sum(), self.optimizer.params, losses.shape[0]), losses.detach().mean()
 
 
 def unsupported_layers(model: torch.nn.Module) -> list[str]:
@@ -165,10 +229,10 @@ class SampleLevelDP:
 
     def bind_privacy(self, recipe: Any) -> None:
         self.pv = recipe.privacy
-        self.noise_multiplier: Optional[float] = self.pv.noise_multiplier
+        self.noise_multiplier: float | None = self.pv.noise_multiplier
         self.client_steps: dict[int, int] = {}
         self.sizes: list[int] = []
-        self.noise_seed: Optional[int] = self.pv.noise_seed
+        self.noise_seed: int | None = self.pv.noise_seed
 
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
         super().setup(model, clients)
@@ -190,8 +254,10 @@ class SampleLevelDP:
     def sample_level_privacy(self, plan: ClientPlan, num_examples: int) -> LocalDPSGD:
         seed = derived_seed(self.noise_seed, plan.rnd, plan.client_id) if self.noise_seed is not None else \
             int.from_bytes(os.urandom(8), "little") >> 1  # secret: Poisson draws and noise nobody can replay
-        return LocalDPSGD(self.noise_multiplier, self.pv.clipping_norm, self.recipe.train.batch_size, num_examples,
-                          seed, self.pv.grad_sample_mode)
+        tr = self.recipe.train
+        return LocalDPSGD(self.noise_multiplier, self.pv.clipping_norm, tr.batch_size, num_examples, seed,
+                          self.pv.grad_sample_mode, tr.preference if tr.objective == "dpo" else None,
+                          tr.loss_positions)
 
     # ----- server side: accounting per client
     def client_epsilon(self, cid: int, steps: int) -> float:
@@ -205,14 +271,14 @@ class SampleLevelDP:
         for cid, n in steps.items():
             self.client_steps[cid] = self.client_steps.get(cid, 0) + int(n)
 
-    def released_loss(self, loss: float) -> Optional[float]:
+    def released_loss(self, loss: float) -> float | None:
         """Nothing: the client's training loss is a function of its examples that no noise protects. A non-finite
         loss is a fault of the client, which uploads nothing then."""
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite training loss ({loss})")
         return None
 
-    def round_problem(self, rnd: int) -> Optional[str]:
+    def round_problem(self, rnd: int) -> str | None:
         if self.pv.target_epsilon is None:
             return None
         tr = self.recipe.train

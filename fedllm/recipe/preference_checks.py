@@ -5,9 +5,10 @@ engine's (:data:`fedllm.engine.client.OBJECTIVES`). What cannot hold is refused 
 
 * ``train.preference.reference: adapter_disabled`` with a strategy whose adapter-disabled model is not the
   policy training started from (it merges into the base or starts from a non-zero adapter);
-* ``privacy.mechanism: dp_sgd``: opacus clips each sequence's gradient, while a pairwise loss couples a pair's
-  two sequences, so a pair's gradient would not be bounded by the clipping norm (per-pair clipping is not
-  implemented); central DP (client-level) works unchanged;
+* ``privacy.grad_sample_mode: ghost`` with ``privacy.mechanism: dp_sgd``: DP-SGD clips each *pair's* gradient
+  (the sum of its chosen and rejected rows' per-example gradients: :mod:`fedllm.privacy.dp_sgd`), while ghost
+  clipping takes each row's gradient norm without the gradient, and a pair's norm needs the inner product of its
+  two rows' gradients;
 * ``train.clients_per_pass > 1``: the batched client pass computes the next-token loss only.
 """
 
@@ -111,15 +112,15 @@ def preference_problems(r: Recipe) -> list[tuple[str, Any, str]]:
                 ),
             )
         )
-    if r.privacy.mechanism == "dp_sgd":
+    if r.privacy.mechanism == "dp_sgd" and r.privacy.grad_sample_mode == "ghost":
         p.append(
             (
-                "privacy.mechanism",
-                "dp_sgd",
+                "privacy.grad_sample_mode",
+                "ghost",
                 (
-                    "none, central or central_client_clipping with train.objective: dpo "
-                    "(DP-SGD clips each sequence's gradient, but a pairwise loss couples a "
-                    "pair's two sequences; per-pair clipping is not implemented)"
+                    "hooks with train.objective: dpo (DP-SGD clips each preference pair's gradient, the sum of its "
+                    "chosen and rejected sequences' gradients; ghost clipping computes each sequence's gradient "
+                    "norm only, and a pair's norm needs the inner product of the two)"
                 ),
             )
         )

@@ -192,9 +192,9 @@ def test_preference_recipe_checks_refuse_what_cannot_hold(tmp_path):
 
     assert problems() == {}
     assert "precomputed" in problems(train__preference={"reference": "adapter_disabled"})["train.preference.reference"]
-    assert (
-        "per-pair clipping" in problems(privacy__mechanism="dp_sgd", privacy__noise_multiplier=1.0)["privacy.mechanism"]
-    )
+    assert problems(privacy__mechanism="dp_sgd", privacy__noise_multiplier=1.0) == {}  # clipped per pair
+    ghost = problems(privacy__mechanism="dp_sgd", privacy__noise_multiplier=1.0, privacy__grad_sample_mode="ghost")
+    assert "hooks with train.objective: dpo" in ghost["privacy.grad_sample_mode"]
     assert (
         "0 for loss: sigmoid"
         in problems(train__preference={"label_smoothing": 0.1})["train.preference.label_smoothing"]

@@ -216,21 +216,35 @@ def test_preference_dpo_with_client_level_dp(mechanism, pref_file, tmp_path):
     assert any(not torch.allclose(a[k], b[k]) for k in a)  # the aggregate is clipped and noised
 
 
-def test_preference_eval_client_uses_the_references_the_run_stored(pref_file, tmp_path):
-    """``fedllm eval RUN --client all`` of a personalized DPO run: each client's pairs carry the reference
-    log-probabilities the run stored for its split, so every client's pref_accuracy equals the run's own
-    evaluation of that personal model."""
+def test_preference_eval_client_uses_the_references_the_run_stored(pref_file, tmp_path, monkeypatch, caplog):
+    """``fedllm eval RUN --client all`` of a personalized DPO run whose strategy merges into the base (pFedLoRU,
+    tau 1: the base moves every round): each client's pairs carry the reference log-probabilities the run stored
+    for its split, so every client's pref_accuracy equals the run's own evaluation of that personal model in the
+    last round; with the stored references hidden it falls back to the adapter-disabled (merged) base, says so,
+    and scores differently."""
     from fedllm.commands.cli import main
+    from fedllm.runs.client_store import ClientStore
 
-    raw = dpo_raw(tmp_path / "personal", pref_file, strategy="fedsa_lora",
+    raw = dpo_raw(tmp_path / "personal", pref_file, "pfedloru",
+                  {"tau": 1, "personal_r": 2, "personal_steps": 1, "global_steps": 2},
                   data={"client_eval_fraction": 0.34, "eval_fraction": 0.2},
                   eval={"tasks": ["pref_accuracy"], "personal": True})
     result = run(parse_recipe(raw))
     in_run = result.history[-1]["personal_eval"]
     assert len(in_run) == 3
-    out = tmp_path / "ev"
-    assert main(["eval", str(result.run_dir), "--client", "all", "--out", str(out), "--no-progress"]) == 0
-    again = json.loads((out / "personal_summary.json").read_text())["clients"]
+
+    def client_eval(out):
+        assert main(["eval", str(result.run_dir), "--client", "all", "--out", str(out), "--no-progress"]) == 0
+        return json.loads((out / "personal_summary.json").read_text())["clients"]
+
+    again = client_eval(tmp_path / "ev")
     assert again.keys() == in_run.keys()
     for cid, metrics in in_run.items():
         assert again[cid] == pytest.approx(metrics, abs=1e-6), cid
+
+    monkeypatch.setattr(ClientStore, "reference", lambda self, cid: {})  # a checkpoint that kept no references
+    with caplog.at_level("WARNING", logger="fedllm"):
+        disabled = client_eval(tmp_path / "ev-disabled")
+    assert "the adapter-disabled base is the reference" in caplog.text
+    gaps = [abs(disabled[c]["pref_accuracy/margin"] - in_run[c]["pref_accuracy/margin"]) for c in in_run]
+    assert max(gaps) > 1e-2, gaps  # the merged base is not the policy training started from
