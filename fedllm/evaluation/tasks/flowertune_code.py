@@ -20,10 +20,10 @@ from fedllm.evaluation.code_sandbox import CodeSandbox, SandboxUnavailable, tool
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, program_of, checked_program
 from fedllm.evaluation.flowertune_data import data_key
+from fedllm.evaluation.flowertune_quantization import quantization_settings
 from fedllm.evaluation.flowertune_scoring import mean_pass_at_k
 from fedllm.evaluation.sources import DataSourceError, read_hub, read_records
 from fedllm.evaluation.task import Task
-from fedllm.evaluation.tasks.flowertune import quantization_of
 
 CODE_EXECUTION_REFUSED = (
     "flowertune_code scores model-written programs by running them: pass --allow-code-execution "
@@ -76,7 +76,7 @@ class FlowerTuneCode(Task):
     def run(self, ctx: EvalContext) -> dict[str, float]:
         sandbox = self.sandbox(ctx)
         eos = ctx.tokenizer.eos_token
-        settings = {"model": ctx.fingerprint, "protocol": "flowertune", "quantization": quantization_of(ctx.model),
+        settings = {"model": ctx.fingerprint, "protocol": "flowertune", **quantization_settings(ctx.model),
                     "samples": gen.CODE_SAMPLES, "eos": eos, "python": sandbox.python}
         results = ctx.result_file(self.name, settings)
         metrics: dict[str, float] = {}
