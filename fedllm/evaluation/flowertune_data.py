@@ -8,7 +8,7 @@ FlowerTune's ``train_test_split(0.25, seed=42)``), the evaluated split of the ot
 
 FlowerTune's code loads some hub sets through their loading scripts (``lukaemon/mmlu``, ``bigbio/pubmed_qa``,
 ``bigbio/med_qa``: ``trust_remote_code=True``), which ``datasets`` >= 4 no longer runs; when a set FlowerTune
-names by config cannot be loaded from the hub's main branch, the Hub's automatic Parquet conversion of it is
+(or the code harness: ``nuprl/MultiPL-E``) names by config cannot be loaded from the hub's main branch, the Hub's automatic Parquet conversion of it is
 tried: the revision ``refs/convert/parquet``, whose files lie under ``<config>/<split>/`` (``data_dir`` = the
 config FlowerTune names, split as FlowerTune's).
 """
@@ -48,8 +48,12 @@ def read_parquet_export(source: HubSource) -> list[dict]:
     return rows
 
 
-def _read_hub_set(source: HubSource) -> list[dict]:
-    """``source`` from the hub; for a config FlowerTune names, the Parquet conversion when the main branch fails."""
+def read_hub_set(source: HubSource) -> list[dict]:
+    """``source`` from the hub; for a config FlowerTune names, the Parquet conversion when the main branch fails.
+
+    Raises:
+        DataError: neither loads (the message gives both reasons).
+    """
     try:
         return read_hub(source)
     except DataError as e:
@@ -65,9 +69,9 @@ def _read_hub_set(source: HubSource) -> list[dict]:
 def _hub_rows(qs: QuestionSet) -> list[dict]:
     if qs.hub.path == MMLU_HUB:
         return [{**row, "subset": subject} for subject in MMLU_CATEGORIES[qs.key]
-                for row in _read_hub_set(HubSource(qs.hub.path, subject, "test"))]
+                for row in read_hub_set(HubSource(qs.hub.path, subject, "test"))]
     splits = qs.hub_splits or (qs.hub.split,)
-    return [row for split in splits for row in _read_hub_set(HubSource(qs.hub.path, qs.hub.name, split))]
+    return [row for split in splits for row in read_hub_set(HubSource(qs.hub.path, qs.hub.name, split))]
 
 
 def test_part(rows: list[dict], fraction: float, seed: int = 42) -> list[dict]:

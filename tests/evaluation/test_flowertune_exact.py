@@ -248,3 +248,21 @@ def test_flowertune_script_set_without_parquet_conversion_asks_for_a_local_file(
     assert "flowertune_medical" in message and "bigbio/pubmed_qa:pubmed_qa_labeled_fold0_source@test" in message
     assert "eval.data.flowertune_medical.pubmedqa" in message and "--data flowertune_medical.pubmedqa=PATH" in message
     assert f"Parquet conversion ({PARQUET}, data_dir 'pubmed_qa_labeled_fold0_source')" in message
+
+
+def test_flowertune_code_reads_multiple_from_the_parquet_conversion(monkeypatch):
+    """The harness's MultiPL-E configs (``nuprl/MultiPL-E``, once a script data set) take the same path."""
+    from types import SimpleNamespace
+
+    import datasets
+
+    from fedllm.evaluation.flowertune_code_prompts import CODE_SETS
+    from fedllm.evaluation.tasks.flowertune_code import code_rows
+
+    hub = StubHub({("nuprl/MultiPL-E", "humaneval-js"): RECORDS["multiple-js"]}, {})
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    ctx = SimpleNamespace(data_spec=lambda key: None, limited=lambda rows: rows)
+    multiple_js = next(cs for cs in CODE_SETS if cs.key == "multiple_js")
+    assert code_rows(ctx, "flowertune_code", multiple_js) == RECORDS["multiple-js"]
+    assert hub.calls == [("nuprl/MultiPL-E", "humaneval-js", {"split": "test"}),
+                         ("nuprl/MultiPL-E", None, {"data_dir": "humaneval-js", "split": "test", "revision": PARQUET})]

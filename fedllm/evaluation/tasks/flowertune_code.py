@@ -19,10 +19,10 @@ from fedllm.evaluation import flowertune_generation as gen
 from fedllm.evaluation.code_sandbox import CodeSandbox, SandboxUnavailable, tool_missing
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, program_of, checked_program
-from fedllm.evaluation.flowertune_data import data_key
+from fedllm.evaluation.flowertune_data import data_key, read_hub_set
 from fedllm.evaluation.flowertune_quantization import quantization_settings
 from fedllm.evaluation.flowertune_scoring import mean_pass_at_k
-from fedllm.evaluation.sources import DataSourceError, read_hub, read_records
+from fedllm.evaluation.sources import DataSourceError, read_records
 from fedllm.evaluation.task import Task
 
 CODE_EXECUTION_REFUSED = (
@@ -40,7 +40,7 @@ def code_rows(ctx: EvalContext, task: str, cs: CodeSet) -> list[dict]:
     key = data_key(task, cs.key)
     spec = ctx.data_spec(key)
     try:
-        rows = read_records(spec, cs.hub.split) if spec else read_hub(cs.hub)
+        rows = read_records(spec, cs.hub.split) if spec else read_hub_set(cs.hub)
     except DataError as e:
         source = f"--data {key}={spec}" if spec else f"the hub data set {cs.hub.spec()}"
         raise DataSourceError(f"{task}: {cs.key} could not be read from {source} ({e}); give a local copy of "
