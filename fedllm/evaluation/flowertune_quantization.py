@@ -23,7 +23,7 @@ BOARD_4BIT_TASKS = frozenset({"flowertune_general_nlp", "flowertune_medical", "f
 
 #: What the Linear4bit layers of a model loaded as FlowerTune's ``eval.py`` loads it carry.
 FLOWERTUNE_LAYERS = {"quant_type": "fp4", "double_quant": False, "compute_dtype": "float32",
-                     "other_weights": "float32"}
+                     "other_weights": "float32", "load_dtype": "float32"}
 
 
 def load_quantization(quantization: str, tasks: list[str]) -> str:
@@ -55,7 +55,7 @@ def _layer_facts(module: Any) -> dict:
 def quantization_settings(model: Any, asked: str = "none") -> dict:
     """What a result file records of how the evaluated model is held: ``quantization`` (``none``, ``8bit``,
     ``4bit-flowertune`` when every Linear4bit layer carries FlowerTune's FP4 / no nested / fp32-compute
-    quantization and the other weights are fp32, else ``4bit``), with ``bnb_4bit`` (those facts, read from the
+    quantization and the model was loaded in fp32 with its other weights fp32, else ``4bit``), with ``bnb_4bit`` (those facts, read from the
     layers) for a 4-bit model and a ``quantization_note`` when ``asked`` (``eval.quantization``) was ``4bit``
     and FlowerTune's config was loaded for it."""
     base = getattr(model, "get_base_model", lambda: model)()
@@ -69,6 +69,9 @@ def quantization_settings(model: Any, asked: str = "none") -> dict:
                      if p.dtype.is_floating_point and not isinstance(p, bnb.nn.Params4bit)})
     facts = dict(kinds[0]) if len(kinds) == 1 else {"layers": kinds}
     facts["other_weights"] = others[0] if len(others) == 1 else others
+    # the dtype the weights were loaded in (FlowerTune's torch_dtype): a 4-bit load's preparation casts the other
+    # weights to fp32 afterwards, so only the config still tells a bf16 load from an fp32 one
+    facts["load_dtype"] = str(getattr(base.config, "dtype", None)).removeprefix("torch.")
     out = {"quantization": FLOWERTUNE_4BIT if facts == FLOWERTUNE_LAYERS else "4bit", "bnb_4bit": facts}
     if asked == "4bit" and out["quantization"] == FLOWERTUNE_4BIT:
         out["quantization_note"] = ("eval.quantization 4bit loaded FlowerTune's 4-bit config for its challenges "

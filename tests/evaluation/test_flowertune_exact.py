@@ -80,13 +80,20 @@ def test_flowertune_4bit_is_flowertune_eval_py_load_on_cpu(model_dir, tmp_path):
     settings = _medical_result(model, tok, tmp_path, quantization="4bit")["settings"]
     assert settings["quantization"] == "4bit-flowertune"
     assert settings["bnb_4bit"] == {"quant_type": "fp4", "double_quant": False, "compute_dtype": "float32",
-                                    "other_weights": "float32"}
+                                    "other_weights": "float32", "load_dtype": "float32"}
     assert "FlowerTune's 4-bit config" in settings["quantization_note"]
 
 
 def test_flowertune_medical_on_a_qlora_4bit_model_on_cpu(model_dir, tmp_path):
     """``4bit`` outside FlowerTune (``load_for_inference``'s) is QLoRA's, unchanged: NF4, nested absmax, bf16
-    compute; the result file records those facts as ``4bit``."""
+    compute; the result file records those facts as ``4bit``. FlowerTune's codes loaded in bf16 (not its fp32
+    ``torch_dtype``) are not recorded as its config either."""
+    from fedllm.evaluation.flowertune_quantization import quantization_settings
+
+    bf16, _ = fedllm.export.inference.load_for_inference(str(model_dir), dtype="bf16", quantization="4bit-flowertune")
+    recorded = quantization_settings(bf16)
+    assert recorded["quantization"] == "4bit" and recorded["bnb_4bit"]["load_dtype"] == "bfloat16"
+    assert recorded["bnb_4bit"]["quant_type"] == "fp4"
     model, tok = fedllm.export.inference.load_for_inference(str(model_dir), quantization="4bit")
     for layer in _linear4bit(model).values():
         state = layer.weight.quant_state
@@ -94,7 +101,7 @@ def test_flowertune_medical_on_a_qlora_4bit_model_on_cpu(model_dir, tmp_path):
     settings = _medical_result(model, tok, tmp_path, quantization="4bit-qlora")["settings"]
     assert settings["quantization"] == "4bit" and "quantization_note" not in settings
     assert settings["bnb_4bit"] == {"quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16",
-                                    "other_weights": "float32"}
+                                    "other_weights": "float32", "load_dtype": "float32"}
 
 
 def test_flowertune_4bit_request_resolution(caplog):
