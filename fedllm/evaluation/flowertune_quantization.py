@@ -29,20 +29,19 @@ FLOWERTUNE_LAYERS = {"quant_type": "fp4", "double_quant": False, "compute_dtype"
 def load_quantization(quantization: str, tasks: list[str]) -> str:
     """The ``model.quantization`` ``fedllm eval`` loads the model with for ``eval.quantization``.
 
-    ``4bit`` asked for tasks that are all FlowerTune challenges the board evaluates in 4-bit loads FlowerTune's
-    config (the one its numbers are comparable with; logged); with other tasks beside them, QLoRA's (logged:
-    the FlowerTune numbers then are not on the board's config). ``4bit-qlora`` is QLoRA's by name.
+    ``4bit`` for tasks that are all challenges FlowerTune's board evaluates in 4-bit loads FlowerTune's config
+    (the one their numbers are comparable with; a warning says so, fedllm's ``4bit`` being QLoRA's elsewhere).
+    QLoRA's config for such a task (``4bit`` beside other tasks, or ``4bit-qlora``) is warned of too.
     """
     board = sorted(BOARD_4BIT_TASKS.intersection(tasks))
     if quantization == "4bit" and board and len(board) == len(tasks):
-        log.info("--quantization 4bit for %s: loading FlowerTune's 4-bit config, as its board evaluates "
-                 "(bitsandbytes' defaults: FP4, no double quantization, fp32 compute); "
-                 "--quantization 4bit-qlora loads QLoRA's (NF4) instead", ", ".join(board))
+        log.warning("--quantization 4bit for %s: loading FlowerTune's 4-bit config, as its board evaluates "
+                    "(bitsandbytes' defaults: FP4, no double quantization, fp32 compute); "
+                    "--quantization 4bit-qlora loads QLoRA's (NF4) instead", ", ".join(board))
         return FLOWERTUNE_4BIT
     if quantization in ("4bit", QLORA_4BIT) and board:
         log.warning("%s: evaluated on QLoRA's 4-bit config (NF4, double quantization), not the one FlowerTune's "
-                    "board uses; evaluate %s alone with --quantization 4bit, or with --quantization %s",
-                    ", ".join(board), "it" if len(board) == 1 else "them", FLOWERTUNE_4BIT)
+                    "board uses (--quantization %s)", ", ".join(board), FLOWERTUNE_4BIT)
     return "4bit" if quantization == QLORA_4BIT else quantization
 
 
