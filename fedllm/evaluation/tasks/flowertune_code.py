@@ -18,7 +18,7 @@ from fedllm.data.errors import DataError
 from fedllm.evaluation import flowertune_generation as gen
 from fedllm.evaluation.code_sandbox import CodeSandbox, SandboxUnavailable, tool_missing
 from fedllm.evaluation.context import EvalContext
-from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, program_of, checked_program
+from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, checked_program, program_of
 from fedllm.evaluation.flowertune_data import data_key, read_hub_set
 from fedllm.evaluation.flowertune_quantization import quantization_settings
 from fedllm.evaluation.flowertune_scoring import mean_pass_at_k
