@@ -58,9 +58,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokenizer has a chat template, else plain)")
     parser.add_argument("--chat-template", default=None, help="FastChat conversation template name (needs fschat)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype")
-    parser.add_argument("--quantization", choices=["none", "4bit", "8bit"], default=None,
-                        help="load the model through bitsandbytes (FlowerTune's board: 4bit for General NLP, Medical, "
-                             "Finance; default: the run's eval.quantization, else none)")
+    parser.add_argument("--quantization", choices=["none", "4bit", "4bit-flowertune", "4bit-qlora", "8bit"],
+                        default=None,
+                        help="load the model through bitsandbytes: 4bit-flowertune as FlowerTune's eval.py (FP4), "
+                             "4bit-qlora as QLoRA (NF4), 4bit the first when every task is flowertune_general_nlp/"
+                             "medical/finance (the board evaluates them in 4-bit), else the second (default: the "
+                             "run's eval.quantization, else none)")
     parser.add_argument("--allow-code-execution", action="store_true", default=None,
                         help="run model-written programs (flowertune_code) in fedllm's sandbox")
     parser.add_argument("--client", type=client_choice, default=None,
@@ -235,7 +238,10 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if recipe is not None and any(t in tasks and tasks.get(t).uses_records and t not in cfg.data
                                 for t in cfg.tasks):
         records = heldout_records(recipe)
-    quantized = {"quantization": cfg.quantization} if cfg.quantization != "none" else {}
+    from fedllm.evaluation.flowertune_quantization import load_quantization
+
+    quantization = load_quantization(cfg.quantization, cfg.tasks)
+    quantized = {"quantization": quantization} if quantization != "none" else {}
     model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype, **quantized)
     examples, preference = None, None
     if recipe is not None and any(t in HELD_OUT_TASKS for t in cfg.tasks):  # the run's held-out records, tokenized

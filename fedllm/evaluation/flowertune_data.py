@@ -5,6 +5,12 @@ A local file holds the rows FlowerTune loads *before* its own selection: MMLU ro
 subject; FlowerTune's ``lukaemon/mmlu`` per-subject configs), FPB's ``train`` split and FiQA's
 ``train``+``validation``+``test`` splits concatenated in that order (both then split 75/25 with seed 42 as
 FlowerTune's ``train_test_split(0.25, seed=42)``), the evaluated split of the others.
+
+FlowerTune's code loads some hub sets through their loading scripts (``lukaemon/mmlu``, ``bigbio/pubmed_qa``,
+``bigbio/med_qa``: ``trust_remote_code=True``), which ``datasets`` >= 4 no longer runs; when a set FlowerTune
+(or the code harness: ``nuprl/MultiPL-E``) names by config cannot be loaded from the hub's main branch, the Hub's automatic Parquet conversion of it is
+tried: the revision ``refs/convert/parquet``, whose files lie under ``<config>/<split>/`` (``data_dir`` = the
+config FlowerTune names, split as FlowerTune's).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from fedllm.evaluation.flowertune_prompts import MMLU_CATEGORIES, QuestionSet
 from fedllm.evaluation.sources import DataSourceError, HubSource, read_hub, read_records
 
 MMLU_HUB = "lukaemon/mmlu"
+PARQUET_EXPORT = "refs/convert/parquet"
 
 
 def data_key(task: str, key: str) -> str:
@@ -23,12 +30,48 @@ def data_key(task: str, key: str) -> str:
     return f"{task}.{key}"
 
 
+def read_parquet_export(source: HubSource) -> list[dict]:
+    """The rows of ``source``'s config and split in the Hub's Parquet conversion of the data set.
+
+    Raises:
+        DataError: the conversion cannot be read (offline and not cached, no such branch or config).
+    """
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source.path, data_dir=source.name, split=source.split, revision=PARQUET_EXPORT)
+    except Exception as e:  # noqa: BLE001  (the hub client raises many types)
+        raise DataError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    rows = ds.to_list()
+    if not rows:
+        raise DataError(f"{source.path}@{PARQUET_EXPORT}/{source.name}/{source.split}: holds no rows")
+    return rows
+
+
+def read_hub_set(source: HubSource) -> list[dict]:
+    """``source`` from the hub; for a config FlowerTune names, the Parquet conversion when the main branch fails.
+
+    Raises:
+        DataError: neither loads (the message gives both reasons).
+    """
+    try:
+        return read_hub(source)
+    except DataError as e:
+        if not source.name:
+            raise
+        try:
+            return read_parquet_export(source)
+        except DataError as export_error:
+            raise DataError(f"{e}; nor from its Parquet conversion ({PARQUET_EXPORT}, data_dir {source.name!r}): "
+                            f"{export_error}") from None
+
+
 def _hub_rows(qs: QuestionSet) -> list[dict]:
     if qs.hub.path == MMLU_HUB:
         return [{**row, "subset": subject} for subject in MMLU_CATEGORIES[qs.key]
-                for row in read_hub(HubSource(qs.hub.path, subject, "test"))]
+                for row in read_hub_set(HubSource(qs.hub.path, subject, "test"))]
     splits = qs.hub_splits or (qs.hub.split,)
-    return [row for split in splits for row in read_hub(HubSource(qs.hub.path, qs.hub.name, split))]
+    return [row for split in splits for row in read_hub_set(HubSource(qs.hub.path, qs.hub.name, split))]
 
 
 def test_part(rows: list[dict], fraction: float, seed: int = 42) -> list[dict]:
@@ -44,8 +87,8 @@ def question_rows(ctx: Any, task: str, qs: QuestionSet) -> list[dict]:
 
     Raises:
         DataSourceError: the data are neither given nor loadable (offline, or a hub data set that needs a
-            loading script, which ``datasets`` >= 4 no longer runs); the message names the task, the hub id
-            and the key to set.
+            loading script, which ``datasets`` >= 4 no longer runs, and has no readable Parquet conversion);
+            the message names the task, the hub id and the key to set.
     """
     key = data_key(task, qs.key)
     spec = ctx.data_spec(key)

@@ -208,7 +208,7 @@ class EvalConfig:
     data: dict[str, str] = doc({}, "task -> local file or hub id of its data")
     chat_template: Optional[str] = doc(None, "FastChat template name; default: a chat run's FastChat data.template, else the tokenizer's chat template")
     personal: bool = doc(False, "personalized strategies: also evaluate each client's model on its own split")
-    quantization: Literal["none", "4bit", "8bit"] = doc("none", "fedllm eval: load the evaluated model through bitsandbytes (FlowerTune's board evaluates General NLP, Medical and Finance in 4bit)")
+    quantization: Literal["none", "4bit", "4bit-flowertune", "4bit-qlora", "8bit"] = doc("none", "fedllm eval: load the evaluated model through bitsandbytes; 4bit-flowertune: bitsandbytes' defaults as FlowerTune's eval.py (FP4, fp32 compute), 4bit-qlora: QLoRA's (NF4, double quantization), 4bit: FlowerTune's when every task is flowertune_general_nlp/medical/finance (the board evaluates them so), else QLoRA's")
     allow_code_execution: bool = doc(False, "run model-written programs (flowertune_code) in fedllm's sandbox; refused otherwise")
     judge: JudgeConfig = doc(JudgeConfig(), "LLM judge for MT-Bench / Vicuna / Ref-GPT4")
 

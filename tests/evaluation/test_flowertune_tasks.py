@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
-import torch
+from flowertunekit import MEDICAL, ScriptedGenerator, write_data
 
 import fedllm.export.inference
 from fedllm.commands.cli import main
@@ -17,46 +16,6 @@ from fedllm.evaluation.runner import evaluate
 from fedllm.evaluation.sources import DataSourceError
 from fedllm.recipe.schema import EvalConfig
 
-ASSETS = Path(__file__).parent.parent / "assets" / "eval" / "flowertune"
-RECORDS = json.loads((ASSETS / "records.json").read_text())
-
-
-class ScriptedGenerator(torch.nn.Module):
-    """Answers each prompt with the script's text for the last script key found in it (greedy or sampled calls
-    alike, ``num_return_sequences`` copies; ``default`` when none is); records the prompts. Only ``generate`` is scripted."""
-
-    def __init__(self, base, tokenizer, script: dict[str, str], default: str = ""):
-        super().__init__()
-        self.default = default
-        self.base, self.config, self.generation_config = base, base.config, base.generation_config
-        self.tok, self.script, self.prompts = tokenizer, script, []
-
-    def generate(self, input_ids=None, inputs=None, attention_mask=None, max_new_tokens=None, max_length=None,
-                 num_return_sequences=1, **kwargs):
-        ids = input_ids if input_ids is not None else inputs
-        rows = []
-        for row, mask in zip(ids, attention_mask, strict=True):
-            prompt = self.tok.decode(row[mask.bool()].tolist())
-            self.prompts.append(prompt)
-            answer = next((a for q, a in self.script.items() if q in prompt), self.default)
-            new = self.tok(answer, add_special_tokens=False)["input_ids"]
-            limit = max_new_tokens if max_new_tokens is not None else max_length - len(row)
-            rows += [row.tolist() + new[:limit]] * num_return_sequences
-        width = max(len(r) for r in rows)
-        return torch.tensor([[self.tok.pad_token_id] * (width - len(r)) + r for r in rows])
-
-
-def _data(tmp_path: Path, task: str, keys: dict[str, str]) -> dict[str, str]:
-    specs = {}
-    for set_key, record_key in keys.items():
-        path = tmp_path / f"{set_key}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[record_key]))
-        specs[f"{task}.{set_key}"] = str(path)
-    return specs
-
-
-MEDICAL = {"pubmedqa": "pubmedqa", "medmcqa": "medmcqa", "medqa": "medqa", "careqa": "careqa"}
-
 
 def test_flowertune_medical_accuracy_average_and_resume(tiny_lm, tokenizer, tmp_path):
     # PubMedQA: yes (right), no (right), maybe -> "no" (wrong); MedMCQA 2/2; MedQA 1/2; CareQA 0/2
@@ -64,7 +23,7 @@ def test_flowertune_medical_accuracy_average_and_resume(tiny_lm, tokenizer, tmp_
               "anaphylaxis": "A", "diaphragm": "B", "crushing chest pain": "B", "scurvy": "A",
               "community-acquired": "A", "beta cells": "D"}
     model = ScriptedGenerator(tiny_lm, tokenizer, script)
-    cfg = EvalConfig(tasks=["flowertune_medical"], data=_data(tmp_path, "flowertune_medical", MEDICAL))
+    cfg = EvalConfig(tasks=["flowertune_medical"], data=write_data(tmp_path, "flowertune_medical", MEDICAL))
     metrics = evaluate(model, tokenizer, cfg, tmp_path / "out", progress=False)
     expected = {"pubmedqa": 2 / 3, "medmcqa": 1.0, "medqa": 0.5, "careqa": 0.5}
     # CareQA: cop 2 -> B (answered A: wrong), cop 3 -> C (answered D: wrong)
@@ -85,7 +44,7 @@ def test_flowertune_finance_reads_the_answer_after_the_prompt(tiny_lm, tokenizer
               "$BYND": "Negative.", "Stocks rally": "positive", "investor conference": "bullish"}
     model = ScriptedGenerator(tiny_lm, tokenizer, script, default="x")
     keys = {"fpb": "fpb", "fiqa": "fiqa", "tfns": "tfns"}
-    cfg = EvalConfig(tasks=["flowertune_finance"], data=_data(tmp_path, "flowertune_finance", keys))
+    cfg = EvalConfig(tasks=["flowertune_finance"], data=write_data(tmp_path, "flowertune_finance", keys))
     metrics = evaluate(model, tokenizer, cfg, None, progress=False)
     # FPB test rows (25 %, seed 42, as reference.json): "Shares ..." (negative: right), "The new factory ..."
     # (neutral, answered Negative: wrong); FiQA test rows: "$MSFT ..." (positive: right), "Oil major ..." (right);
@@ -108,7 +67,7 @@ def test_flowertune_code_pass_at_1_in_the_sandbox(tiny_lm, tokenizer, tmp_path):
               "    return a\n", "function add(": "  return a + b;\n}\n// more", "long add(": "    return a + b;" + eos}
     model = ScriptedGenerator(tiny_lm, tokenizer, script)
     keys = {"humaneval": "humaneval", "mbpp": "mbpp", "multiple_js": "multiple-js", "multiple_cpp": "multiple-cpp"}
-    cfg = EvalConfig(tasks=["flowertune_code"], data=_data(tmp_path, "flowertune_code", keys), limit=1,
+    cfg = EvalConfig(tasks=["flowertune_code"], data=write_data(tmp_path, "flowertune_code", keys), limit=1,
                      allow_code_execution=True)
     metrics = evaluate(model, tokenizer, cfg, tmp_path / "out", progress=False)
     assert metrics == pytest.approx({"flowertune_code/mbpp": 0.0, "flowertune_code/humaneval": 1.0,
@@ -168,46 +127,6 @@ def test_flowertune_mmlu_file_without_subjects_is_refused(tiny_lm, tokenizer, tm
     cfg = EvalConfig(tasks=["flowertune_general_nlp"], data={"flowertune_general_nlp.stem": str(path)})
     with pytest.raises(DataSourceError, match="'subset'"):
         evaluate(ScriptedGenerator(tiny_lm, tokenizer, {}), tokenizer, cfg, None, progress=False)
-
-
-def test_flowertune_cli_loads_the_model_as_eval_quantization_says(monkeypatch, tiny_lm, tokenizer, tmp_path, capsys):
-    seen = {}
-
-    def load_for_inference(path, dtype="fp32", client=None, **kwargs):
-        seen.update(kwargs)
-        return ScriptedGenerator(tiny_lm, tokenizer, {}, default="A"), tokenizer
-
-    monkeypatch.setattr(fedllm.export.inference, "load_for_inference", load_for_inference)
-    data = _data(tmp_path, "flowertune_medical", MEDICAL)
-    args = ["eval", "some/model", "--tasks", "flowertune_medical", "--out", str(tmp_path / "out"), "--no-progress",
-            *[f"--data={k}={v}" for k, v in data.items()]]
-    assert main([*args, "--quantization", "4bit"]) == 0
-    assert seen == {"quantization": "4bit"}
-    assert "| flowertune_medical | average |" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exited:
-        main([*args, "--quantization", "3bit"])
-    assert exited.value.code == 2
-
-
-def test_flowertune_medical_on_a_4bit_model_on_cpu(tokenizer, tmp_path):
-    """``--quantization 4bit`` loads a model directory through bitsandbytes (on CPU too); the result records it."""
-    from evalkit import tiny_llama_config
-    from transformers import LlamaForCausalLM
-
-    from fedllm.export.inference import load_for_inference
-
-    config = tiny_llama_config(tokenizer)
-    config.update({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
-                   "num_key_value_heads": 2, "head_dim": 64})  # bitsandbytes' CPU kernels pack 64-wide blocks
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    model, tok = load_for_inference(str(tmp_path / "model"), quantization="4bit")
-    cfg = EvalConfig(tasks=["flowertune_medical"], data=_data(tmp_path, "flowertune_medical", MEDICAL), limit=1)
-    metrics = evaluate(model, tok, cfg, tmp_path / "out", progress=False)
-    assert set(metrics) == {f"flowertune_medical/{k}" for k in [*MEDICAL, "average"]}
-    stored = json.loads((tmp_path / "out" / "flowertune_medical.json").read_text())
-    assert stored["settings"]["quantization"] == "4bit" and len(stored["examples"]) == 4
 
 
 def test_flowertune_code_recipe_without_allow_code_execution_is_refused_at_load():

@@ -5,7 +5,8 @@ board prints percentages) and their ``average``, by which the board ranks. Promp
 and the rows evaluated are FlowerTune's (:mod:`~fedllm.evaluation.flowertune_prompts`,
 :mod:`~fedllm.evaluation.flowertune_scoring`, :mod:`~fedllm.evaluation.flowertune_generation`,
 :mod:`~fedllm.evaluation.flowertune_data`); the board evaluates the model loaded in 4-bit
-(``eval.quantization``). The code challenge is :mod:`fedllm.evaluation.tasks.flowertune_code`.
+(``eval.quantization``: :mod:`~fedllm.evaluation.flowertune_quantization`). The code challenge is
+:mod:`fedllm.evaluation.tasks.flowertune_code`.
 """
 
 from __future__ import annotations
@@ -18,17 +19,10 @@ from fedllm.evaluation import flowertune_generation as gen
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.flowertune_data import question_rows
 from fedllm.evaluation.flowertune_prompts import FINANCE_SETS, MEDICAL_SETS, QuestionSet, mmlu_set
+from fedllm.evaluation.flowertune_quantization import quantization_settings
 from fedllm.evaluation.flowertune_scoring import choice_correct, finance_answer, sentiment_label
 from fedllm.evaluation.metrics import accuracy
 from fedllm.evaluation.task import Task
-
-
-def quantization_of(model: Any) -> str:
-    """``4bit``, ``8bit`` or ``none``: how the evaluated model's weights are held (recorded with the results)."""
-    base = getattr(model, "get_base_model", lambda: model)()
-    if getattr(base, "is_loaded_in_4bit", False):
-        return "4bit"
-    return "8bit" if getattr(base, "is_loaded_in_8bit", False) else "none"
 
 
 class FlowerTuneChallenge(Task):
@@ -48,7 +42,8 @@ class FlowerTuneChallenge(Task):
         return choice_correct(answer, gold, qs.answer_type)
 
     def run(self, ctx: EvalContext) -> dict[str, float]:
-        settings = {"model": ctx.fingerprint, "protocol": "flowertune", "quantization": quantization_of(ctx.model)}
+        settings = {"model": ctx.fingerprint, "protocol": "flowertune",
+                    **quantization_settings(ctx.model, ctx.cfg.quantization)}
         results = ctx.result_file(self.name, settings)
         metrics: dict[str, float] = {}
         order: list[str] = []

@@ -18,12 +18,12 @@ from fedllm.data.errors import DataError
 from fedllm.evaluation import flowertune_generation as gen
 from fedllm.evaluation.code_sandbox import CodeSandbox, SandboxUnavailable, tool_missing
 from fedllm.evaluation.context import EvalContext
-from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, program_of, checked_program
-from fedllm.evaluation.flowertune_data import data_key
+from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, checked_program, program_of
+from fedllm.evaluation.flowertune_data import data_key, read_hub_set
+from fedllm.evaluation.flowertune_quantization import quantization_settings
 from fedllm.evaluation.flowertune_scoring import mean_pass_at_k
-from fedllm.evaluation.sources import DataSourceError, read_hub, read_records
+from fedllm.evaluation.sources import DataSourceError, read_records
 from fedllm.evaluation.task import Task
-from fedllm.evaluation.tasks.flowertune import quantization_of
 
 CODE_EXECUTION_REFUSED = (
     "flowertune_code scores model-written programs by running them: pass --allow-code-execution "
@@ -40,7 +40,7 @@ def code_rows(ctx: EvalContext, task: str, cs: CodeSet) -> list[dict]:
     key = data_key(task, cs.key)
     spec = ctx.data_spec(key)
     try:
-        rows = read_records(spec, cs.hub.split) if spec else read_hub(cs.hub)
+        rows = read_records(spec, cs.hub.split) if spec else read_hub_set(cs.hub)
     except DataError as e:
         source = f"--data {key}={spec}" if spec else f"the hub data set {cs.hub.spec()}"
         raise DataSourceError(f"{task}: {cs.key} could not be read from {source} ({e}); give a local copy of "
@@ -76,7 +76,7 @@ class FlowerTuneCode(Task):
     def run(self, ctx: EvalContext) -> dict[str, float]:
         sandbox = self.sandbox(ctx)
         eos = ctx.tokenizer.eos_token
-        settings = {"model": ctx.fingerprint, "protocol": "flowertune", "quantization": quantization_of(ctx.model),
+        settings = {"model": ctx.fingerprint, "protocol": "flowertune", **quantization_settings(ctx.model),
                     "samples": gen.CODE_SAMPLES, "eos": eos, "python": sandbox.python}
         results = ctx.result_file(self.name, settings)
         metrics: dict[str, float] = {}
