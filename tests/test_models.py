@@ -77,12 +77,20 @@ def test_local_directory_round_trip(tmp_path):
         torch.testing.assert_close(again.model(**ids).logits, base(**ids).logits)
 
 
-@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+#: What bitsandbytes' Linear4bit layers carry (quant type, nested absmax, compute dtype) per ``model.quantization``:
+#: QLoRA's config, and FlowerTune's templates' ``BitsAndBytesConfig(load_in_4bit=True)`` (bitsandbytes' defaults).
+FOUR_BIT_LAYERS = {"4bit": ("nf4", True, torch.bfloat16), "4bit-flowertune": ("fp4", False, torch.float32)}
+
+
+@pytest.mark.parametrize("bits", ["4bit", "4bit-flowertune", "8bit"])
 def test_kbit_loading_through_bitsandbytes_trains(tmp_path, bits):
     _save_base("tiny-llama", tmp_path / "m")
     lm = load_model(ModelConfig(name=str(tmp_path / "m"), quantization=bits), LoraConfig(r=4))
     layer = next(iter(lora_layers(lm.model).values()))
-    assert type(layer).__name__ == {"4bit": "Linear4bit", "8bit": "Linear8bitLt"}[bits]
+    assert type(layer).__name__ == ("Linear8bitLt" if bits == "8bit" else "Linear4bit")
+    if bits in FOUR_BIT_LAYERS:
+        state = layer.weight.quant_state
+        assert (state.quant_type, bool(state.nested), layer.compute_dtype) == FOUR_BIT_LAYERS[bits]
     ids = lm.tokenizer("What is 2 + 3?", return_tensors="pt")
     lm.model(**ids, labels=ids["input_ids"]).loss.backward()
     grads = [p.grad for n, p in lm.model.named_parameters() if "lora_A" in n]

@@ -32,8 +32,8 @@ from fedllm.recipe.schema import Recipe
 
 #: Bytes per parameter of a bitsandbytes-quantised linear weight: 8-bit (int8 + an fp32 scale per
 #: output row, added separately) and 4-bit NF4 with double quantisation (4 bits, an 8-bit absmax per
-#: block of 64, an fp32 second-level absmax per 256 blocks).
-QUANT_BYTES = {"8bit": 1.0, "4bit": 0.5 + 1 / 64 + 4 / (64 * 256)}
+#: block of 64, an fp32 second-level absmax per 256 blocks); FlowerTune's FP4 (4 bits, an fp32 absmax per block of 64).
+QUANT_BYTES = {"8bit": 1.0, "4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "4bit-flowertune": 0.5 + 4 / 64}
 #: Modules bitsandbytes leaves unquantised (transformers skips the output head).
 UNQUANTISED_HEADS = ("lm_head", "score", "classifier")
 LORA_PARTS = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.[^.]+")

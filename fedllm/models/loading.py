@@ -144,9 +144,10 @@ register_model_preset("gemma3-270m")(_chunked(GEMMA3_270M_Q4_K_M))  # the base m
 
 
 def _quantization(cfg: ModelConfig) -> Optional[Any]:
-    """``4bit``: QLoRA's (NF4, double quantization, bf16 compute); ``4bit-flowertune`` (``fedllm eval`` only):
+    """``4bit``: QLoRA's (NF4, double quantization, bf16 compute); ``4bit-flowertune``:
     ``BitsAndBytesConfig(load_in_4bit=True)``, bitsandbytes' defaults (FP4, no double quantization, fp32
-    compute), as FlowerTune's evaluation ``eval.py`` loads the evaluated model; ``8bit``: LLM.int8()."""
+    compute), as FlowerTune's challenge templates (``flowertune_*/models.py``, ``get_model``) load the base they
+    train and its evaluation ``eval.py`` the evaluated model; ``8bit``: LLM.int8()."""
     if cfg.quantization == "none":
         return None
     if cfg.quantization == "4bit-flowertune":

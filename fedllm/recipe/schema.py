@@ -55,7 +55,7 @@ class ModelConfig:
     task: Literal["auto", "causal_lm", "classification"] = doc("auto", "causal LM or sequence classifier; auto picks from the preset/config")
     gguf_file: Optional[str] = doc(None, "GGUF file name inside `name` when `name` is a directory")
     dtype: Literal["fp32", "bf16", "fp16", "auto"] = doc("auto", "dtype of the base weights (auto: bf16 when train.dtype resolves to bf16, else fp32)")
-    quantization: Literal["none", "4bit", "8bit"] = doc("none", "load the base through bitsandbytes (QLoRA)")
+    quantization: Literal["none", "4bit", "4bit-flowertune", "8bit"] = doc("none", "load the base through bitsandbytes: 4bit = QLoRA's (NF4, double quantization, bf16 compute); 4bit-flowertune = BitsAndBytesConfig(load_in_4bit=True), bitsandbytes' defaults (FP4, no double quantization, fp32 compute), as FlowerTune's templates train and its board evaluates")
     device_map: Optional[str] = doc(None, "where the base lives: null (as loaded: CPU), a device (cuda:1; cuda = this process's GPU, cuda:LOCAL_RANK), or auto (spread over every visible GPU, then CPU: a model too large for one GPU; one process)")
     num_labels: Optional[int] = doc(None, "classifier labels; default: from the data")
     revision: Optional[str] = doc(None, "hub revision")

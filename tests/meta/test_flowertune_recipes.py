@@ -21,7 +21,7 @@ CHALLENGES = {
     "medical": ("flwrlabs/medical-meadow-medical-flashcards", 20, 2),
     "code": ("flwrlabs/code-alpaca-20k", 10, 2),
 }
-MODELS = {"mistral-7b": ("mistralai/Mistral-7B-v0.3", "4bit"), "smollm2-135m": ("smollm2-135m-instruct", "none")}
+MODELS = {"mistral-7b": ("mistralai/Mistral-7B-v0.3", "4bit-flowertune"), "smollm2-135m": ("smollm2-135m-instruct", "none")}
 
 
 def lora_bytes(layers, hidden, q_out, v_out, r=32):
