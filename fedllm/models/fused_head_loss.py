@@ -51,7 +51,7 @@ class FusedHeadCrossEntropy(torch.autograd.Function):
                 loss_dtype: torch.dtype, with_grad: bool) -> torch.Tensor:
         n = hidden.shape[0]
         losses = torch.empty(n, dtype=loss_dtype, device=hidden.device)
-        grad = torch.empty_like(hidden) if with_grad else None
+        grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if with_grad else None
         for start in range(0, n, rows):
             h, t = hidden[start:start + rows], targets[start:start + rows, None]
             logp = torch.log_softmax(torch.mm(h, weight.t()).to(loss_dtype), dim=-1)  # cross_entropy's own steps

@@ -81,17 +81,23 @@ def test_fp64_matches_a_hand_written_softmax_gradient():
     assert torch.allclose(grad, (upstream[:, None] * g) @ weight, rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-weights", "fp32-weights-autocast"])
-def test_bf16_within_bf16_rounding_of_the_unfused_path(autocast):
-    hidden, weight, targets, upstream = _inputs(torch.float32 if autocast else torch.bfloat16)
+@pytest.mark.parametrize("case", ["bf16-weights", "fp32-weights-autocast", "fp16-loss-scaled"])
+def test_half_precision_within_rounding_of_the_unfused_path(case):
+    """bf16 (and fp16 under a loss scale of 2^16, where the fused gradient is formed before the scale reaches it)."""
+    half = torch.float16 if case.startswith("fp16") else torch.bfloat16
+    autocast = case == "fp32-weights-autocast"
+    hidden, weight, targets, upstream = _inputs(torch.float32 if autocast else half)
+    if half == torch.float16:
+        upstream = upstream * 2.0**16
     ref_loss, ref_grad = _losses_and_grad(_unfused, hidden, weight, targets, upstream, autocast)
     loss, grad = _losses_and_grad(partial(fused_head_cross_entropy, chunk_bytes=10 * 4 * V), hidden, weight,
                                   targets, upstream, autocast)
+    eps = torch.finfo(half).eps / 2  # unit roundoff
     assert loss.dtype == torch.float32 and grad.dtype == hidden.dtype
-    assert torch.equal(loss, ref_loss)  # the same bf16 logits, the same fp32 log-softmax
-    # the gradient: each element within a few bf16 roundings of the unfused one (measured: 1.1 ulps of the largest)
-    assert float((grad.float() - ref_grad.float()).abs().max()) <= 4 * BF16_EPS * float(ref_grad.float().abs().max())
-    # and no farther from the exact (fp64) gradient than the unfused bf16 path is
+    assert torch.equal(loss, ref_loss)  # the same half-precision logits, the same fp32 log-softmax
+    # the gradient: each element within a few roundings of the unfused one (measured: about one of the largest)
+    assert float((grad.float() - ref_grad.float()).abs().max()) <= 4 * eps * float(ref_grad.float().abs().max())
+    # and no farther from the exact (fp64) gradient than the unfused path is
     _, exact = _losses_and_grad(partial(fused_head_cross_entropy, loss_dtype=torch.float64), hidden.double(),
                                 weight.double(), targets, upstream)
     assert _rel(grad, exact) <= 1.25 * _rel(ref_grad, exact)
