@@ -54,13 +54,15 @@ class FusedHeadCrossEntropy(torch.autograd.Function):
         grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if with_grad else None
         for start in range(0, n, rows):
             h, t = hidden[start:start + rows], targets[start:start + rows, None]
-            logp = torch.log_softmax(torch.mm(h, weight.t()).to(loss_dtype), dim=-1)  # cross_entropy's own steps
+            # cross_entropy's own steps (log_softmax's dtype upcasts first, as .float(); in the kernel on a GPU)
+            logp = torch.log_softmax(torch.mm(h, weight.t()), dim=-1, dtype=loss_dtype)
             target_logp = logp.gather(1, t)
             losses[start:start + rows] = -target_logp[:, 0]
-            if with_grad:
-                probs = logp.exp_()  # softmax, in place of the log-softmax
-                probs.scatter_(1, t, target_logp.exp_() - 1)  # − onehot(target): exp of the same value, minus one
-                torch.mm(probs.to(hidden.dtype), weight, out=grad[start:start + rows])
+            if with_grad:  # softmax, written in the compute dtype by the exp itself (in place where it is the same)
+                probs = logp.exp_() if logp.dtype == hidden.dtype else torch.exp(logp, out=torch.empty_like(
+                    logp, dtype=hidden.dtype))
+                probs.scatter_(1, t, (target_logp.exp_() - 1).to(hidden.dtype))  # − onehot(target)
+                torch.mm(probs, weight, out=grad[start:start + rows])
         ctx.save_for_backward(grad)
         return losses
 
