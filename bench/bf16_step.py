@@ -230,9 +230,11 @@ def main(argv=None) -> int:
             flops = work.flops(shapes)
             rows[v].append({"cpu_s_per_step": work.cpu_seconds / args.steps, "s_per_step": work.seconds / args.steps,
                             "flops_per_step": flops / args.steps, "flops_per_cpu_s": flops / work.cpu_seconds,
-                            "flops_per_s": flops / work.seconds, "loss": loss})
+                            "flops_per_s": flops / work.seconds, "loss": loss,
+                            "head_positions_per_step": work.head / args.steps})
             print(f"trial {trial} {v:<14} {work.seconds / args.steps:6.2f} s/step {work.cpu_seconds / args.steps:6.2f} "
-                  f"CPU-s/step {flops / work.cpu_seconds / 1e9:6.1f} GFLOP/CPU-s loss {loss:.4f}", flush=True)
+                  f"CPU-s/step {flops / work.cpu_seconds / 1e9:6.1f} GFLOP/CPU-s loss {loss:.4f} "
+                  f"({work.head / args.steps:.0f} head positions per step)", flush=True)
     load = os.getloadavg()
     peak = {dt: max(r["flops_per_cpu_s"] for r in rows[f"probe {dt}"]) for dt in ("fp32", "bf16")}
     print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.threads} threads; probe peaks per CPU-second:"
