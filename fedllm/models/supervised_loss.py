@@ -117,7 +117,7 @@ def token_losses(model: Any, hidden: torch.Tensor, targets: torch.Tensor, widen:
     """
     base = base_of(model)
     weight = fused_head_weight(base)
-    if weight is not None:
+    if weight is not None and weight.device == hidden.device:  # (else accelerate's hooks place the head: unfused)
         dtype = _loss_dtype(compute_dtype(hidden, weight), widen)
         return fused_head_cross_entropy(hidden, weight, targets, loss_dtype=dtype)
     logits = LOGIT_HEADS[base.config.model_type](base, hidden)
