@@ -227,12 +227,21 @@ def test_models_fused_loss_and_gradients_equal_the_unfused_path(family, monkeypa
     for n, p in model.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()
-    plain, h_plain, g_plain = _loss_and_grads(model, batch, False, monkeypatch, autocast=True)
-    fused, h_fused, g_fused = _loss_and_grads(model, batch, True, monkeypatch, autocast=True)
-    assert torch.equal(fused, plain)
-    assert _rel(h_fused, h_plain) <= 2 * BF16_EPS  # measured 4.3e-3 (LLaMA)
-    worst = max(_rel(g_fused[k], g_plain[k]) for k in g_plain)
-    assert worst <= 4 * BF16_EPS, worst
+    plain16, h_plain16, g_plain16 = _loss_and_grads(model, batch, False, monkeypatch, autocast=True)
+    fused16, h_fused16, g_fused16 = _loss_and_grads(model, batch, True, monkeypatch, autocast=True)
+    assert torch.equal(fused16, plain16)
+    assert _rel(h_fused16, h_plain16) <= 2 * BF16_EPS  # measured 4.3e-3 to 4.7e-3
+    assert _rel_all(g_fused16, g_plain16) <= 4 * BF16_EPS  # all LoRA gradients together; measured 6.4e-3 to 8.6e-3
+    # about one bf16 rounding more than the unfused path (the scaling after the product), no more: the distance
+    # of all LoRA gradients from fp32's (measured: LLaMA 9.4e-3 vs 8.3e-3, Qwen2 9.7e-3 vs 7.2e-3, Gemma 8.7e-3
+    # vs 9.5e-3)
+    assert _rel_all(g_fused16, g_plain) <= 1.5 * _rel_all(g_plain16, g_plain)
+
+
+def _rel_all(got: dict, ref: dict) -> float:
+    """Relative distance of all tensors of ``got`` from ``ref``'s together."""
+    return float(sum(((got[k].double() - ref[k].double()) ** 2).sum() for k in ref).sqrt()
+                 / sum((ref[k].double() ** 2).sum() for k in ref).sqrt())
 
 
 def test_heads_that_do_not_fuse_take_the_unfused_path(monkeypatch):
