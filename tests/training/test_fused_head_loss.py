@@ -300,6 +300,9 @@ def test_a_client_round_trains_the_same_adapter_fused_and_unfused(tiny_recipe, m
         adapters[fused], losses[fused] = result.state, result.loss
         assert len(calls) == 3 * fused  # one fused loss per micro-batch, only when asked
     assert abs(losses[True] - losses[False]) <= 1e-6 * losses[False]
+    # the whole adapter within 1e-6 (measured 1.8e-7); tensor by tensor within 1e-5, updates too (measured: worst
+    # tensor 8.3e-7, worst update 2.1e-6 — AdamW's m/√v magnifies the 1e-7 gradient differences where |g| is small)
+    assert _rel_all(adapters[True], adapters[False]) <= 1e-6
+    assert all(_rel(adapters[True][k], adapters[False][k]) <= 1e-5 for k in keys)
     assert all(_rel(adapters[True][k] - start[k], adapters[False][k] - start[k]) <= 1e-5 for k in keys)
-    assert all(_rel(adapters[True][k], adapters[False][k]) <= 1e-6 for k in keys)
     assert any(not torch.equal(adapters[True][k], start[k]) for k in keys)
