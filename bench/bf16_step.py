@@ -14,13 +14,21 @@ train_client`), which counts its tokens, FLOPs (:mod:`fedllm.models.flops`) and 
   skips under autocast (:data:`fedllm.engine.client.SKIP_LORA_INPUT_CASTS`; the same bits either way);
 - ``bf16-flash``: as ``bf16`` with SDPA's flash kernel for attention, which fedllm replaces by eager attention on a
   CPU in bf16 up to :data:`fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH` positions;
-- ``bf16-factors``: as ``bf16`` with the LoRA factors (hence their gradients and AdamW moments) in bf16 too.
+- ``bf16-factors``: as ``bf16`` with the LoRA factors (hence their gradients and AdamW moments) in bf16 too;
+- ``fp32-unfused``, ``bf16-unfused``: as ``fp32`` and ``bf16`` with the LM head and its cross-entropy unfused
+  (``F.cross_entropy`` on the head's ``N x V`` logits; :data:`fedllm.models.supervised_loss.FUSE_HEAD_LOSS` off),
+  against fedllm's chunked fused head + loss (:mod:`fedllm.models.fused_head_loss`).
 
 The variants run interleaved (trial after trial, each variant ``--steps`` steps after one warm-up step), so the
 machine's load moves them alike; each figure is the best trial's. Peaks: fedllm's probe of the model's matmul
 shapes (:func:`fedllm.models.hardware.probe`) in fp32 and bf16, measured in the same trials. MFU per CPU-second =
 (model FLOP per CPU-second of the step) / (probe FLOP per CPU-second) — the figure a shared machine's load moves
 least. ``--profile VARIANT`` prints torch.profiler's top operators of one step of that variant.
+
+``--loss-memory`` measures instead the peak memory of the supervised loss alone (forward + backward of
+:func:`fedllm.models.supervised_loss.token_losses`'s head + cross-entropy, fused and unfused, fp32 and bf16) on a
+long vocabulary: ``--positions`` gathered hidden states of width ``--hidden`` against a ``--vocab`` x ``--hidden``
+head, each case in a fresh process (peak RSS, ``ru_maxrss``, above the RSS before the loss) with its CPU-seconds.
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ if str(ROOT) not in sys.path:
 import torch
 
 EAGER_MAX_LENGTH = 256  # fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH as shipped
-VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors")
+VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors", "fp32-unfused",
+            "bf16-unfused")
 
 
 def build(threads: int):
@@ -72,6 +81,7 @@ def build(threads: int):
 
 def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     """A copy of the fp32 PEFT model in ``variant``'s dtypes (base bf16 with fp32 factors, as PEFT loads it)."""
+    variant = variant.removesuffix("-unfused")
     if variant in ("fp32", "bf16-autocast"):
         return model
     if variant in ("bf16-peft-casts", "bf16-flash"):
@@ -89,12 +99,14 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
     TrainedWork figures and mean loss."""
     from fedllm.engine import client
     from fedllm.engine.client import train_client
+    from fedllm.models import supervised_loss
     from fedllm.strategies.base import Phase
 
+    supervised_loss.FUSE_HEAD_LOSS = not variant.endswith("-unfused")
     client.SKIP_LORA_INPUT_CASTS = variant != "bf16-peft-casts"
     client.EAGER_ATTENTION_MAX_LENGTH = 0 if variant == "bf16-flash" else EAGER_MAX_LENGTH
     cfg = copy.copy(recipe.train)
-    cfg.dtype = "fp32" if variant == "fp32" else "bf16"
+    cfg.dtype = "fp32" if variant.startswith("fp32") else "bf16"
     strategy = fed.strategy
     plan = strategy.configure_client(1, 0, state)
     plan.lr = cfg.lr
@@ -108,6 +120,67 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
     return result.work, result.loss
 
 
+def _peak_rss_kib() -> int:
+    """The process's RSS high-water mark (``VmHWM``), KiB."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+
+
+def loss_memory_case(fused: bool, dtype: str, positions: int, hidden: int, vocab: int, threads: int) -> dict:
+    """One forward + backward of the supervised loss as :func:`fedllm.models.supervised_loss.token_losses` runs it
+    (fused, or ``F.cross_entropy`` on the head's logits), in this process: the peak RSS above the RSS before it and
+    its CPU-seconds. ``bf16``: bf16 head and hidden states under bf16 autocast (``train.dtype: auto`` on a bf16 CPU)."""
+    import torch.nn.functional as F
+
+    from fedllm.models.fused_head_loss import fused_head_cross_entropy
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    wdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    weight = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(wdt)
+    h = torch.randn(positions, hidden, generator=gen).to(wdt).requires_grad_()
+    targets = torch.randint(0, vocab, (positions,), generator=gen)
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    before, cpu = _peak_rss_kib(), time.process_time()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        if fused:
+            losses = fused_head_cross_entropy(h, weight, targets)
+        else:
+            losses = F.cross_entropy(F.linear(h, weight).float(), targets, reduction="none")
+    (losses.sum() / positions).backward()
+    cpu = time.process_time() - cpu
+    return {"peak_mib": (_peak_rss_kib() - before) / 1024, "cpu_s": cpu, "loss": float(losses.mean()),
+            "grad_norm": float(h.grad.float().norm())}
+
+
+def loss_memory(args) -> int:
+    """``--loss-memory``: each case in a fresh process, trials interleaved; the best (least CPU) trial's figures."""
+    import subprocess
+
+    cases = [(fused, dt) for dt in ("fp32", "bf16") for fused in (True, False)]
+    found: dict[tuple[bool, str], list[dict]] = {c: [] for c in cases}
+    for _ in range(args.trials):
+        for fused, dt in cases:
+            out = subprocess.run([sys.executable, __file__, "--loss-memory-case", f"{int(fused)},{dt}",
+                                  "--positions", str(args.positions), "--hidden", str(args.hidden),
+                                  "--vocab", str(args.vocab), "--threads", str(args.threads)],
+                                 check=True, capture_output=True, text=True).stdout
+            found[(fused, dt)].append(json.loads(out.strip().splitlines()[-1]))
+    load = os.getloadavg()
+    print(f"supervised loss, {args.positions} positions x hidden {args.hidden}, vocabulary {args.vocab}; "
+          f"{args.threads} threads; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    print(f"{'case':<14} {'peak MiB':>9} {'CPU-s':>7} {'loss':>10} {'|grad h|':>10}")
+    for (fused, dt), rows in found.items():
+        best = min(rows, key=lambda r: r["cpu_s"])
+        peak = max(r["peak_mib"] for r in rows)
+        print(f"{dt + (' fused' if fused else ' unfused'):<14} {peak:>9.0f} {best['cpu_s']:>7.2f} "
+              f"{best['loss']:>10.6f} {best['grad_norm']:>10.4g}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{dt}-{'fused' if f else 'unfused'}": r for (f, dt), r in found.items()}
+                                              | {"load": load, "threads": args.threads}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     from fedllm.engine.throughput import Throughput
     from fedllm.models import hardware
@@ -119,7 +192,18 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--profile", default=None, choices=VARIANTS)
     p.add_argument("--json", default=None)
+    p.add_argument("--loss-memory", action="store_true", help="peak memory of the loss alone (see the docstring)")
+    p.add_argument("--loss-memory-case", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--positions", type=int, default=2048, help="--loss-memory: supervised positions")
+    p.add_argument("--hidden", type=int, default=64, help="--loss-memory: hidden width")
+    p.add_argument("--vocab", type=int, default=151936, help="--loss-memory: vocabulary (Qwen2's)")
     args = p.parse_args(argv)
+    if args.loss_memory_case:
+        fused, dt = args.loss_memory_case.split(",")
+        print(json.dumps(loss_memory_case(fused == "1", dt, args.positions, args.hidden, args.vocab, args.threads)))
+        return 0
+    if args.loss_memory:
+        return loss_memory(args)
     recipe, fed, coll = build(args.threads)
     from fedllm.models.loading import read_state
 
@@ -146,9 +230,11 @@ def main(argv=None) -> int:
             flops = work.flops(shapes)
             rows[v].append({"cpu_s_per_step": work.cpu_seconds / args.steps, "s_per_step": work.seconds / args.steps,
                             "flops_per_step": flops / args.steps, "flops_per_cpu_s": flops / work.cpu_seconds,
-                            "flops_per_s": flops / work.seconds, "loss": loss})
+                            "flops_per_s": flops / work.seconds, "loss": loss,
+                            "head_positions_per_step": work.head / args.steps})
             print(f"trial {trial} {v:<14} {work.seconds / args.steps:6.2f} s/step {work.cpu_seconds / args.steps:6.2f} "
-                  f"CPU-s/step {flops / work.cpu_seconds / 1e9:6.1f} GFLOP/CPU-s loss {loss:.4f}", flush=True)
+                  f"CPU-s/step {flops / work.cpu_seconds / 1e9:6.1f} GFLOP/CPU-s loss {loss:.4f} "
+                  f"({work.head / args.steps:.0f} head positions per step)", flush=True)
     load = os.getloadavg()
     peak = {dt: max(r["flops_per_cpu_s"] for r in rows[f"probe {dt}"]) for dt in ("fp32", "bf16")}
     print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.threads} threads; probe peaks per CPU-second:"
@@ -158,7 +244,7 @@ def main(argv=None) -> int:
     best = {v: min(rows[v], key=lambda r: r["cpu_s_per_step"]) for v in variants}
     for v in variants:
         b = best[v]
-        mfu = b["flops_per_cpu_s"] / peak["fp32" if v == "fp32" else "bf16"]
+        mfu = b["flops_per_cpu_s"] / peak["fp32" if v.startswith("fp32") else "bf16"]
         speed = best["fp32"]["cpu_s_per_step"] / b["cpu_s_per_step"] if "fp32" in best else float("nan")
         print(f"{v:<14} {b['s_per_step']:>7.2f} {b['cpu_s_per_step']:>10.2f} {b['flops_per_step'] / 1e9:>10.1f} "
               f"{b['flops_per_cpu_s'] / 1e9:>11.1f} {100 * mfu:>8.1f}% {speed:>10.2f}x")

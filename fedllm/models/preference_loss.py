@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fedllm.data.tokens import IGNORE_INDEX
-from fedllm.models.supervised_loss import LOGIT_HEADS, base_of, supervised_hidden, supports_supervised_positions
+from fedllm.models.supervised_loss import supervised_hidden, supports_supervised_positions, token_losses
 
 
 @dataclass
@@ -54,9 +54,7 @@ def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
 
 def _gathered_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     hidden, targets, rows = supervised_hidden(model, batch)
-    base = base_of(model)
-    logits = _at_least_fp32(LOGIT_HEADS[base.config.model_type](base, hidden))
-    per_token = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+    per_token = -token_losses(model, hidden, targets, widen=True)  # log_softmax[target], fused where the head is
     out = torch.zeros(batch["labels"].shape[0], dtype=per_token.dtype, device=per_token.device)
     return out.index_add(0, rows, per_token)
 

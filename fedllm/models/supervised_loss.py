@@ -10,6 +10,11 @@ every gradient equal the plain computation's (``tests/test_supervised_loss.py``)
 ``train.loss_positions: supervised`` (default) takes this path for the model types registered in
 :data:`LOGIT_HEADS`; ``all``, a classification model or an unregistered model type takes the plain
 path. Both paths are in :data:`LOSS_PATHS`.
+
+Where the head is a plain frozen bias-free linear layer (or the tied embedding) without soft-capping
+(:data:`FUSED_HEADS`), :func:`token_losses` runs head and cross-entropy fused and chunked
+(:mod:`fedllm.models.fused_head_loss`), never holding the ``N x V`` logits; elsewhere the head of
+:data:`LOGIT_HEADS` and ``F.cross_entropy``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fedllm.data.tokens import IGNORE_INDEX
+from fedllm.models.fused_head_loss import compute_dtype, fused_head_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,31 @@ def _plain_head(base: Any, hidden: torch.Tensor) -> torch.Tensor:
 LOGIT_HEADS: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     t: _plain_head for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2")
 }
+
+
+def _frozen_linear_head(base: Any) -> torch.Tensor | None:
+    """The head's weight when ``lm_head(hidden)`` is exactly ``hidden @ weight.T``: a plain ``nn.Linear`` (not PEFT's
+    LoRA or ``modules_to_save`` wrapper, not a quantized subclass), no bias, frozen, no final soft-capping; else None."""
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.requires_grad:
+        return None
+    if getattr(base.config, "final_logit_softcapping", None) is not None:
+        return None
+    return head.weight
+
+
+#: model_type -> the weight of a head that :func:`fedllm.models.fused_head_loss.fused_head_cross_entropy` computes
+#: as :data:`LOGIT_HEADS` does (None where this model's head does not fuse: it takes the unfused path).
+FUSED_HEADS: dict[str, Callable[[Any], torch.Tensor | None]] = {t: _frozen_linear_head for t in LOGIT_HEADS}
+
+#: Whether :func:`token_losses` fuses the heads of :data:`FUSED_HEADS` (False: always the unfused path; bench A/B).
+FUSE_HEAD_LOSS = True
+
+
+def fused_head_weight(base: Any) -> torch.Tensor | None:
+    """The weight :func:`token_losses` fuses for this (unwrapped) model, or None for the unfused path."""
+    fused = FUSED_HEADS.get(base.config.model_type)
+    return fused(base) if FUSE_HEAD_LOSS and fused is not None else None
 
 
 def base_of(model: Any) -> Any:
@@ -73,11 +104,24 @@ def supervised_hidden(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch
     return hidden[:, :-1][rows, cols], targets[rows, cols], rows
 
 
-def token_losses(model: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy (fp32, one per row of ``hidden``) of the model's head on gathered hidden states."""
+def _loss_dtype(logits_dtype: torch.dtype, widen: bool) -> torch.dtype:
+    return torch.promote_types(logits_dtype, torch.float32) if widen else torch.float32
+
+
+def token_losses(model: Any, hidden: torch.Tensor, targets: torch.Tensor, widen: bool = False) -> torch.Tensor:
+    """Cross-entropy (one per row of ``hidden``) of the model's head on gathered hidden states: fused and chunked
+    where :func:`fused_head_weight` finds the head (the same values), else on the head's full logits.
+
+    The logits are upcast to fp32 (``widen``: to the wider of fp32 and their own dtype, e.g. fp64) and the losses
+    come in that dtype.
+    """
     base = base_of(model)
+    weight = fused_head_weight(base)
+    if weight is not None and weight.device == hidden.device:  # (else accelerate's hooks place the head: unfused)
+        dtype = _loss_dtype(compute_dtype(hidden, weight), widen)
+        return fused_head_cross_entropy(hidden, weight, targets, loss_dtype=dtype)
     logits = LOGIT_HEADS[base.config.model_type](base, hidden)
-    return F.cross_entropy(logits.float(), targets, reduction="none")
+    return F.cross_entropy(logits.to(_loss_dtype(logits.dtype, widen)), targets, reduction="none")
 
 
 def supervised_positions_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
