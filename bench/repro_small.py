@@ -23,6 +23,9 @@ the download; ``-noef``: no error feedback) and reports it as ``--all`` does (do
 (``--compression-strategies 'fedadam:{"eta": 0.003}' frlora --compression none down:nf4``: those strategies
 with those arguments, the download alone compressed.)
 
+``--dtype fp32|bf16|auto`` sets ``train.dtype`` and ``model.dtype`` of every run (default ``auto``, fedllm's: bf16 on a
+CPU with avx512_bf16/AMX; docs/performance.md compares the two over 3 seeds).
+
 ``--all`` instead runs every registered strategy that has a global model (personalized ones are
 left out), each with its documented defaults (FedLoRU: ``tau = --tau``), on the same task and split,
 and prints them side by side: final accuracy and held-out loss (evaluated once, after the last
