@@ -100,3 +100,37 @@ def test_two_tiny_runs_read_back_and_resume(bench, tmp_path, capsys):
         bench.main(argv)
     assert bench.main([*argv, "--resume"]) == 0  # both done: nothing runs, the same table
     assert "| 0 | fp32 (fp32/fp32) |" in capsys.readouterr().out
+
+
+def test_repro_small_reads_a_bf16_layer_through_an_fp32_copy():
+    """bench/repro_small.py --dtype bf16/auto: what a LoRA layer on a bf16 base computes, W0 + s·B·A, read in fp32
+    (a bf16 output would round the change B·A to the weights' magnitude; an fp32 identity fed to the bf16 base was a
+    dtype error), so the learned change keeps its rank r."""
+    import sys
+
+    import peft
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("repro_small", ROOT / "bench" / "repro_small.py")
+        repro = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(repro)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from fedllm.models.lowrank import numerical_rank
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential()
+    net.add_module("lin", torch.nn.Linear(16, 8))
+    model = peft.get_peft_model(net, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["lin"],
+                                                     init_lora_weights=False))
+    layer = model.base_model.model.lin
+    layer.base_layer.to(torch.bfloat16)
+    (name, _), = repro.lora_layers(model).items()
+    w = repro.layer_weights(model)[name]
+    w0 = layer.base_layer.weight.float()
+    delta = 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight  # scaling alpha / r = 2
+    assert w.dtype == torch.float32 and torch.allclose(w, w0 + delta, atol=1e-5)
+    assert numerical_rank(w - w0, rtol=1e-3) == 2
+    assert layer.base_layer.weight.dtype == torch.bfloat16  # the model itself is left as it was
