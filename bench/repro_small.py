@@ -23,6 +23,9 @@ the download; ``-noef``: no error feedback) and reports it as ``--all`` does (do
 (``--compression-strategies 'fedadam:{"eta": 0.003}' frlora --compression none down:nf4``: those strategies
 with those arguments, the download alone compressed.)
 
+``--dtype fp32|bf16|auto`` sets ``train.dtype`` and ``model.dtype`` of every run (default ``auto``, fedllm's: bf16 on a
+CPU with avx512_bf16/AMX; docs/performance.md compares the two over 3 seeds).
+
 ``--all`` instead runs every registered strategy that has a global model (personalized ones are
 left out), each with its documented defaults (FedLoRU: ``tau = --tau``), on the same task and split,
 and prints them side by side: final accuracy and held-out loss (evaluated once, after the last
@@ -36,6 +39,7 @@ seconds per run; the plot shows the training loss per round and the final accura
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import tempfile
@@ -76,6 +80,8 @@ def layer_weights(model) -> dict[str, torch.Tensor]:
     out = {}
     for name in lora_layers(model):
         module = model.get_submodule(name)
+        if module.get_base_layer().weight.dtype != torch.float32:  # a bf16 base (--dtype): an fp32 copy, whose
+            module = copy.deepcopy(module).float()  # output is not rounded to bf16 at the weights' magnitude
         y = module(torch.eye(module.in_features)).float()
         bias = module.get_base_layer().bias
         out[name] = (y - (bias.float() if bias is not None else 0)).T
@@ -146,7 +152,8 @@ def run_one(strategy: str, args: dict, seed: int, data_dir: Path, opts: argparse
     tag = "-".join(str(v) for v in (compression or {}).values())
     raw = task_recipe(data_dir, f"run-{strategy}{tag}-{seed}", seed, federation,
                       {"local_steps": opts.local_steps, "batch_size": opts.batch_size, "lr": opts.lr,
-                       "lr_schedule": "cosine", "min_lr": opts.lr / 10, "optimizer_state": "per_client"})
+                       "lr_schedule": "cosine", "min_lr": opts.lr / 10, "optimizer_state": "per_client",
+                       "dtype": opts.dtype}, model={"name": "minilm-l6", "dtype": opts.dtype})
     fed = build_federation(parse_recipe(raw))
     loop = RoundLoop(fed, Path(raw["output_dir"]), progress=False)
     model, pad = fed.loaded.model, fed.loaded.tokenizer.pad_token_id
@@ -287,6 +294,9 @@ def main() -> None:
     parser.add_argument("--compression", nargs="+", default=None, metavar="SPEC",
                         help="FedAvg with each federation.compression SPEC instead (none, int8, nf4, fp4 on upload and "
                              "download; a -noef suffix turns error feedback off), reported as --all reports")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="train.dtype and model.dtype of every run (auto, fedllm's default: bf16 on a CPU with "
+                             "avx512_bf16/AMX, else fp32)")
     parser.add_argument("--compression-strategies", nargs="+", default=["fedavg"], metavar="NAME",
                         help="the strategies each --compression SPEC runs with, NAME or NAME:JSON of its "
                              "strategy_args (default: fedavg)")
@@ -322,7 +332,8 @@ def main() -> None:
                 rank = f" rank {last['rank']:.1f}" if "rank" in last else ""
                 print(f"{name:>18} seed {seed}: acc {last['accuracy']:.3f} loss {last['eval_loss']:.3f}{rank} "
                       f"({time.perf_counter() - t:.0f}s)", flush=True)
-    print(f"\n{len(opts.seeds)} seeds, {opts.rounds} rounds, {time.perf_counter() - start:.0f}s in all\n")
+    print(f"\n{len(opts.seeds)} seeds, {opts.rounds} rounds, --dtype {opts.dtype}, {time.perf_counter() - start:.0f}s"
+          " in all\n")
     print(summarize_all(results) if opts.all else summarize(results, opts.rounds))
     if opts.plot:
         (plot_all if opts.all else plot)(results, Path(opts.plot))
