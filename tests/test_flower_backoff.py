@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fedllm.flower import supernode
 from fedllm.flower.backoff import Backoff
 from fedllm.flower.executor import FlowerExecutor
 
@@ -68,3 +69,28 @@ def test_while_nodes_train_the_server_asks_at_most_every_poll_s():
 def test_all_replies_in_the_first_pull_cost_no_wait():
     slept, replies, _ = collect([["m0", "m1", "m2"]], 3)
     assert slept == [] and len(replies) == 3
+
+
+def test_within_ten_seconds_of_a_message_the_supernode_asks_at_least_every_200_ms(monkeypatch):
+    """After a message the next stage of the round is coming (when the slowest node has answered): the idle pulls
+    double from 20 ms to 0.2 s only; ten seconds after the last message, on to 0.5 s (an idle node's rate)."""
+    now, slept = [100.0], []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(supernode.time, "sleep", sleep)
+    waits = supernode.QuickWaits(clock=lambda: now[0])
+    waits.message_came()
+    while now[0] < 100.0 + supernode.RUN_WINDOW_S:
+        waits.sleep(supernode.FLOWER_IDLE_POLL_S)
+    assert slept[:6] == [0.02, 0.04, 0.08, 0.16, 0.2, 0.2] and set(slept[4:]) == {0.2}
+    assert len(slept) == 4 + 49  # 0.3 s of doubling, then 9.7 s at 0.2 s: the window's last pull at 100 + 10.1 s
+    slept.clear()
+    for _ in range(3):
+        waits.sleep(supernode.FLOWER_IDLE_POLL_S)
+    assert slept == [0.2, 0.4, 0.5]  # out of the window: doubling on to an idle node's 0.5 s
+    waits.message_came()
+    waits.sleep(supernode.FLOWER_IDLE_POLL_S)
+    assert slept[-1] == 0.02
