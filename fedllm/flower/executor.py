@@ -44,7 +44,8 @@ class FlowerExecutor:
         node_keys: client id -> the public key (PEM) its node must authenticate with (``fedllm flower certs``);
             None: any node may claim a free client id (``--insecure-nodes``).
         poll_s: the longest wait between two requests for replies; after a push and after each reply the
-            ServerApp asks again after ``first_poll_s``, doubling up to ``poll_s`` (:class:`~fedllm.flower.backoff.Backoff`).
+            ServerApp asks again after ``first_poll_s``, doubling up to ``poll_s``
+            (:class:`~fedllm.flower.backoff.Backoff`).
         first_poll_s: the first wait after a push or a reply.
         sleep: how to wait (tests record the waits).
         node_wait: seconds a round waits for a sampled client's offline SuperNode to come back (a restart).

@@ -40,8 +40,9 @@ FLOWER_REPLY_POLL_S = 0.5
 IDLE_FIRST_S = 0.02
 """The first wait after a pull that found nothing: right after a message the next one of a round often follows
 within a fraction of a second (a SecAgg+ stage: the server collects the node's reply, then sends the next stage), so
-the SuperNode asks after 20, 40, 80, 160, 320 ms, then every :data:`IDLE_CAP_S` (before: 100 ms, 200, 400, then
-500: a message a few hundred ms after the last one waited up to 400 ms before its node saw it)."""
+the SuperNode asks after 20, 40, 80, 160 ms, then every :data:`RUN_CAP_S` until :data:`RUN_WINDOW_S` have passed,
+then backs off to :data:`IDLE_CAP_S` (before: 100 ms, 200, 400, then 500: a message a few hundred ms after the last
+one waited up to 400 ms before its node saw it)."""
 IDLE_CAP_S = 0.5
 """The longest wait between idle pulls: a message waits 0.25 s on average before its node sees it (Flower: 1.5 s),
 for two small requests a second per idle node instead of one every 3 s."""
