@@ -24,13 +24,13 @@ def test_idle_polls_start_quick_double_to_the_cap_and_restart_after_a_message(mo
     slept = []
     monkeypatch.setattr(time, "sleep", slept.append)
     waits = supernode.QuickWaits()
-    for _ in range(5):
+    for _ in range(7):
         waits.sleep(3)
     waits.message_came()
     waits.sleep(3)
     waits.sleep(0.5)
     waits.sleep(1.25)  # any other wait is Flower's own
-    assert slept == [0.1, 0.2, 0.4, 0.5, 0.5, 0.1, 0.02, 1.25]
+    assert slept == [0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5, 0.02, 0.02, 1.25]
     assert waits.monotonic is time.monotonic  # everything else passes through
 
 
@@ -42,7 +42,7 @@ def test_a_stored_message_wakes_the_worker_holding_the_secret():
     assert module.time is waits and module.pull_objects.keywords == {"initial_backoff": 0.05, "backoff_cap": 0.5}
     worker, stranger = wake.Wakeup(secret), wake.Wakeup(other)
     try:
-        waits.idle_s = 0.4
+        waits.idle.next_s = 0.4
         assert module._pull_and_store_message(state=None) is None  # nothing stored: no wake, no reset
         assert waits.idle_s == 0.4 and worker.wait(0.05) is False
         assert module._pull_and_store_message(state=None) == 7

@@ -43,7 +43,11 @@ class FlowerExecutor:
         wait_nodes: seconds to wait, at start, for one SuperNode per client (reported every ``report_s``).
         node_keys: client id -> the public key (PEM) its node must authenticate with (``fedllm flower certs``);
             None: any node may claim a free client id (``--insecure-nodes``).
-        poll_s: how often to ask the SuperLink for replies.
+        poll_s: the longest wait between two requests for replies; after a push and after each reply the
+            ServerApp asks again after ``first_poll_s``, doubling up to ``poll_s``
+            (:class:`~fedllm.flower.backoff.Backoff`).
+        first_poll_s: the first wait after a push or a reply.
+        sleep: how to wait (tests record the waits).
         node_wait: seconds a round waits for a sampled client's offline SuperNode to come back (a restart).
     """
 
@@ -52,7 +56,7 @@ class FlowerExecutor:
 
     def __init__(self, grid: Grid, timeout: float = 3600.0, probe_mb: float = 0.0, wait_nodes: float = 120.0,
                  node_keys: dict[int, bytes] | None = None, report_s: float = 5.0, poll_s: float = 0.25,
-                 node_wait: float = 300.0):
+                 node_wait: float = 300.0, first_poll_s: float = 0.02, sleep: Any = time.sleep):
         self.grid = grid
         self.timeout = timeout
         self.probe_mb = probe_mb
@@ -60,6 +64,8 @@ class FlowerExecutor:
         self.node_keys = node_keys
         self.report_s = report_s
         self.poll_s = poll_s
+        self.first_poll_s = first_poll_s
+        self.sleep = sleep
         self.node_wait = node_wait
         self.num_clients = 0
         self.origin: dict[str, int] = {}  # message id -> the node it was sent to
@@ -216,7 +222,9 @@ class FlowerExecutor:
                 print(note, flush=True)
 
     def send(self, messages: list[Message], timeout: float | None = None) -> list[Message]:
-        """Push ``messages`` and collect their replies (asking every ``poll_s``) until all came or ``timeout``.
+        """Push ``messages`` and collect their replies until all came or ``timeout``: asking again after
+        ``first_poll_s`` once pushed and after every reply, doubling up to ``poll_s`` while none comes (a SecAgg+
+        stage's answers arrive a few hundred ms after the push, a training's after minutes).
 
         A message whose SuperNode is offline (the SuperLink answers ``NODE_UNAVAILABLE``) is sent again when
         that client's node is back (the same node id, or a new node that claims the client), for up to
@@ -224,6 +232,8 @@ class FlowerExecutor:
         node it went to (the SuperLink's own error replies come from node 0).
         """
         from flwr.common.constant import ErrorCode
+
+        from fedllm.flower.backoff import Backoff
 
         if not messages:
             return []
@@ -234,8 +244,10 @@ class FlowerExecutor:
             return list(self.grid.send_and_receive(messages, timeout=timeout))
         start = time.monotonic()
         deadline, replies, offline, checked = start + timeout, [], {}, start
+        wait = Backoff(self.first_poll_s, self.poll_s, self.sleep)
         while pending or offline:
             for m in self.grid.pull_messages(set(pending)) if pending else []:
+                wait.reset()  # the other nodes' answers are often close behind
                 sent = pending.pop(m.metadata.reply_to_message_id, None)
                 if (m.has_error() and m.error.code == ErrorCode.NODE_UNAVAILABLE and sent is not None
                         and time.monotonic() - start < min(timeout, self.node_wait)):
@@ -245,13 +257,16 @@ class FlowerExecutor:
             now = time.monotonic()
             if offline and now - checked > 3.0:
                 checked = now
-                pending.update(self._resend_to_returned(offline))
+                again = self._resend_to_returned(offline)
+                if again:
+                    wait.reset()
+                pending.update(again)
             if offline and now - start >= min(timeout, self.node_wait):
                 replies += [err for _, err in offline.values()]
                 offline = {}
             if (not pending and not offline) or now > deadline:
                 break
-            time.sleep(self.poll_s)
+            wait.wait()
         return replies
 
     def _push(self, messages: list[Message]) -> dict[str, Message]:

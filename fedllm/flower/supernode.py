@@ -10,7 +10,8 @@ three of its waits shortened, each inside the SuperNode process only:
 - **the idle poll** (:class:`QuickWaits`): when the SuperLink has no message for it, Flower's SuperNode asks again
   after a fixed 3 s (``flwr/supernode/start_client_internal.py``, ``start_client_internal``, line 263:
   ``time.sleep(3)``), so every message waited 1.5 s on average before a node saw it. Here it asks again after
-  :data:`IDLE_FIRST_S`, doubling up to :data:`IDLE_CAP_S` while nothing comes, and quickly again after each message.
+  :data:`IDLE_FIRST_S`, doubling up to :data:`RUN_CAP_S` for :data:`RUN_WINDOW_S` after a message (the other
+  messages of a round are on their way) and up to :data:`IDLE_CAP_S` after that, and quickly again after each message.
 - **the reply wait** (:class:`QuickWaits`): while its ClientApp (fedllm's worker) answers, the SuperNode looks for
   the reply every 0.5 s (``_push_messages``, lines 470 and 506: ``time.sleep(0.5)``), a look in its own memory:
   here every :data:`REPLY_POLL_S`.
@@ -36,11 +37,22 @@ FLOWER_IDLE_POLL_S = 3
 """Flower's fixed wait after a pull that found no message (``start_client_internal.py:263``)."""
 FLOWER_REPLY_POLL_S = 0.5
 """Flower's fixed wait between looks for the ClientApp's reply (``start_client_internal.py:470, 506``)."""
-IDLE_FIRST_S = 0.1
-"""The first wait after a pull that found nothing (after a message, the next one of a round often follows)."""
+IDLE_FIRST_S = 0.02
+"""The first wait after a pull that found nothing: right after a message the next one of a round often follows
+within a fraction of a second (a SecAgg+ stage: the server collects the node's reply, then sends the next stage), so
+the SuperNode asks after 20, 40, 80, 160 ms, then every :data:`RUN_CAP_S` until :data:`RUN_WINDOW_S` have passed,
+then backs off to :data:`IDLE_CAP_S` (before: 100 ms, 200, 400, then 500: a message a few hundred ms after the last
+one waited up to 400 ms before its node saw it)."""
 IDLE_CAP_S = 0.5
 """The longest wait between idle pulls: a message waits 0.25 s on average before its node sees it (Flower: 1.5 s),
 for two small requests a second per idle node instead of one every 3 s."""
+RUN_CAP_S = 0.2
+"""The longest wait between pulls within :data:`RUN_WINDOW_S` of a message: a node that answered waits there for
+the next stage of its round, which comes when the slowest sampled node has answered (SecAgg+'s unmasking after the
+training, the next round's keys after the aggregation), seconds later on a real model; it sees it 0.1 s later on
+average instead of 0.25 s."""
+RUN_WINDOW_S = 10.0
+"""How long after a message the SuperNode keeps asking at least every :data:`RUN_CAP_S`."""
 REPLY_POLL_S = 0.02
 """Between looks for the reply: a look in the SuperNode's memory, no request."""
 
@@ -60,24 +72,36 @@ class QuickWaits:
     """The ``time`` module as Flower's ``start_client_internal`` sees it: its 3 s idle wait and 0.5 s reply waits
     shortened (module docstring); any other sleep and every other attribute are :mod:`time`'s own."""
 
-    def __init__(self) -> None:
-        self.idle_s = IDLE_FIRST_S
+    def __init__(self, clock=None) -> None:
+        from fedllm.flower.backoff import Backoff
+
+        self.idle = Backoff(IDLE_FIRST_S, IDLE_CAP_S, sleep=lambda s: time.sleep(s))  # looked up at each call
+        self.clock = clock or (lambda: time.monotonic())
+        self.last_message = -float("inf")
 
     def __getattr__(self, name: str):
         return getattr(time, name)
 
+    @property
+    def idle_s(self) -> float:
+        """The next idle wait."""
+        return self.idle.next_s
+
     def sleep(self, seconds: float) -> None:
         if seconds == FLOWER_IDLE_POLL_S:
-            time.sleep(self.idle_s)
-            self.idle_s = min(2 * self.idle_s, IDLE_CAP_S)
+            in_run = self.clock() - self.last_message < RUN_WINDOW_S
+            self.idle.cap = RUN_CAP_S if in_run else IDLE_CAP_S
+            self.idle.wait()
         elif seconds == FLOWER_REPLY_POLL_S:
             time.sleep(REPLY_POLL_S)
         else:
             time.sleep(seconds)
 
     def message_came(self) -> None:
-        """A message arrived: the next idle pulls start quick again."""
-        self.idle_s = IDLE_FIRST_S
+        """A message arrived: the next idle pulls start quick again and stay at most :data:`RUN_CAP_S` apart for
+        :data:`RUN_WINDOW_S`."""
+        self.idle.reset()
+        self.last_message = self.clock()
 
 
 def worker_secret(argv: list[str]) -> bytes | None:
