@@ -21,14 +21,14 @@ The hooks read the dtypes at each call: once a model is cast whole (an export up
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def _floating_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
+def _floating_dtype(module: torch.nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
