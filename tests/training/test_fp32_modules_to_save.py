@@ -59,17 +59,63 @@ def test_an_fp32_model_is_left_as_it_is():
     assert keep_modules_to_save_fp32(model) == []
 
 
-def _recipe(tmp_path, out):
+def _raw(tmp_path, out, **sections):
+    """A bf16 tiny-roberta classification recipe (2 rounds of 2 clients) with ``sections`` added."""
     data = tmp_path / "cls.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"text": f"good movie {i}" if i % 2 else f"bad film {i}", "label": i % 2})
                                 + "\n" for i in range(32)))
-    return parse_recipe({
-        "seed": 0, "output_dir": str(tmp_path / out), "model": {"name": "tiny-roberta", "dtype": "bf16"},
-        "lora": {"r": 4, "alpha": 8}, "data": {"path": str(data), "format": "classification", "eval_fraction": 0.25},
-        "federation": {"num_clients": 2, "clients_per_round": 2, "rounds": 2, "partition": {"method": "iid"}},
-        "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 32, "dtype": "bf16"},
-        "eval": {"every": 1}, "checkpoint": {"every": 1}, "logging": {"progress": False, "quiet": True}})
+    return {"seed": 0, "output_dir": str(tmp_path / out), "model": {"name": "tiny-roberta", "dtype": "bf16"},
+            "lora": {"r": 4, "alpha": 8}, "data": {"path": str(data), "format": "classification"},
+            "federation": {"num_clients": 2, "clients_per_round": 2, "rounds": 2, "partition": {"method": "iid"}},
+            "train": {"local_steps": 2, "batch_size": 4, "lr": 1e-2, "max_length": 32, "dtype": "bf16"},
+            "logging": {"progress": False, "quiet": True}, **sections}
+
+
+def _recipe(tmp_path, out):
+    raw = _raw(tmp_path, out, eval={"every": 1}, checkpoint={"every": 1})
+    raw["data"]["eval_fraction"] = 0.25
+    return parse_recipe(raw)
+
+
+def _heads(run_dir):
+    return {k: v for k, v in load_file(str(run_dir / "final" / "adapter.safetensors")).items() if HEAD in k}
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_dp_sgd_trains_the_fp32_head_of_a_bf16_run(tmp_path, mode):
+    """opacus's per-example gradients (or ghost norms) of the fp32 head under bf16 autocast."""
+    start = {k: v for k, v in load_model(ModelConfig(name="tiny-roberta", dtype="bf16"), LoraConfig(r=4, alpha=8))
+             .model.named_parameters() if HEAD in k}
+    dp = {"mechanism": "dp_sgd", "noise_multiplier": 1.1, "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 0,
+          "grad_sample_mode": mode}
+    result = run(parse_recipe(_raw(tmp_path, "dp", privacy=dp, federation={
+        "num_clients": 2, "clients_per_round": 2, "rounds": 1, "partition": {"method": "iid"}})))
+    heads = _heads(result.run_dir)
+    assert {k.split("default.", 1)[1] for k in heads} == {"dense.weight", "dense.bias", "out_proj.weight",
+                                                          "out_proj.bias"}
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in heads.values())
+    assert all(not torch.equal(v, start[k].detach())
+               for k, v in heads.items())
+    assert result.history[-1]["epsilon"] > 0
+
+
+def test_flower_apps_train_the_fp32_head_as_one_process(tmp_path, monkeypatch):
+    """The in-process Flower apps (tests/test_flower_apps.py's loopback grid) give the one-process run, bit for bit."""
+    pytest.importorskip("flwr")
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedllm.flower.executor import FlowerExecutor
+    from tests.test_flower_apps import LoopbackGrid, nodes
+
+    for key in ("_run_id", "_node_id", "_task_id"):  # as test_flower_apps.py's flower_identity fixture
+        monkeypatch.setattr(TaskIdentity, key, 1)
+
+    sim = run(parse_recipe(_raw(tmp_path, "sim")))
+    flower = run(parse_recipe(_raw(tmp_path, "flower")), executor=FlowerExecutor(LoopbackGrid(nodes(tmp_path, 2))))
+    a, b = (load_file(str(r.run_dir / "final" / "adapter.safetensors")) for r in (sim, flower))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {v.dtype for k, v in b.items() if HEAD in k} == {torch.float32}
 
 
 def test_a_bf16_classification_run_evaluates_resumes_bit_exactly_and_exports(tmp_path, crash_at_round):
@@ -82,8 +128,7 @@ def test_a_bf16_classification_run_evaluates_resumes_bit_exactly_and_exports(tmp
     full = run(_recipe(tmp_path, "full"))
     assert all("held_out/accuracy" in h["eval"] for h in full.history)  # evaluated without autocast after every round
     final = load_file(str(full.run_dir / "final" / "adapter.safetensors"))
-    heads = {k: v for k, v in final.items() if HEAD in k}
-    assert len(heads) == 4 and all(v.dtype == torch.float32 for v in final.values())
+    assert len(_heads(full.run_dir)) == 4 and all(v.dtype == torch.float32 for v in final.values())
     recipe = _recipe(tmp_path, "cut")
     crash_at_round(2)
     with pytest.raises(RuntimeError, match="power cut"):
