@@ -72,6 +72,22 @@ def _raw(tmp_path, out, **sections):
             "logging": {"progress": False, "quiet": True}, **sections}
 
 
+def test_bf16_moments_of_an_older_checkpoint_load_upcast():
+    """Per-client moments a run kept while its head was bf16 continue in the fp32 head's dtype (torch's
+    ``Optimizer.load_state_dict`` casts so too); before, AdamW's foreach step raised on the mixed dtypes."""
+    from fedllm.engine.client import _load_optimizer_state
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = OPTIMIZERS["adamw"]([p], TrainConfig(), 1e-3)
+    moment = torch.tensor([1.0, 2.0**-9, -3.0], dtype=torch.bfloat16)
+    _load_optimizer_state(opt, {id(p): "w"}, {"w::step": torch.tensor(2.0), "w::exp_avg": moment,
+                                              "w::exp_avg_sq": moment.abs()})
+    assert opt.state[p]["exp_avg"].dtype == torch.float32 and torch.equal(opt.state[p]["exp_avg"], moment.float())
+    p.grad = torch.ones(3)
+    opt.step()
+    assert torch.isfinite(p).all() and int(opt.state[p]["step"]) == 3
+
+
 def _recipe(tmp_path, out):
     raw = _raw(tmp_path, out, eval={"every": 1}, checkpoint={"every": 1})
     raw["data"]["eval_fraction"] = 0.25
