@@ -126,10 +126,13 @@ def _named_optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str]) ->
 
 
 def _load_optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str], state: StateDict) -> None:
+    """Per-client moments into ``opt``; floating moments in their parameter's dtype, as torch's own
+    ``Optimizer.load_state_dict`` does (bf16 head moments kept before the head became fp32 continue upcast)."""
     for group in opt.param_groups:
         for p in group["params"]:
             prefix = f"{names[id(p)]}::"
-            entries = {k[len(prefix):]: v.to(p.device, copy=True) if v.dim() else v.clone()
+            entries = {k[len(prefix):]: v.to(p.device, p.dtype if v.is_floating_point() else v.dtype, copy=True)
+                       if v.dim() else v.clone()
                        for k, v in state.items() if k.startswith(prefix)}
             if entries:
                 opt.state[p] = entries

@@ -25,6 +25,7 @@ from fedllm.common.errors import did_you_mean
 from fedllm.common.registry import model_presets, register_model_preset
 from fedllm.models import gguf_cache, hub, kept_bases
 from fedllm.models.chunked_weights import GEMMA3_270M_Q4_K_M, ChunkedFile, ChunkError
+from fedllm.models.fp32_modules_to_save import keep_modules_to_save_fp32
 from fedllm.models.info import (
     ATTENTION_TARGETS,
     CLASSIFIER_HEADS,
@@ -302,6 +303,10 @@ def lora_targets(model: Any, lora: LoraConfig) -> Any:
 def attach_lora(model: Any, lora: LoraConfig, task: str, source: str = "<recipe>") -> PeftModel:
     """Wrap ``model`` with a PEFT LoRA adapter ('default'); the classifier head is trained too.
 
+    Under a bf16/fp16 base the LoRA factors (PEFT's ``autocast_adapter_dtype``) and the trained ``modules_to_save``
+    copies (:func:`fedllm.models.fp32_modules_to_save.keep_modules_to_save_fp32`) are fp32, and so are their
+    gradients and optimizer moments.
+
     Raises:
         RecipeError: the rank exceeds a target layer's dimensions or no module matched.
     """
@@ -325,6 +330,7 @@ def attach_lora(model: Any, lora: LoraConfig, task: str, source: str = "<recipe>
     if too_small:
         name, shape = too_small[0]
         raise RecipeError(source, [("lora.r", lora.r, f"<= min(out, in) of every target layer; {name} is {shape}")])
+    keep_modules_to_save_fp32(peft_model)
     return peft_model
 
 
