@@ -156,3 +156,43 @@ def test_a_node_that_left_retries_after_growing_waits_for_a_bounded_time():
     waits = list(rejoin_delays())
     assert waits[:4] == [2.0, 4.0, 8.0, 15.0] and set(waits[4:]) == {15.0}
     assert REJOIN_S - 15.0 < sum(waits) <= REJOIN_S  # Flower's 2 x 30 s heartbeat patience, with a margin
+
+
+FAKE_SUPERNODE = """
+import sys
+from pathlib import Path
+count = Path(sys.argv[1])
+n = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(n))
+if n <= int(sys.argv[2]):  # Flower's SuperNode whose key the SuperLink does not know (yet)
+    print("[code: 2004] Failed to activate SuperNode.", flush=True)
+    sys.exit(1)
+print("SuperNode ID: 7", flush=True)
+sys.exit(130)  # then stopped, as by Ctrl-C
+"""
+
+
+@pytest.mark.parametrize("refusals,attempts,rc", [(0, 1, 130), (2, 3, 130), (99, 7, 1)])
+def test_a_node_refused_before_its_key_is_registered_retries_for_a_bounded_time(tmp_path, monkeypatch, refusals,
+                                                                                  attempts, rc):
+    """`fedllm flower superlink` registers the node keys one by one after its port opens: a SuperNode started with
+    it is refused until its key is there. It tries again (2, 4, 8, 15, 15, 15 s: up to 60 s, 6 retries), then
+    gives up; a node that ends without a refusal is not retried."""
+    from fedllm.flower import rejoin
+
+    slept, sleep = [], rejoin.time.sleep  # the module's time is everyone's: only the retry waits are skipped
+    monkeypatch.setattr(rejoin.time, "sleep", lambda s: slept.append(s) if s >= 1 else sleep(s))
+    count = tmp_path / "attempts"
+    cmd = [sys.executable, "-c", FAKE_SUPERNODE, str(count), str(refusals)]
+    assert rejoin.serve_node(cmd, {}, tmp_path / "state", 3) == rc
+    assert int(count.read_text()) == attempts
+    assert slept == [2.0, 4.0, 8.0, 15.0, 15.0, 15.0][:attempts - 1]
+    assert (tmp_path / "state" / ".node-3.activated").exists() == (rc == 130)
+
+
+def test_a_node_that_ends_without_being_refused_is_not_retried(tmp_path, monkeypatch):
+    from fedllm.flower import rejoin
+
+    sleep = rejoin.time.sleep
+    monkeypatch.setattr(rejoin.time, "sleep", lambda s: pytest.fail("retried") if s >= 1 else sleep(s))
+    assert rejoin.serve_node([sys.executable, "-c", "import sys; sys.exit(3)"], {}, tmp_path, 0) == 3
