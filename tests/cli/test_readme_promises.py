@@ -83,12 +83,15 @@ def test_example_commands_of_one_block_write_to_different_run_directories():
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")
 def test_what_readmes_commands_write_into_the_clone_is_git_ignored():
-    """The quickstart's data (``--out data/arith``), Flower's keys (``certs/``, holding ``ca.key``), runs (the
-    default ``output_dir``) and ``fedllm eval``'s results for a hub model."""
+    """The quickstart's data (``--out data/arith``), Flower's keys (``certs/``, holding ``ca.key``), the SuperLink's
+    state (``--database superlink.db``, its SQLite journal files and fedllm's nonces beside it), runs (the default
+    ``output_dir``) and ``fedllm eval``'s results for a hub model."""
     from fedllm.recipe.schema import Recipe
 
     assert "--out data/arith" in README and "fedllm flower certs certs/" in README
-    written = ["data/arith/train.jsonl", "certs/ca.key", f"{Recipe().output_dir}/metrics.jsonl",
+    assert "--database superlink.db " in README
+    written = ["data/arith/train.jsonl", "certs/ca.key", "superlink.db", "superlink.db-wal", "superlink.db-shm",
+               "superlink.db.fedllm-nonces", f"{Recipe().output_dir}/metrics.jsonl",
                "eval_results/tiny-llama/results.json"]
     out = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True,
                          check=False)
