@@ -367,7 +367,7 @@ class CostReport:
         mem = self.memory()
         unit = (lambda n: f"{n / 1e9:.2f} GB") if sum(mem.values()) >= 1e8 else _mb
         out.append(f"  peak memory estimate (one training process): {unit(sum(mem.values()))} = "
-                   + " + ".join(f"{k} {unit(v)}" for k, v in mem.items()))
+                   + " + ".join(f"{k} {unit(v)}" for k, v in mem.items() if v or k != "base changes"))
         s = self.shapes
         pairs = " (2 x batch_size: a preference batch holds each pair's chosen and rejected answer)" \
             if sequences_per_batch(r) != r.train.batch_size else ""
