@@ -183,7 +183,7 @@ def test_a_node_refused_before_its_key_is_registered_retries_for_a_bounded_time(
     slept, sleep = [], rejoin.time.sleep  # the module's time is everyone's: only the retry waits are skipped
     monkeypatch.setattr(rejoin.time, "sleep", lambda s: slept.append(s) if s >= 1 else sleep(s))
     count = tmp_path / "attempts"
-    cmd = [sys.executable, "-c", FAKE_SUPERNODE, str(count), str(refusals)]
+    cmd = [sys.executable, "-S", "-c", FAKE_SUPERNODE, str(count), str(refusals)]  # -S: a quick start each
     assert rejoin.serve_node(cmd, {}, tmp_path / "state", 3) == rc
     assert int(count.read_text()) == attempts
     assert slept == ([2.0, 4.0, 8.0] + [15.0] * 11)[:attempts - 1]
