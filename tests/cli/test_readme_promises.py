@@ -72,6 +72,30 @@ def test_every_file_readme_links_to_is_in_the_repository():
     assert [t for t in targets if "://" not in t and not (ROOT / t).exists()] == []
 
 
+def github_anchors(markdown: str) -> set[str]:
+    """The ``#anchors`` GitHub gives a document's headings: lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces to ``-``, a repeated heading numbered ``-1``, ``-2`` ... (code blocks hold no headings)."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", re.sub(r"```.*?```", "", markdown, flags=re.DOTALL), re.MULTILINE):
+        text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        seen.setdefault(f"{slug}-{seen[slug]}" if seen[slug] else slug, 0)
+    return set(seen)
+
+
+def test_every_section_readme_links_to_exists():
+    """README's ``#section`` links, to its own headings and to those of the documents it links (a renamed heading
+    breaks them silently on GitHub)."""
+    assert {"set-up", "one-gpu", "preference-alignment-dpo-and-its-family"} <= github_anchors(README)
+    assert "2-mixed-precision" in github_anchors("# 1. Intro\n## 2. Mixed `precision`\n```\n# not a heading\n```")
+    links = re.findall(r"\]\(([^)\s:]*)#([^)\s]+)\)", README)
+    assert len(links) >= 5
+    broken = [f"{path}#{anchor}" for path, anchor in links
+              if anchor not in github_anchors((ROOT / path).read_text(encoding="utf-8") if path else README)]
+    assert broken == []
+
+
 def test_example_commands_of_one_block_write_to_different_run_directories():
     """Run one after another, the commands of a block must not refuse each other (the N-process examples, the
     Flower run after the one-process run); a --resume line continues its run's directory on purpose."""
