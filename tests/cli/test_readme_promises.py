@@ -105,6 +105,27 @@ def test_example_commands_of_one_block_write_to_different_run_directories():
         assert len(dirs) == len(set(dirs)), block
 
 
+
+def test_readmes_training_commands_followed_in_order_write_to_different_run_directories():
+    """A newcomer runs the quickstart, then the commands further down: a run that would land in a directory an
+    earlier command filled is refused ("already holds a run"). Across every bash block, each training command
+    (the recipe's ``output_dir`` or its override; dry runs, resumes and placeholders aside) has its own."""
+    import yaml
+
+    dirs = []
+    for block in blocks(README, "bash"):
+        for line in block.splitlines():
+            command = re.search(r"fedllm (?:train|flower run) (.*)", line.split("  #")[0])
+            if command is None:
+                continue
+            argv = shlex.split(command.group(1).split("&&")[0])
+            if {"--dry-run", "--resume"} & set(argv) or not argv[0].startswith("recipes/"):
+                continue
+            given = [a.split("=", 1)[1] for a in argv if a.startswith("output_dir=")]
+            dirs.append(given[0] if given else yaml.safe_load((ROOT / argv[0]).read_text())["output_dir"])
+    assert "runs/quickstart" in dirs and len(dirs) >= 6
+    assert sorted(d for d in set(dirs) if dirs.count(d) > 1) == []
+
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")
 def test_what_readmes_commands_write_into_the_clone_is_git_ignored():
     """The quickstart's data (``--out data/arith``), Flower's keys (``certs/``, holding ``ca.key``), the SuperLink's
