@@ -90,6 +90,30 @@ def test_flower_run_whose_superlink_died_says_how_to_restart_and_resume(tmp_path
     assert "traceback" not in err
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_flower_run_stopped_by_missing_supernodes_says_how_to_start_it_again(tmp_path, capsys, resume):
+    """The run failed waiting for SuperNodes; its output_dir already holds its partition, so the same command would
+    be refused: ``fedllm flower run`` prints the one that starts it (``--resume``: from round 0, no checkpoint)."""
+    import json
+
+    from fedllm.commands.flower import _outcome
+
+    failed = {"runs": [{"status": "finished:failed", "status-details": "ServerApp failed with exception: federation "
+                        "incomplete: 2 SuperNode(s) connected, 2 of 4 clients served (missing: [2, 3])"}]}
+    fake_flwr = tmp_path / "flwr"
+    fake_flwr.write_text(f"#!/bin/sh\necho '{json.dumps(failed)}'\n")
+    fake_flwr.chmod(0o755)
+    argv = ["run", "recipes/frlora/tiny-llama-arith-frlora.yaml", "output_dir=runs/frlora-flower", "--superlink",
+            "127.0.0.1:9092", "--root-certificates", "certs/ca.crt"]
+    assert _outcome(str(fake_flwr), "7", dict(os.environ), parse(*argv, *(["--resume"] if resume else []))) == 2
+    err = capsys.readouterr().err
+    assert "missing: [2, 3]" in err
+    hint = ("once every SuperNode runs, start it with:\n  fedllm flower run "
+            "recipes/frlora/tiny-llama-arith-frlora.yaml output_dir=runs/frlora-flower --superlink 127.0.0.1:9092 "
+            "--root-certificates certs/ca.crt --resume")
+    assert (hint in err) != resume  # given --resume already, the same command is the one to run again
+
+
 def test_flower_security_certs_write_the_operator_key_and_superlink_requires_it(tmp_path, capsys):
     from fedllm.commands.flower import _certs, operator_public_key
 
