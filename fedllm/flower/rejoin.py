@@ -32,10 +32,11 @@ ACTIVATION_REFUSED = "Failed to activate SuperNode"
 session still counted online (a node killed without deactivating stays online for 2 heartbeats of 30 s)."""
 REJOIN_S = 150.0
 """How long a node that was activated before retries a refused activation (the 60 s above, with a margin)."""
-REGISTER_S = 45.0
+REGISTER_S = 30.0
 """How long a node that never joined retries a refused activation: its key may not be registered yet (a SuperLink
 registered the four keys of README's example in 18 s at load 6 on 2 cores, a ``flwr`` process each). Kept short: a
-key the SuperLink was never given is refused for good after it (tests/test_flower_security.py allows 120 s)."""
+key the SuperLink was never given is refused for good after it: its SuperNode gave up after 75 s with a 45 s window
+at load 2-6, one SuperNode start per try, and tests/test_flower_security.py allows 120 s)."""
 
 
 class ActivationWatch:
