@@ -8,7 +8,7 @@ prints it; the paper tests (tests/meta/) compare it with the papers' tables.
 
 Peak memory of one training process (formula printed with the report)::
 
-    weights + trainable + gradients + optimizer moments + strategy state + activations
+    weights + trainable + gradients + optimizer moments + strategy state + base changes + activations
     activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8)
 
 ``b`` micro-batch, ``s`` max_length (every sequence taken at full length: an upper bound), ``L``
@@ -328,6 +328,7 @@ class CostReport:
             "gradients": trainable,
             "optimizer": slots * trainable,
             "strategy state": self.state.server,
+            "base changes": self.state.base_changes,  # beside the weights: fp32 residuals, kept factors
             "activations": activation_bytes(self.shapes, sequences_per_batch(r), r.train.max_length, compute),
         }
 
@@ -366,7 +367,7 @@ class CostReport:
         mem = self.memory()
         unit = (lambda n: f"{n / 1e9:.2f} GB") if sum(mem.values()) >= 1e8 else _mb
         out.append(f"  peak memory estimate (one training process): {unit(sum(mem.values()))} = "
-                   + " + ".join(f"{k} {unit(v)}" for k, v in mem.items()))
+                   + " + ".join(f"{k} {unit(v)}" for k, v in mem.items() if v or k != "base changes"))
         s = self.shapes
         pairs = " (2 x batch_size: a preference batch holds each pair's chosen and rejected answer)" \
             if sequences_per_batch(r) != r.train.batch_size else ""

@@ -57,7 +57,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="alpaca, chat or plain (default: as the run was trained, else chat if the "
                              "tokenizer has a chat template, else plain)")
     parser.add_argument("--chat-template", default=None, help="FastChat conversation template name (needs fschat)")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype")
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                        help="weights dtype (default: a run or checkpoint in its recipe's model.dtype, as its own "
+                             "evaluations ran; fp32 for anything else and under --quantization)")
     parser.add_argument("--quantization", choices=["none", "4bit", "4bit-flowertune", "4bit-qlora", "8bit"],
                         default=None,
                         help="load the model through bitsandbytes: 4bit-flowertune as FlowerTune's eval.py (FP4), "
@@ -242,7 +244,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
     quantization = load_quantization(cfg.quantization, cfg.tasks)
     quantized = {"quantization": quantization} if quantization != "none" else {}
-    model, tokenizer = load_for_inference(args.checkpoint, dtype=args.dtype, **quantized)
+    dtype = args.dtype or ("fp32" if quantized else None)  # None: the run's own dtypes
+    model, tokenizer = load_for_inference(args.checkpoint, dtype=dtype, **quantized)
     examples, preference = None, None
     if recipe is not None and any(t in HELD_OUT_TASKS for t in cfg.tasks):  # the run's held-out records, tokenized
         examples = heldout_examples(recipe, tokenizer, args.checkpoint, records or heldout_records(recipe))
@@ -285,7 +288,7 @@ def client_choice(text: str) -> "int | str":
     raise argparse.ArgumentTypeError(f"expected a client id or 'all', got {text!r}")
 
 
-def evaluate_clients(checkpoint: str, client: "int | str", eval_cfg: Any, out_dir: Any, dtype: str = "fp32",
+def evaluate_clients(checkpoint: str, client: "int | str", eval_cfg: Any, out_dir: Any, dtype: Optional[str] = "fp32",
                      prompt_style: Optional[str] = None, progress: bool = True) -> dict[str, dict[str, float]]:
     """Each requested client's personal model on its own held-out split (``fedllm eval --client ID|all``).
 

@@ -377,12 +377,16 @@ def answers(address: str, timeout_s: float = 2.0) -> bool:
 
 def restart_hint(args: argparse.Namespace) -> str:
     """What to run when the SuperLink of ``fedllm flower run`` died: restart it on its database, then resume."""
-    tls = f"--root-certificates {args.root_certificates}" if args.root_certificates else "--insecure"
-    resume = " ".join(["fedllm flower run", str(args.recipe), *args.overrides, "--superlink", args.superlink, tls,
-                       "--resume"])
     return ("restart it on the machine it ran on with the same options and the same --database FILE (fedllm flower "
             "superlink ... --database FILE: without one, the SuperLink's state died with it and every SuperNode "
-            f"must be restarted too), then continue the run from its newest checkpoint with:\n  {resume}")
+            f"must be restarted too), then continue the run from its newest checkpoint with:\n  {resume_command(args)}")
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """``fedllm flower run`` as given, with ``--resume``."""
+    tls = f"--root-certificates {args.root_certificates}" if args.root_certificates else "--insecure"
+    return " ".join(["fedllm flower run", str(args.recipe), *args.overrides, "--superlink", args.superlink, tls,
+                     "--resume"])
 
 
 def _outcome(flwr: str, run_id: str, env: dict, args: argparse.Namespace, wait_s: float = 120.0) -> int:
@@ -410,6 +414,10 @@ def _outcome(flwr: str, run_id: str, env: dict, args: argparse.Namespace, wait_s
     bad_input = FEDERATION_INCOMPLETE in details or f"({BAD_INPUT})" in details
     print(f"fedllm flower run: run {run_id} ended as {status or 'unknown'}: {details}"
           + ("" if bad_input or not status else " (the ServerApp's own output is in the log above)"), file=sys.stderr)
+    if FEDERATION_INCOMPLETE in details and not args.resume:  # its output_dir now holds the run's partition: a plain
+        # re-run is refused ("already holds a run"); --resume starts it from round 0
+        print(f"fedllm flower run: once every SuperNode runs, start it with:\n  {resume_command(args)}",
+              file=sys.stderr)
     return 2 if bad_input else 1
 
 

@@ -351,7 +351,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "instruction data with the Alpaca template — else chat, the tokenizer's chat template)")
     parser.add_argument("--chat-template", default=None,
                         help="FastChat conversation template (default: the tokenizer's chat template)")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights dtype")
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                        help="weights dtype (default: a run or checkpoint in its recipe's model.dtype, as it trained "
+                             "and evaluated; fp32 for anything else)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                         help="cap on a completion's length")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,

@@ -69,10 +69,12 @@ def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,
     return loaded.model, tok, strategy, recipe
 
 
-def load_for_inference(path: str, dtype: str = "fp32", client: Optional[int] = None,
+def load_for_inference(path: str, dtype: Optional[str] = "fp32", client: Optional[int] = None,
                        quantization: str = "none") -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a run dir / checkpoint, a PEFT adapter dir, a model dir, a preset or hub id.
 
+    ``dtype`` None: a run or checkpoint in the dtypes its recipe resolved (``model.dtype``, ``train.dtype``: as the
+    run's own evaluations held it, so ``fedllm eval RUN`` repeats them), anything else in fp32.
     ``quantization`` (``none``, ``4bit``, ``8bit``): load the base model through bitsandbytes (``fedllm eval
     --quantization``; ``none`` keeps a checkpoint's own setting). Not for exported adapter directories.
     """
@@ -80,6 +82,7 @@ def load_for_inference(path: str, dtype: str = "fp32", client: Optional[int] = N
     if p.is_dir() and (ckpt_io.looks_like_checkpoint(p) or (p / "final").is_dir() or (p / "checkpoints").is_dir()):
         model, tok, _, _ = model_from_checkpoint(p, dtype, client, None if quantization == "none" else quantization)
         return model, tok
+    dtype = dtype or "fp32"
     if p.is_dir() and (p / "adapter_config.json").is_file():
         if quantization != "none":
             raise InputError(f"--quantization {quantization}: {p} is an exported adapter; evaluate its run directory "

@@ -5,8 +5,13 @@ Two ways a node that had joined ends on its own: it was killed without signing o
 restarted at once, the SuperLink still counts its old session online and refuses to activate its key until two
 heartbeats (Flower: 2 x 30 s) have passed ("Failed to activate SuperNode", exit 1); or the SuperLink restarted and
 answers its heartbeat with 401, and Flower's SuperNode exits "gracefully" (code 0). Either way :func:`serve_node`
-starts it again after 2, 4, 8, then every 15 s, for up to :data:`REJOIN_S` in all. A key that never joined (unknown
-to the SuperLink: the marker file below never written) is not retried: that refusal is final.
+starts it again after 2, 4, 8, then every 15 s, for up to :data:`REJOIN_S` in all.
+
+A node that never joined (the marker file below never written) and whose activation was refused may have asked
+before the SuperLink knew its key: ``fedllm flower superlink`` registers the node keys one by one once its port is
+open (a ``flwr supernode register`` each, seconds apart), so a SuperNode started with it, as README's commands are, can
+come too early. It is retried the same way for up to :data:`REGISTER_S`, after which the refusal is final (a key the
+SuperLink was not given).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fedllm.flower import processes
 
@@ -26,6 +32,11 @@ ACTIVATION_REFUSED = "Failed to activate SuperNode"
 session still counted online (a node killed without deactivating stays online for 2 heartbeats of 30 s)."""
 REJOIN_S = 150.0
 """How long a node that was activated before retries a refused activation (the 60 s above, with a margin)."""
+REGISTER_S = 30.0
+"""How long a node that never joined retries a refused activation: its key may not be registered yet (a SuperLink
+registered the four keys of README's example in 18 s at load 6 on 2 cores, a ``flwr`` process each). Kept short: a
+key the SuperLink was never given is refused for good after it: its SuperNode gave up after 75 s with a 45 s window
+at load 2-6, one SuperNode start per try, and tests/test_flower_security.py allows 120 s)."""
 
 
 class ActivationWatch:
@@ -35,6 +46,7 @@ class ActivationWatch:
     def __init__(self, marker: Path):
         self.marker = marker  # exists once this node's key was activated at least once (state directory)
         self.refused = self.activated = False
+        self.reader: Any = None
 
     def start(self, cmd: list[str]) -> subprocess.Popen:
         import threading
@@ -52,8 +64,14 @@ class ActivationWatch:
                     self.marker.touch()
                 self.refused = self.refused or ACTIVATION_REFUSED in line
 
-        threading.Thread(target=copy, daemon=True).start()
+        self.reader = threading.Thread(target=copy, daemon=True)
+        self.reader.start()
         return proc
+
+    def read_all(self, timeout_s: float = 5.0) -> None:
+        """Wait until the last start's output is read to its end (its verdict lines included)."""
+        if self.reader is not None:
+            self.reader.join(timeout_s)
 
 
 def rejoin_delays(total_s: float = REJOIN_S, first_s: float = 2.0, cap_s: float = 15.0):
@@ -70,11 +88,21 @@ def serve_node(cmd: list[str], helpers: dict[str, Callable[[], subprocess.Popen]
     it again when it leaves the federation by itself after having joined (see the module). Returns the exit code."""
     state.mkdir(parents=True, exist_ok=True)
     watch = ActivationWatch(state / f".node-{client}.activated")
-    delays = rejoin_delays()
+    delays, first = rejoin_delays(), rejoin_delays(REGISTER_S)
     while True:
         rc = processes.supervise(lambda: watch.start(cmd), helpers)
-        if rc >= 128 or not watch.marker.exists():  # stopped by a signal to this command; or a key that never
-            return rc  # joined (unknown to the SuperLink): not retried
+        if rc >= 128:  # stopped by a signal to this command
+            return rc
+        watch.read_all()
+        if not watch.marker.exists():  # never joined: refused before its key was registered, else final
+            delay = next(first, None) if watch.refused else None
+            if delay is None:
+                return rc
+            print(f"fedllm flower supernode: the SuperLink refused to activate client {client}'s node: it does not know "
+                  f"its key (yet: a starting SuperLink registers the node keys one by one); retrying in {delay:.0f} s "
+                  f"(for up to {REGISTER_S:.0f} s)", file=sys.stderr, flush=True)
+            time.sleep(delay)
+            continue
         # Flower's SuperNode ended by itself: refused activation (exit 1), or told by the SuperLink that its session
         # is unknown (a restarted SuperLink answers its heartbeat with 401, and it exits "gracefully", code 0)
         if watch.activated:  # it was serving: a new outage (a SuperLink restart), with a new allowance

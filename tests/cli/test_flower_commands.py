@@ -90,6 +90,30 @@ def test_flower_run_whose_superlink_died_says_how_to_restart_and_resume(tmp_path
     assert "traceback" not in err
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_flower_run_stopped_by_missing_supernodes_says_how_to_start_it_again(tmp_path, capsys, resume):
+    """The run failed waiting for SuperNodes; its output_dir already holds its partition, so the same command would
+    be refused: ``fedllm flower run`` prints the one that starts it (``--resume``: from round 0, no checkpoint)."""
+    import json
+
+    from fedllm.commands.flower import _outcome
+
+    failed = {"runs": [{"status": "finished:failed", "status-details": "ServerApp failed with exception: federation "
+                        "incomplete: 2 SuperNode(s) connected, 2 of 4 clients served (missing: [2, 3])"}]}
+    fake_flwr = tmp_path / "flwr"
+    fake_flwr.write_text(f"#!/bin/sh\necho '{json.dumps(failed)}'\n")
+    fake_flwr.chmod(0o755)
+    argv = ["run", "recipes/frlora/tiny-llama-arith-frlora.yaml", "output_dir=runs/frlora-flower", "--superlink",
+            "127.0.0.1:9092", "--root-certificates", "certs/ca.crt"]
+    assert _outcome(str(fake_flwr), "7", dict(os.environ), parse(*argv, *(["--resume"] if resume else []))) == 2
+    err = capsys.readouterr().err
+    assert "missing: [2, 3]" in err
+    hint = ("once every SuperNode runs, start it with:\n  fedllm flower run "
+            "recipes/frlora/tiny-llama-arith-frlora.yaml output_dir=runs/frlora-flower --superlink 127.0.0.1:9092 "
+            "--root-certificates certs/ca.crt --resume")
+    assert (hint in err) != resume  # given --resume already, the same command is the one to run again
+
+
 def test_flower_security_certs_write_the_operator_key_and_superlink_requires_it(tmp_path, capsys):
     from fedllm.commands.flower import _certs, operator_public_key
 
@@ -156,3 +180,43 @@ def test_a_node_that_left_retries_after_growing_waits_for_a_bounded_time():
     waits = list(rejoin_delays())
     assert waits[:4] == [2.0, 4.0, 8.0, 15.0] and set(waits[4:]) == {15.0}
     assert REJOIN_S - 15.0 < sum(waits) <= REJOIN_S  # Flower's 2 x 30 s heartbeat patience, with a margin
+
+
+FAKE_SUPERNODE = """
+import sys
+from pathlib import Path
+count = Path(sys.argv[1])
+n = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(n))
+if n <= int(sys.argv[2]):  # Flower's SuperNode whose key the SuperLink does not know (yet)
+    print("[code: 2004] Failed to activate SuperNode.", flush=True)
+    sys.exit(1)
+print("SuperNode ID: 7", flush=True)
+sys.exit(130)  # then stopped, as by Ctrl-C
+"""
+
+
+@pytest.mark.parametrize("refusals,attempts,rc", [(0, 1, 130), (2, 3, 130), (99, 5, 1)])
+def test_a_node_refused_before_its_key_is_registered_retries_for_a_bounded_time(tmp_path, monkeypatch, refusals,
+                                                                                  attempts, rc):
+    """`fedllm flower superlink` registers the node keys one by one after its port opens: a SuperNode started with
+    it is refused until its key is there. It tries again (after 2, 4, 8 and 15 s: 29 s in 4 retries, within 30 s),
+    then gives up; a node that ends without a refusal is not retried."""
+    from fedllm.flower import rejoin
+
+    slept, sleep = [], rejoin.time.sleep  # the module's time is everyone's: only the retry waits are skipped
+    monkeypatch.setattr(rejoin.time, "sleep", lambda s: slept.append(s) if s >= 1 else sleep(s))
+    count = tmp_path / "attempts"
+    cmd = [sys.executable, "-S", "-c", FAKE_SUPERNODE, str(count), str(refusals)]  # -S: a quick start each
+    assert rejoin.serve_node(cmd, {}, tmp_path / "state", 3) == rc
+    assert int(count.read_text()) == attempts
+    assert slept == [2.0, 4.0, 8.0, 15.0][:attempts - 1]
+    assert (tmp_path / "state" / ".node-3.activated").exists() == (rc == 130)
+
+
+def test_a_node_that_ends_without_being_refused_is_not_retried(tmp_path, monkeypatch):
+    from fedllm.flower import rejoin
+
+    sleep = rejoin.time.sleep
+    monkeypatch.setattr(rejoin.time, "sleep", lambda s: pytest.fail("retried") if s >= 1 else sleep(s))
+    assert rejoin.serve_node([sys.executable, "-c", "import sys; sys.exit(3)"], {}, tmp_path, 0) == 3

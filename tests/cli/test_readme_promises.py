@@ -72,6 +72,30 @@ def test_every_file_readme_links_to_is_in_the_repository():
     assert [t for t in targets if "://" not in t and not (ROOT / t).exists()] == []
 
 
+def github_anchors(markdown: str) -> set[str]:
+    """The ``#anchors`` GitHub gives a document's headings: lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces to ``-``, a repeated heading numbered ``-1``, ``-2`` ... (code blocks hold no headings)."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", re.sub(r"```.*?```", "", markdown, flags=re.DOTALL), re.MULTILINE):
+        text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        seen.setdefault(f"{slug}-{seen[slug]}" if seen[slug] else slug, 0)
+    return set(seen)
+
+
+def test_every_section_readme_links_to_exists():
+    """README's ``#section`` links, to its own headings and to those of the documents it links (a renamed heading
+    breaks them silently on GitHub)."""
+    assert {"set-up", "one-gpu", "preference-alignment-dpo-and-its-family"} <= github_anchors(README)
+    assert "2-mixed-precision" in github_anchors("# 1. Intro\n## 2. Mixed `precision`\n```\n# not a heading\n```")
+    links = re.findall(r"\]\(([^)\s:]*)#([^)\s]+)\)", README)
+    assert len(links) >= 5
+    broken = [f"{path}#{anchor}" for path, anchor in links
+              if anchor not in github_anchors((ROOT / path).read_text(encoding="utf-8") if path else README)]
+    assert broken == []
+
+
 def test_example_commands_of_one_block_write_to_different_run_directories():
     """Run one after another, the commands of a block must not refuse each other (the N-process examples, the
     Flower run after the one-process run); a --resume line continues its run's directory on purpose."""
@@ -81,14 +105,38 @@ def test_example_commands_of_one_block_write_to_different_run_directories():
         assert len(dirs) == len(set(dirs)), block
 
 
+
+def test_readmes_training_commands_followed_in_order_write_to_different_run_directories():
+    """A newcomer runs the quickstart, then the commands further down: a run that would land in a directory an
+    earlier command filled is refused ("already holds a run"). Across every bash block, each training command
+    (the recipe's ``output_dir`` or its override; dry runs, resumes and placeholders aside) has its own."""
+    import yaml
+
+    dirs = []
+    for block in blocks(README, "bash"):
+        for line in block.splitlines():
+            command = re.search(r"fedllm (?:train|flower run) (.*)", line.split("  #")[0])
+            if command is None:
+                continue
+            argv = shlex.split(command.group(1).split("&&")[0])
+            if {"--dry-run", "--resume"} & set(argv) or not argv[0].startswith("recipes/"):
+                continue
+            given = [a.split("=", 1)[1] for a in argv if a.startswith("output_dir=")]
+            dirs.append(given[0] if given else yaml.safe_load((ROOT / argv[0]).read_text())["output_dir"])
+    assert "runs/quickstart" in dirs and len(dirs) >= 6
+    assert sorted(d for d in set(dirs) if dirs.count(d) > 1) == []
+
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")
 def test_what_readmes_commands_write_into_the_clone_is_git_ignored():
-    """The quickstart's data (``--out data/arith``), Flower's keys (``certs/``, holding ``ca.key``), runs (the
-    default ``output_dir``) and ``fedllm eval``'s results for a hub model."""
+    """The quickstart's data (``--out data/arith``), Flower's keys (``certs/``, holding ``ca.key``), the SuperLink's
+    state (``--database superlink.db``, its SQLite journal files and fedllm's nonces beside it), runs (the default
+    ``output_dir``) and ``fedllm eval``'s results for a hub model."""
     from fedllm.recipe.schema import Recipe
 
     assert "--out data/arith" in README and "fedllm flower certs certs/" in README
-    written = ["data/arith/train.jsonl", "certs/ca.key", f"{Recipe().output_dir}/metrics.jsonl",
+    assert "--database superlink.db " in README
+    written = ["data/arith/train.jsonl", "certs/ca.key", "superlink.db", "superlink.db-wal", "superlink.db-shm",
+               "superlink.db.fedllm-nonces", f"{Recipe().output_dir}/metrics.jsonl",
                "eval_results/tiny-llama/results.json"]
     out = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True,
                          check=False)

@@ -1,5 +1,8 @@
 """``fedllm train RECIPE --dry-run`` without the weights (meta device) and without the data."""
 
+import re
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -23,6 +26,11 @@ def test_dry_run_of_llama2_7b_frlora_offline(capsys, monkeypatch):
     assert "every client also keeps the base changes, 4,294.967 MB" in out
     assert "activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i)" in out and "FRLoRA SVD init (randomized)" in out
     assert "not checked: step time" in out and "nothing was written to" in out
+    # README shows this report verbatim: the same lines but for the seconds the set-up took
+    readme = Path("README.md").read_text(encoding="utf-8")
+    shown = readme.split(f"$ HF_HUB_OFFLINE=1 fedllm train {RECIPE} --dry-run\n", 1)[1].split("```", 1)[0]
+    seconds = re.compile(r"set up in [0-9.]+ s")
+    assert seconds.sub("set up in S", shown) == seconds.sub("set up in S", out)
 
 
 def test_dry_run_exits_2_naming_a_target_that_matches_nothing(tmp_path, capsys):
@@ -70,6 +78,16 @@ def test_peak_memory_weights_term(meta_costs, quantization, weights):
     tokens = 16 * 512
     assert mem["activations"] == tokens * 32 * 2 * (4 * 4096 + 3 * 4096 + 2 * 4096 + 4 * 11008) + tokens * 32000 * 10
 
+
+
+def test_peak_memory_counts_the_base_changes_beside_a_quantised_base(meta_costs):
+    """FRLoRA on an 8-bit base keeps its merges as an fp32 residual beside each wrapped weight (a forward hook adds
+    it), in the training process too: 64 layers (q, v) x 4096 x 4096 x 4 B on top of the terms FedAvg's run has."""
+    frlora = meta_costs(RECIPE, "model.quantization=8bit").memory()
+    fedavg = meta_costs(RECIPE, "model.quantization=8bit", "federation.strategy=fedavg",
+                        "federation.strategy_args={}").memory()
+    assert frlora["base changes"] == 64 * 4096 * 4096 * 4 and fedavg["base changes"] == 0
+    assert frlora["weights"] == fedavg["weights"] and frlora["activations"] == fedavg["activations"]
 
 def test_dry_run_with_the_weights_but_without_the_data(tiny_recipe, tmp_path, capsys):
     """A real model whose data set is a hub id that cannot be loaded offline: the untimed report, saying so."""
