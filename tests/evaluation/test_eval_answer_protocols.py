@@ -245,12 +245,9 @@ def test_a_run_without_fastchats_files_is_refused_before_training(tmp_path, monk
 
 def test_the_comparison_script_counts_each_harness_document_once(tmp_path):
     """The harness logs a gsm8k document once per filter (strict-match, flexible-extract)."""
-    import importlib.util
+    from tests.conftest import load_script
 
-    path = ASSETS.parents[2] / "eval" / "compare_answer_protocols.py"
-    spec = importlib.util.spec_from_file_location("compare_answer_protocols", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(ASSETS.parents[2] / "eval" / "compare_answer_protocols.py")
     samples = [{"doc_id": i, "filter": f, "doc": {"question": f"q{i}"}, "resps": [[f"out {i}"]]}
                for f in ("strict-match", "flexible-extract") for i in range(3)]
     result = tmp_path / "gsm8k.json"

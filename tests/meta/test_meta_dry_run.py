@@ -76,7 +76,12 @@ def test_peak_memory_weights_term(meta_costs, quantization, weights):
     assert mem["weights"] == expected
     assert mem["optimizer"] == 2 * mem["trainable"] == 2 * 16_777_216 * 4
     tokens = 16 * 512
-    assert mem["activations"] == tokens * 32 * 2 * (4 * 4096 + 3 * 4096 + 2 * 4096 + 4 * 11008) + tokens * 32000 * 10
+    trunk = tokens * 32 * 2 * (4 * 4096 + 3 * 4096 + 2 * 4096 + 4 * 11008)
+    # the head runs fused with its loss (frozen plain lm_head, supervised positions): one chunk of the logits, 32 MiB
+    # of fp32 = 262 rows of LLaMA's 32,000, plus the kept gradient with respect to the hidden states
+    assert mem["activations"] == trunk + 262 * 32000 * 10 + tokens * 4096 * 2
+    unfused = meta_costs(RECIPE, f"model.quantization={quantization}", "train.loss_positions=all").memory()
+    assert unfused["activations"] == trunk + tokens * 32000 * 10
 
 
 
@@ -105,11 +110,17 @@ def test_dry_run_with_the_weights_but_without_the_data(tiny_recipe, tmp_path, ca
 
 def test_peak_memory_counts_both_answers_of_a_preference_pair(meta_costs):
     """A DPO batch of B pairs runs 2B sequences through the model (chosen, then rejected): the activation term
-    doubles against the same recipe's SFT batch, the other terms stay."""
-    sft = meta_costs(RECIPE).memory()
-    report = meta_costs(RECIPE, "data.format=preference", "train.objective=dpo", "data.fields={}")
+    doubles against the same recipe's SFT batch (with the full logits; fused, the head's chunk does not grow), the
+    other terms stay."""
+    sft = meta_costs(RECIPE, "train.loss_positions=all").memory()
+    report = meta_costs(RECIPE, "data.format=preference", "train.objective=dpo", "data.fields={}",
+                        "train.loss_positions=all")
     dpo = report.memory()
     assert dpo["activations"] == 2 * sft["activations"]
+    fused_sft, fused_dpo = meta_costs(RECIPE).memory(), meta_costs(
+        RECIPE, "data.format=preference", "train.objective=dpo", "data.fields={}").memory()
+    chunk = 262 * 32000 * 10  # one chunk of the fused head's logits, the same for both
+    assert fused_dpo["activations"] - chunk == 2 * (fused_sft["activations"] - chunk)
     assert "b=32 (2 x batch_size: a preference batch holds each pair's chosen and rejected answer)" in \
         "\n".join(report.lines())
     assert {k: v for k, v in dpo.items() if k != "activations"} == {k: v for k, v in sft.items() if k != "activations"}
