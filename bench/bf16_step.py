@@ -103,6 +103,7 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
     from fedllm.strategies.base import Phase
 
     supervised_loss.FUSE_HEAD_LOSS = not variant.endswith("-unfused")
+    supervised_loss.FUSE_FROM_BYTES = 0  # the fused variants fuse every batch (fedllm fuses only past one chunk)
     client.SKIP_LORA_INPUT_CASTS = variant != "bf16-peft-casts"
     client.EAGER_ATTENTION_MAX_LENGTH = 0 if variant == "bf16-flash" else EAGER_MAX_LENGTH
     cfg = copy.copy(recipe.train)

@@ -13,8 +13,8 @@ path. Both paths are in :data:`LOSS_PATHS`.
 
 Where the head is a plain frozen bias-free linear layer (or the tied embedding) without soft-capping
 (:data:`FUSED_HEADS`), :func:`token_losses` runs head and cross-entropy fused and chunked
-(:mod:`fedllm.models.fused_head_loss`), never holding the ``N x V`` logits; elsewhere the head of
-:data:`LOGIT_HEADS` and ``F.cross_entropy``.
+(:mod:`fedllm.models.fused_head_loss`), never holding the ``N x V`` logits, for a batch whose logits would take more
+than one chunk (:data:`FUSE_FROM_BYTES`); elsewhere the head of :data:`LOGIT_HEADS` and ``F.cross_entropy``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fedllm.data.tokens import IGNORE_INDEX
-from fedllm.models.fused_head_loss import compute_dtype, fused_head_cross_entropy
+from fedllm.models.fused_head_loss import CHUNK_BYTES, compute_dtype, fused_head_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,13 @@ FUSED_HEADS: dict[str, Callable[[Any], torch.Tensor | None]] = {t: _frozen_linea
 
 #: Whether :func:`token_losses` fuses the heads of :data:`FUSED_HEADS` (False: always the unfused path; bench A/B).
 FUSE_HEAD_LOSS = True
+
+#: :func:`token_losses` fuses only a batch whose ``N x V`` fp32 logits would take more than this many bytes: more than
+#: one chunk (:data:`fedllm.models.fused_head_loss.CHUNK_BYTES`), where fusing saves memory and time
+#: (docs/performance.md: neutral at the quickstart's ~84 positions, faster from a few hundred). Smaller batches keep
+#: the unfused path's exact numerics (the fused bf16 gradient is rounded once more), so runs of such shapes give
+#: what they gave before the fused path existed (README's quickstart output). 0: fuse every batch (tests, bench).
+FUSE_FROM_BYTES = CHUNK_BYTES
 
 
 def fused_head_weight(base: Any) -> torch.Tensor | None:
@@ -117,7 +124,8 @@ def token_losses(model: Any, hidden: torch.Tensor, targets: torch.Tensor, widen:
     """
     base = base_of(model)
     weight = fused_head_weight(base)
-    if weight is not None and weight.device == hidden.device:  # (else accelerate's hooks place the head: unfused)
+    if weight is not None and weight.device == hidden.device and \
+            hidden.shape[0] * weight.shape[0] * 4 > FUSE_FROM_BYTES:  # (else accelerate's hooks place the head)
         dtype = _loss_dtype(compute_dtype(hidden, weight), widen)
         return fused_head_cross_entropy(hidden, weight, targets, loss_dtype=dtype)
     logits = LOGIT_HEADS[base.config.model_type](base, hidden)

@@ -29,6 +29,12 @@ N, H, V = 37, 64, 1000
 BF16_EPS = 2.0**-8  # bf16's unit roundoff (8 significant bits)
 
 
+@pytest.fixture(autouse=True)
+def fuse_every_batch(monkeypatch):
+    """These tests exercise the fused path on tiny batches, which fedllm leaves unfused (one chunk or less)."""
+    monkeypatch.setattr(supervised_loss, "FUSE_FROM_BYTES", 0)
+
+
 def _inputs(dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     weight = (torch.randn(V, H, generator=gen) * 0.3).to(dtype)
@@ -306,3 +312,29 @@ def test_a_client_round_trains_the_same_adapter_fused_and_unfused(tiny_recipe, m
     assert all(_rel(adapters[True][k], adapters[False][k]) <= 1e-5 for k in keys)
     assert all(_rel(adapters[True][k] - start[k], adapters[False][k] - start[k]) <= 1e-5 for k in keys)
     assert any(not torch.equal(adapters[True][k], start[k]) for k in keys)
+
+
+def test_a_batch_within_one_chunk_keeps_the_unfused_path_bit_for_bit(monkeypatch):
+    """fedllm fuses only a batch whose fp32 logits exceed one chunk (``FUSE_FROM_BYTES``): smaller ones (the
+    quickstart's ~84 positions) compute exactly what they did before the fused path existed, bf16 included."""
+    monkeypatch.undo()  # fedllm's threshold, not the module's fuse-everything fixture
+    model = load_model(ModelConfig(name="tiny-llama", dtype="bf16"), LoraConfig(r=4)).model
+    weight = fused_head_weight(supervised_loss.base_of(model))
+    assert weight is not None
+    vocab = weight.shape[0]
+    calls = []
+    real = FusedHeadCrossEntropy.apply
+    monkeypatch.setattr(FusedHeadCrossEntropy, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    gen = torch.Generator().manual_seed(0)
+    within = supervised_loss.FUSE_FROM_BYTES // (4 * vocab)  # the most rows one chunk's fp32 logits hold
+    for rows, fused in ((within, False), (within + 1, True)):
+        hidden = torch.randn(rows, weight.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
+        targets = torch.randint(0, vocab, (rows,), generator=gen)
+        losses = token_losses(model, hidden, targets)
+        losses.sum().backward()
+        if not fused:
+            h = hidden.detach().clone().requires_grad_()
+            plain = F.cross_entropy(F.linear(h, weight).float(), targets, reduction="none")
+            plain.sum().backward()
+            assert torch.equal(losses.detach(), plain.detach()) and torch.equal(hidden.grad, h.grad)
+        assert (calls[-1:] == [rows]) == fused
