@@ -202,6 +202,22 @@ def crash_at_round(monkeypatch):
     return arm
 
 
+def cut_and_resume(recipe, crash_at_round, rnd: int = 2):
+    """Run ``recipe`` with a power cut in round ``rnd`` (its last checkpoint must then be round ``rnd - 1``), then
+    resume it; the resumed run's result."""
+    from pathlib import Path
+
+    from fedllm.engine.server import run
+    from fedllm.runs import checkpoint as ckpt_io
+
+    crash_at_round(rnd)
+    with pytest.raises(RuntimeError, match="power cut"):
+        run(recipe)
+    assert ckpt_io.latest_checkpoint(Path(recipe.output_dir)).name == f"round-{rnd - 1:04d}"
+    crash_at_round(None)
+    return run(recipe, resume=True)
+
+
 def crashing_round(original, rnd: int):
     """``RoundLoop.run_round`` that raises ``RuntimeError('power cut')`` in round ``rnd`` (``original`` otherwise)."""
 
@@ -267,10 +283,8 @@ def release_freed_memory() -> None:
     file. Measured: 1,605 MB -> 616 MB after ``tests/reliability/test_offline_presets.py``."""
     import ctypes
 
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to hand back
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 @pytest.hookimpl(hookwrapper=True)

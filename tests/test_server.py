@@ -10,6 +10,7 @@ from fedllm.commands.cli import main
 from fedllm.engine.server import round_lr, run, sample_clients
 from fedllm.recipe.checks import parse_recipe
 from fedllm.runs import checkpoint as ckpt_io
+from tests.conftest import cut_and_resume
 
 
 def test_one_round_changes_the_weights_and_writes_the_run_dir(tiny_recipe):
@@ -61,12 +62,7 @@ def test_resume_is_bit_exact(tiny_recipe, tmp_path, crash_at_round):
                                         checkpoint={"every": 1})))
     recipe = parse_recipe(tiny_recipe(output_dir=str(tmp_path / "cut"), federation={"rounds": 3},
                                       checkpoint={"every": 1}))
-    crash_at_round(2)
-    with pytest.raises(RuntimeError, match="power cut"):
-        run(recipe)
-    assert ckpt_io.latest_checkpoint(tmp_path / "cut").name == "round-0001"
-    crash_at_round(None)
-    resumed = run(recipe, resume=True)
+    resumed = cut_and_resume(recipe, crash_at_round)
     a, b = _final_state(full.run_dir), _final_state(resumed.run_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]

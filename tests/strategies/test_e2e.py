@@ -10,9 +10,9 @@ from strategy_helpers import effective_weights, make_raw, record_updates, tiny
 from fedllm.engine.server import run
 from fedllm.models.lowrank import numerical_rank
 from fedllm.recipe.checks import parse_recipe
-from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies.fedloru import FedLoRU
 from fedllm.strategies.mfedloru import MFedLoRU
+from tests.conftest import cut_and_resume
 
 CASES = {
     "frlora": ("frlora", {}, {"train": {"optimizer_state": "per_client"}}),
@@ -82,12 +82,7 @@ def test_resume_is_bit_exact(case, data_files, tmp_path_factory, tmp_path, crash
     full = full_run(case, data_files, tmp_path_factory)
     strategy, args, sections = CASES[case]
     recipe = parse_recipe(make_raw(data_files, tmp_path / "cut", strategy, args, checkpoint={"every": 1}, **sections))
-    crash_at_round(2)
-    with pytest.raises(RuntimeError, match="power cut"):
-        run(recipe)
-    assert ckpt_io.latest_checkpoint(tmp_path / "cut").name == "round-0001"
-    crash_at_round(None)
-    resumed = run(recipe, resume=True)
+    resumed = cut_and_resume(recipe, crash_at_round)
     a, b = checkpoint_tensors(full.run_dir), checkpoint_tensors(resumed.run_dir)
     assert a.keys() == b.keys() and "adapter" in a
     for part in a:

@@ -15,8 +15,8 @@ from strategy_helpers import make_raw
 from fedllm.commands.dry_run import dry_run
 from fedllm.engine.server import run
 from fedllm.recipe.checks import parse_recipe
-from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies.fedex_lora import FedExLoRA
+from tests.conftest import cut_and_resume
 from tests.strategies.test_download_compression_2025 import record
 from tests.test_flower_apps import parts
 from tests.training.test_download_compression import nf4_bytes, nf4_round_trip
@@ -121,12 +121,7 @@ def test_fedex_lora_compression_nf4_download_resume_is_bit_exact(data_files, tmp
     raw = make_raw(data_files, tmp_path / "full", "fedex_lora", checkpoint={"every": 1}, federation=NF4)
     full = run(parse_recipe(raw))
     recipe = parse_recipe({**raw, "output_dir": str(tmp_path / "cut")})
-    crash_at_round(2)
-    with pytest.raises(RuntimeError, match="power cut"):
-        run(recipe)
-    assert ckpt_io.latest_checkpoint(tmp_path / "cut").name == "round-0001"
-    crash_at_round(None)
-    resumed = run(recipe, resume=True)
+    resumed = cut_and_resume(recipe, crash_at_round)
     a, b = parts(full.run_dir), parts(resumed.run_dir)
     assert a.keys() == b.keys() and {"adapter", "base"} <= a.keys()
     for part in a:
