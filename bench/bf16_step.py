@@ -17,7 +17,10 @@ train_client`), which counts its tokens, FLOPs (:mod:`fedllm.models.flops`) and 
 - ``bf16-factors``: as ``bf16`` with the LoRA factors (hence their gradients and AdamW moments) in bf16 too;
 - ``fp32-unfused``, ``bf16-unfused``: as ``fp32`` and ``bf16`` with the LM head and its cross-entropy unfused
   (``F.cross_entropy`` on the head's ``N x V`` logits; :data:`fedllm.models.supervised_loss.FUSE_HEAD_LOSS` off),
-  against fedllm's chunked fused head + loss (:mod:`fedllm.models.fused_head_loss`).
+  against fedllm's chunked fused head + loss (:mod:`fedllm.models.fused_head_loss`);
+- ``bf16-compiled``: as ``bf16`` under ``train.compile: true`` (:mod:`fedllm.engine.compiled`: the decoder layers
+  compiled by inductor, on a CPU one graph for every width, unpadded batches). Its first step compiles (or loads
+  inductor's on-disk cache) before the warm-up step ends, so the timed steps are the compiled ones.
 
 The variants run interleaved (trial after trial, each variant ``--steps`` steps after one warm-up step), so the
 machine's load moves them alike; each figure is the best trial's. Peaks: fedllm's probe of the model's matmul
@@ -52,7 +55,7 @@ import torch
 
 EAGER_MAX_LENGTH = 256  # fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH as shipped
 VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors", "fp32-unfused",
-            "bf16-unfused")
+            "bf16-unfused", "bf16-compiled")
 
 
 def build(threads: int):
@@ -84,7 +87,7 @@ def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     variant = variant.removesuffix("-unfused")
     if variant in ("fp32", "bf16-autocast"):
         return model
-    if variant in ("bf16-peft-casts", "bf16-flash"):
+    if variant in ("bf16-peft-casts", "bf16-flash", "bf16-compiled"):
         variant = "bf16"
     m = copy.deepcopy(model).to(torch.bfloat16)
     if variant == "bf16":
@@ -108,6 +111,7 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
     client.EAGER_ATTENTION_MAX_LENGTH = 0 if variant == "bf16-flash" else EAGER_MAX_LENGTH
     cfg = copy.copy(recipe.train)
     cfg.dtype = "fp32" if variant.startswith("fp32") else "bf16"
+    cfg.compile = variant == "bf16-compiled"
     strategy = fed.strategy
     plan = strategy.configure_client(1, 0, state)
     plan.lr = cfg.lr

@@ -264,7 +264,7 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
 
     from fedllm.commands.cost_report import client_bytes, cost_report
     from fedllm.data.collate import collate
-    from fedllm.engine.client import head_at_every_position, micro_batch, packed_row_length, run_client
+    from fedllm.engine.client import head_at_every_position, micro_batch, packed_row_length, resolved, run_client
     from fedllm.engine.server import sample_clients
     from fedllm.engine.throughput import Throughput, describe
     from fedllm.models.flops import TrainedWork
@@ -300,11 +300,12 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
     counted: list[TrainedWork] = []  # one per micro-batch, in order
     head_everywhere = head_at_every_position(fed.loaded.model, recipe.train)
     row_length = packed_row_length(fed.loaded.model, recipe.train)
+    as_trained = resolved(recipe.train, next(fed.loaded.model.parameters()).device)
 
     def coll(items: list[dict]) -> dict:
         batch = plain(items)
         counted.append(TrainedWork())
-        trained, tokens = micro_batch(lambda _: batch, items, recipe.train, row_length)  # as the client trains it
+        trained, tokens = micro_batch(lambda _: batch, items, as_trained, row_length)  # as the client trains it
         counted[-1].add_batch(trained, head_everywhere, tokens)
         return batch
 

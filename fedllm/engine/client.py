@@ -23,7 +23,7 @@ import torch
 from fedllm.data.collate import is_pair_batch
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
 from fedllm.data.packing import PACKING_MODEL_TYPES, pack_batch
-from fedllm.engine.compiled import compiled_training, padded_to_multiple
+from fedllm.engine.compiled import compiled_training, pad_multiple, padded_to_multiple
 from fedllm.engine.compressed_rounds import compress_upload
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
 from fedllm.models.flops import TrainedWork
@@ -139,13 +139,16 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str], sta
 
 
 def resolved(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """``cfg`` with ``dtype: auto`` resolved for ``device`` (a run resolves it at start; a caller of the client
-    functions with a fresh :class:`TrainConfig` may not have)."""
-    if cfg.dtype != "auto":
-        return cfg
-    from fedllm.models.hardware import auto_dtype
+    """``cfg`` with what depends on ``device`` resolved: ``dtype: auto`` and ``pad_to_multiple_of: null`` (a run
+    resolves the dtype at start; a caller of the client functions with a fresh :class:`TrainConfig` may not have)."""
+    changes: dict[str, object] = {}
+    if cfg.dtype == "auto":
+        from fedllm.models.hardware import auto_dtype
 
-    return dataclasses.replace(cfg, dtype=auto_dtype(device)[0])
+        changes["dtype"] = auto_dtype(device)[0]
+    if cfg.pad_to_multiple_of is None:
+        changes["pad_to_multiple_of"] = pad_multiple(cfg, device.type)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def train_autocast(device: torch.device, dtype: str):

@@ -50,12 +50,20 @@ VARIANTS_PER_WIDTH = 8
 PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}
 
 
-def pad_multiple(cfg: TrainConfig) -> int:
-    """The width multiple a micro-batch is padded to: ``train.pad_to_multiple_of``, default 64 under
-    ``train.compile`` and 1 (no padding: today's batches, bit for bit) otherwise."""
+def one_graph_for_all_widths(cfg: TrainConfig, device_type: str) -> bool:
+    """Whether the compiled layers take every micro-batch width in one graph (``dynamic=True``): on a CPU, where
+    one compilation serves the whole run and unpadded batches keep their FLOPs (docs/performance.md). A GPU keeps a
+    graph per width (``dynamic=False``, as timed there; CUDA graphs need fixed shapes)."""
+    return bool(cfg.compile) and device_type != "cuda"
+
+
+def pad_multiple(cfg: TrainConfig, device_type: str) -> int:
+    """The width multiple a micro-batch is padded to on ``device_type``: ``train.pad_to_multiple_of``; by default
+    64 under ``train.compile`` on a GPU (a graph per width), 1 elsewhere (no padding: today's batches, bit for
+    bit)."""
     if cfg.pad_to_multiple_of is not None:
         return cfg.pad_to_multiple_of
-    return DEFAULT_MULTIPLE if cfg.compile else 1
+    return DEFAULT_MULTIPLE if cfg.compile and not one_graph_for_all_widths(cfg, device_type) else 1
 
 
 def padded_width(width: int, multiple: int, max_length: int) -> int:
@@ -64,10 +72,11 @@ def padded_width(width: int, multiple: int, max_length: int) -> int:
 
 
 def padded_to_multiple(batch: dict[str, torch.Tensor], cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """``batch`` with its per-position tensors right-padded to :func:`padded_width` (the same dict when no padding
-    is due). Rows are right-padded as collate pads them: masked, never attended to, never in the loss."""
+    """``batch`` with its per-position tensors right-padded to :func:`padded_width` of ``cfg.pad_to_multiple_of``
+    (resolved for the device: :func:`fedllm.engine.client.resolved`; the same dict when no padding is due). Rows
+    are right-padded as collate pads them: masked, never attended to, never in the loss."""
     width = batch["input_ids"].shape[-1]
-    target = padded_width(width, pad_multiple(cfg), cfg.max_length)
+    target = padded_width(width, cfg.pad_to_multiple_of or 1, cfg.max_length)
     if target == width:
         return batch
     out = dict(batch)
@@ -77,10 +86,12 @@ def padded_to_multiple(batch: dict[str, torch.Tensor], cfg: TrainConfig) -> dict
     return out
 
 
-def widths(cfg: TrainConfig) -> int:
-    """How many micro-batch widths a run can train on (each compiles once): multiples up to ``max_length``, and
-    ``max_length`` itself."""
-    return math.ceil(cfg.max_length / pad_multiple(cfg)) + 1
+def widths(cfg: TrainConfig, device_type: str) -> int:
+    """How many micro-batch widths a run compiles a graph for: one on a CPU (:func:`one_graph_for_all_widths`),
+    else the multiples up to ``max_length`` and ``max_length`` itself."""
+    if one_graph_for_all_widths(cfg, device_type):
+        return 1
+    return math.ceil(cfg.max_length / pad_multiple(cfg, device_type)) + 1
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -100,14 +111,14 @@ the layer carries the reference to the original, so it compiles its own)."""
 
 
 def _compile_in_place(layer: torch.nn.Module, key: tuple) -> bool:
-    """Set ``layer``'s compiled call for ``key`` (``(train.compile, backend)``): the one compiled before for this
-    same layer object, or a new one. True when new."""
+    """Set ``layer``'s compiled call for ``key`` (``(train.compile, backend, dynamic)``): the one compiled before for
+    this same layer object, or a new one. True when new."""
     kept = layer.__dict__.get(KEPT)
     if kept is not None and kept[0] == key and kept[1]() is layer:
         layer._compiled_call_impl = kept[2]
         return False
     mode = MODES[key[0]]
-    layer.compile(dynamic=False, backend=key[1], **({"mode": mode} if key[1] == "inductor" else {}))
+    layer.compile(dynamic=key[2], backend=key[1], **({"mode": mode} if key[1] == "inductor" else {}))
     layer.__dict__[KEPT] = (key, weakref.ref(layer), layer._compiled_call_impl)
     return True
 
@@ -135,22 +146,27 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
     device = next(model.parameters()).device
     if cfg.compile == "cudagraphs" and not on_gpu(device):
         raise ValueError(f"train.compile: cudagraphs needs the model on a GPU (it is on {device}); use true or false")
-    key = (cfg.compile, BACKEND)
+    dynamic = one_graph_for_all_widths(cfg, device.type)
+    key = (cfg.compile, BACKEND, dynamic)
     before = [layer._compiled_call_impl for layer in layers]  # None, unless a caller compiled them itself
     import torch._dynamo
 
     # a graph per width and per variant of the layer (the first layer's input needs no gradient, the others' do;
     # Gemma 3's sliding and global layers differ): past dynamo's default limit of 8 a layer would run eagerly
     config = torch._dynamo.config
-    limits = {"recompile_limit": max(config.recompile_limit, VARIANTS_PER_WIDTH * widths(cfg)),
-              "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 2 * VARIANTS_PER_WIDTH * widths(cfg))}
+    graphs = VARIANTS_PER_WIDTH * widths(cfg, device.type)
+    limits = {"recompile_limit": max(config.recompile_limit, graphs),
+              "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 2 * graphs)}
     hook = None
     try:
         new = sum(_compile_in_place(layer, key) for layer in layers)
         if new:
-            log.info("train.compile: %s: %d %s layers compiled (%s backend%s, dynamic=False); micro-batches padded "
-                     "to multiples of %d: at most %d widths", cfg.compile, new, type(layers[0]).__name__, BACKEND,
-                     f", mode {MODES[cfg.compile]}" if MODES[cfg.compile] else "", pad_multiple(cfg), widths(cfg))
+            shapes = ("one graph for every width" if dynamic else
+                      f"micro-batches padded to multiples of {pad_multiple(cfg, device.type)}: at most "
+                      f"{widths(cfg, device.type)} widths")
+            log.info("train.compile: %s: %d %s layers compiled (%s backend%s, dynamic=%s); %s", cfg.compile, new,
+                     type(layers[0]).__name__, BACKEND, f", mode {MODES[cfg.compile]}" if MODES[cfg.compile] else "",
+                     dynamic, shapes)
         if cfg.compile == "cudagraphs":  # on the (eager) module that runs the layers: outside every compiled graph
             hook = stack_owner(model, layers[0]).register_forward_pre_hook(
                 lambda *_: torch.compiler.cudagraph_mark_step_begin())
@@ -173,7 +189,9 @@ def stack_owner(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Modu
     raise ValueError(f"no module holds {type(layer).__name__} in a ModuleList")
 
 
-def compile_choice(cfg: TrainConfig) -> dict[str, object]:
-    """What ``train.compile`` ran with, for ``summary.json``."""
+def compile_choice(cfg: TrainConfig, device_type: str) -> dict[str, object]:
+    """What ``train.compile`` ran with on ``device_type``, for ``summary.json``."""
     return {"compile": cfg.compile, "backend": BACKEND if cfg.compile else None,
-            "mode": MODES.get(cfg.compile) if cfg.compile else None, "pad_to_multiple_of": pad_multiple(cfg)}
+            "mode": MODES.get(cfg.compile) if cfg.compile else None,
+            "dynamic": one_graph_for_all_widths(cfg, device_type) if cfg.compile else None,
+            "pad_to_multiple_of": pad_multiple(cfg, device_type)}

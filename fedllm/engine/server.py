@@ -621,7 +621,7 @@ class RoundLoop:
             "seconds": round(sum(h.get("seconds", 0) for h in rounds), 3),
             "threads": threads.in_effect(),
             "dtype": self.fed.dtypes or {"train": self.recipe.train.dtype, "model": self.recipe.model.dtype},
-            "compile": compile_choice(self.recipe.train),  # train.compile, its backend and micro-batch width multiple
+            "compile": compile_choice(self.recipe.train, next(self.model.parameters()).device.type),  # as run
             "throughput": self.throughput.run_summary(rounds),
             "startup_seconds": self.startup.get("seconds"), "startup": self.startup,
             "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},

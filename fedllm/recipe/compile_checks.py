@@ -11,8 +11,9 @@ Refused, with the reason:
 * ``cudagraphs`` with ``train.grad_accum > 1``: the parameter gradients of one micro-batch's replay may be the
   graph's own output memory, which the next micro-batch's replay reuses before the optimizer step reads them; not
   checked on a GPU, so refused;
-* ``train.compile`` with ``train.packing``: packed rows take any width up to their capacity (each width a compiled
-  graph of its own, ``dynamic=False``), and the padding that bounds the widths is what packing removes;
+* ``train.compile`` with ``train.packing`` on a GPU (``model.device_map`` other than null or cpu): packed rows take
+  any width up to their capacity (on a GPU each width a compiled graph of its own, ``dynamic=False``), and the
+  padding that bounds the widths is what packing removes; on a CPU one graph takes every width;
 * ``train.compile`` with ``train.clients_per_pass > 1``: the batched pass (:mod:`fedllm.engine.batched_clients`)
   trains outside the client loop that compiles the layers, so the key would do nothing;
 * ``train.compile`` with ``privacy.mechanism: dp_sgd``: opacus computes per-example gradients with forward and
@@ -51,9 +52,10 @@ def compile_problems(r: Recipe) -> list[tuple[str, Any, str]]:
                     "next micro-batch's replay reuses; not checked on a GPU)")
         p.append(("train.compile", given, expected))
     reasons = []
-    if tr.packing:
-        reasons.append("with train.packing (packed rows take every width, each a graph of its own; the padding that "
-                       "bounds the widths is what packing removes)")
+    if tr.packing and device_map != "cpu":
+        reasons.append(f"with train.packing and model.device_map: {r.model.device_map} (packed rows take every width, "
+                       "on a GPU each a graph of its own; the padding that bounds the widths is what packing removes; "
+                       "on a CPU, model.device_map: null, one graph takes every width)")
     if tr.clients_per_pass > 1:
         reasons.append(f"with train.clients_per_pass: {tr.clients_per_pass} (the batched pass trains outside the "
                        "client loop that compiles the layers)")

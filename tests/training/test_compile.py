@@ -1,4 +1,5 @@
-"""train.compile (fedllm.engine.compiled): the decoder layers compiled while a client trains, on few widths.
+"""train.compile (fedllm.engine.compiled): the decoder layers compiled while a client trains; one graph for every
+micro-batch width on a CPU, a graph per padded width on a GPU.
 
 Inductor takes minutes on this CPU, so the wiring runs under dynamo's ``eager`` backend (tracing, guards and graphs,
 no code generation): a compiled run equals the eager run bit for bit in fp32 and keeps every key; the layers are
@@ -46,10 +47,20 @@ def tiny():
 def test_widths_round_up_to_the_multiple_and_stop_at_max_length():
     assert [compiled.padded_width(w, 64, 512) for w in (5, 64, 65, 500, 512)] == [64, 64, 128, 512, 512]
     assert [compiled.padded_width(w, 64, 96) for w in (5, 70, 96, 100)] == [64, 96, 96, 100]  # never past max_length
-    assert compiled.pad_multiple(TrainConfig()) == 1
-    assert compiled.pad_multiple(TrainConfig(compile=True)) == 64
-    assert compiled.pad_multiple(TrainConfig(compile=True, pad_to_multiple_of=8)) == 8
-    assert compiled.widths(TrainConfig(compile=True, max_length=512)) == 9  # 64, 128, ..., 512 and 512 itself
+    for device in ("cpu", "cuda"):
+        assert compiled.pad_multiple(TrainConfig(), device) == 1
+        assert compiled.pad_multiple(TrainConfig(compile=True, pad_to_multiple_of=8), device) == 8
+    assert compiled.pad_multiple(TrainConfig(compile=True), "cuda") == 64  # a graph per width: few widths
+    assert compiled.pad_multiple(TrainConfig(compile="cudagraphs"), "cuda") == 64
+    assert compiled.pad_multiple(TrainConfig(compile=True), "cpu") == 1  # one graph for every width: no padding
+    assert compiled.widths(TrainConfig(compile=True, max_length=512), "cuda") == 9  # 64, ..., 512 and 512 itself
+    assert compiled.widths(TrainConfig(compile=True, max_length=512), "cpu") == 1
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    from fedllm.engine.client import resolved
+
+    assert resolved(TrainConfig(compile=True, dtype="fp32"), cpu).pad_to_multiple_of == 1
+    assert resolved(TrainConfig(compile=True, dtype="fp32"), gpu).pad_to_multiple_of == 64
+    assert resolved(TrainConfig(compile=True, dtype="fp32", pad_to_multiple_of=8), cpu).pad_to_multiple_of == 8
 
 
 def test_padding_to_a_multiple_leaves_loss_and_gradients_unchanged(tiny):
@@ -59,8 +70,9 @@ def test_padding_to_a_multiple_leaves_loss_and_gradients_unchanged(tiny):
         ids = torch.randint(3, 100, (n,), generator=gen).tolist()
         examples.append({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
     batch = collate(examples, pad_id=0)
-    assert compiled.padded_to_multiple(batch, TrainConfig()) is batch  # compile off: today's batch, untouched
-    padded = compiled.padded_to_multiple(batch, TrainConfig(compile=True, max_length=96))
+    assert compiled.padded_to_multiple(batch, TrainConfig()) is batch  # no multiple: today's batch, untouched
+    assert compiled.padded_to_multiple(batch, TrainConfig(pad_to_multiple_of=1)) is batch
+    padded = compiled.padded_to_multiple(batch, TrainConfig(compile=True, max_length=96, pad_to_multiple_of=64))
     assert padded["input_ids"].shape == (3, 64) and batch["input_ids"].shape == (3, 30)
     assert padded["attention_mask"][:, 30:].eq(0).all() and padded["labels"][:, 30:].eq(IGNORE_INDEX).all()
     assert all(torch.equal(padded[k][:, :30], batch[k]) for k in batch)
@@ -80,14 +92,17 @@ def test_layers_are_compiled_only_inside_training_and_reused(tiny, eager_backend
     layers = compiled.repeated_blocks(tiny)
     assert [type(x).__name__ for x in layers] == ["LlamaDecoderLayer"] * 2
     keys = list(tiny.state_dict())
-    ids = torch.randint(3, 100, (2, 64), generator=torch.Generator().manual_seed(0))
-    cfg = TrainConfig(compile=True)
+    ids = torch.randint(3, 100, (2, 48), generator=torch.Generator().manual_seed(0))  # not the hidden size (64): dynamo
+    cfg = TrainConfig(compile=True)  # would specialize a width equal to a fixed size of the same tensor
     with compiled.compiled_training(tiny, cfg):
         assert all(x._compiled_call_impl is not None for x in layers)
         assert list(tiny.state_dict()) == keys  # in place: no _orig_mod. prefixes
         first = [x._compiled_call_impl for x in layers]
         tiny(input_ids=ids)
-    graphs = eager_backend["stats"]["unique_graphs"]
+        graphs = eager_backend["stats"]["unique_graphs"]
+        for width in (37, 90, 5):  # on a CPU one graph takes every width (dynamic=True): nothing recompiles
+            tiny(input_ids=ids.repeat(1, 2)[:, :width])
+        assert eager_backend["stats"]["unique_graphs"] == graphs
     assert graphs >= 1
     assert all(x._compiled_call_impl is None for x in layers)  # evaluation, generation and export run eagerly
     tiny(input_ids=ids)
@@ -106,20 +121,38 @@ def test_a_compiled_run_equals_the_eager_run_bit_for_bit(tiny_recipe, ragged_fil
     from fedllm.recipe.checks import parse_recipe
 
     finals = {}
-    for name, train in (("eager", {"pad_to_multiple_of": 64}), ("compiled", {"compile": True})):
+    for name, train in (("eager", {}), ("compiled", {"compile": True})):  # on a CPU: the same unpadded batches
         recipe = parse_recipe(tiny_recipe(output_dir=str(tmp_path / name), data={"path": str(ragged_file)},
                                           train={"max_length": 96, **train}))
         out = run(recipe)
         finals[name] = {f.name: load_file(str(f)) for f in (out.run_dir / "final").glob("*.safetensors")}
         summary = json.loads((out.run_dir / "summary.json").read_text())
-        assert summary["compile"]["pad_to_multiple_of"] == 64
-    assert summary["compile"] == {"compile": True, "backend": "eager", "mode": None, "pad_to_multiple_of": 64}
+        assert summary["compile"]["pad_to_multiple_of"] == 1
+    assert summary["compile"] == {"compile": True, "backend": "eager", "mode": None, "dynamic": True,
+                                  "pad_to_multiple_of": 1}
     assert eager_backend["stats"]["unique_graphs"] >= 1  # the compiled run went through dynamo
     a, b = finals["eager"], finals["compiled"]
     assert a.keys() == b.keys() and "adapter.safetensors" in a
     for f in a:
         assert a[f].keys() == b[f].keys() and not any("_orig_mod" in k for k in b[f])
         assert all(torch.equal(a[f][k], b[f][k]) for k in a[f]), f
+
+
+def test_a_compiled_packed_run_equals_the_eager_packed_run_on_a_cpu(tiny_recipe, ragged_file, tmp_path,
+                                                                    eager_backend):
+    """train.packing with train.compile on a CPU: packed rows of every width through one graph, the same bits."""
+    from fedllm.engine.server import run
+    from fedllm.recipe.checks import parse_recipe
+
+    finals = {}
+    for name, train in (("eager", {}), ("compiled", {"compile": True})):
+        recipe = parse_recipe(tiny_recipe(output_dir=str(tmp_path / name), data={"path": str(ragged_file)},
+                                          train={"max_length": 96, "packing": True, **train}))
+        out = run(recipe)
+        finals[name] = load_file(str(out.run_dir / "final" / "adapter.safetensors"))
+    assert eager_backend["stats"]["unique_graphs"] >= 1
+    a, b = finals["eager"], finals["compiled"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_cudagraphs_marks_a_new_step_before_each_forward_pass(tiny, eager_backend, monkeypatch):
@@ -162,7 +195,8 @@ REFUSED = [
     ({"train": {"compile": "cudagraphs"}}, "train.compile", "model.device_map: null (CUDA graphs need"),
     ({"train": {"compile": "cudagraphs", "grad_accum": 2}, "model": {"name": "tiny-llama", "device_map": "cuda"}},
      "train.compile", "with train.grad_accum: 2"),
-    ({"train": {"compile": True, "packing": True}}, "train.compile", "false with train.packing"),
+    ({"train": {"compile": True, "packing": True}, "model": {"name": "tiny-llama", "device_map": "cuda"}},
+     "train.compile", "false with train.packing and model.device_map: cuda"),
     ({"train": {"compile": True, "clients_per_pass": 2}}, "train.compile", "false with train.clients_per_pass: 2"),
     ({"train": {"compile": True}, "privacy": {"mechanism": "dp_sgd", "noise_multiplier": 1.0}}, "train.compile",
      "false with privacy.mechanism: dp_sgd"),
