@@ -1,24 +1,29 @@
-"""``train.compile``: a client's training through compiled decoder layers, on micro-batches of few widths.
+"""``train.compile``: a client's training through compiled decoder layers.
 
 On a GPU fedllm's client step is host-bound: about 4,000 kernel launches per micro-batch, the GPU busy ~15 ms of
 136 (docs/gpu.md). ``torch.compile`` of each decoder layer (inductor) fuses them: one bf16 step 1.7–2.3× faster on
-an H100, 2.5–6× with CUDA graphs (``mode="reduce-overhead"``; ``bench/gpu_step.py``). On the CPU quickstart it does
-not pay (docs/performance.md). This module holds the three pieces a federated run needs:
+an H100, 2.5–6× with CUDA graphs (``mode="reduce-overhead"``; ``bench/gpu_step.py``). On a CPU it fuses the
+elementwise work around the matmuls: a quickstart-shaped bf16 step takes 1.2× less CPU (docs/performance.md).
+This module holds the pieces a federated run needs:
 
 - :func:`compiled_training`: a context that compiles every repeated block of the model (its decoder layers) in
-  place with ``nn.Module.compile(dynamic=False)`` while a client trains, and restores the eager call on exit, so
-  evaluation, generation and export never run a compiled graph. ``nn.Module.compile`` sets the module's
+  place with ``nn.Module.compile`` while a client trains, and restores the eager call on exit, so evaluation,
+  generation and export never run a compiled graph. ``nn.Module.compile`` sets the module's
   ``_compiled_call_impl`` and wraps nothing: parameter names, state dicts and saved adapters keep their keys (no
   ``_orig_mod.`` prefix). The compiled callable is kept with its layer and set again by the next client, so one
-  process compiles each width once, not once per client.
-- :func:`padded_to_multiple`: ``dynamic=False`` compiles one graph per micro-batch width; each batch's width is
-  padded up to a multiple of ``train.pad_to_multiple_of`` (64 under ``train.compile``), so a run sees at most
-  ``max_length / 64 + 1`` widths. The padding is right padding as collate's own (``attention_mask`` 0,
-  ``labels`` -100): no position attends to it and no loss reads it.
+  process compiles once per run, not once per client. On a CPU the head's cross-entropy chunk is compiled too
+  (:func:`fedllm.models.fused_head_loss.compiled_rows`) and every batch takes the fused head.
+- Widths: on a CPU one graph takes every micro-batch width (``dynamic=True``: compiled once, batches unpadded,
+  packed rows allowed). On a GPU ``dynamic=False`` compiles one graph per width, as timed there (CUDA graphs need
+  fixed shapes), and :func:`padded_to_multiple` right-pads each batch's width up to a multiple of
+  ``train.pad_to_multiple_of`` (64 by default), so a run sees at most ``max_length / 64 + 1`` widths. The padding is
+  right padding as collate's own (``attention_mask`` 0, ``labels`` -100): no position attends to it and no loss
+  reads it.
 - with ``cudagraphs``, :func:`torch.compiler.cudagraph_mark_step_begin` before each forward pass (a pre-hook on the
   decoder that runs the layers, outside every compiled graph): a replay overwrites the previous step's outputs, and
-  fedllm's client reads the logged loss (computed outside the layers) before the next micro-batch. One micro-batch per optimizer step only (``train.grad_accum: 1``):
-  a replay's parameter gradients may live in the graph's memory, which the next micro-batch's replay reuses.
+  fedllm's client reads the logged loss (computed outside the layers) before the next micro-batch. One micro-batch
+  per optimizer step only (``train.grad_accum: 1``): a replay's parameter gradients may live in the graph's
+  memory, which the next micro-batch's replay reuses.
 
 What cannot hold is refused at recipe load (:mod:`fedllm.recipe.compile_checks`).
 """
@@ -34,6 +39,7 @@ from collections.abc import Iterator
 import torch
 
 from fedllm.data.tokens import IGNORE_INDEX
+from fedllm.models.fused_head_loss import compiled_rows
 from fedllm.recipe.schema import TrainConfig
 
 log = logging.getLogger("fedllm")
@@ -170,8 +176,8 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
         if cfg.compile == "cudagraphs":  # on the (eager) module that runs the layers: outside every compiled graph
             hook = stack_owner(model, layers[0]).register_forward_pre_hook(
                 lambda *_: torch.compiler.cudagraph_mark_step_begin())
-        with config.patch(**limits):
-            yield
+        with config.patch(**limits), (compiled_rows(BACKEND) if dynamic else contextlib.nullcontext()):
+            yield  # on a CPU the head's cross-entropy chunk compiled too (fedllm.models.fused_head_loss)
     finally:
         if hook is not None:
             hook.remove()

@@ -22,6 +22,9 @@ result after (``tests/training/test_fused_head_loss.py`` bounds both in fp32 and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 #: Target size of one chunk's fp32 logits (bytes): the rows of a chunk are ``CHUNK_BYTES // (4 V)``.
@@ -42,6 +45,49 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+def rows_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, loss_dtype: torch.dtype,
+                       grad_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-row cross-entropy of a chunk's logits (``R x V``) against ``targets`` (``R x 1``) in ``loss_dtype``, and
+    (``grad_dtype`` not None) its gradient with respect to the logits, ``softmax − onehot(target)``, in
+    ``grad_dtype``: ``F.cross_entropy``'s own steps (``log_softmax`` upcasts first, as ``.float()``). A pure
+    function, so that :func:`compiled_rows` can compile it: the same operations eager and compiled."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=loss_dtype)
+    target_logp = logp.gather(1, targets)
+    if grad_dtype is None:
+        return -target_logp[:, 0], None
+    # the softmax written in the gradient's dtype, minus the one-hot of the target
+    probs = logp.exp().to(grad_dtype).scatter(1, targets, (target_logp.exp() - 1).to(grad_dtype))
+    return -target_logp[:, 0], probs
+
+
+#: What :class:`FusedHeadCrossEntropy` runs per chunk: :func:`rows_loss_and_grad`, or its compiled form inside
+#: :func:`compiled_rows`.
+_ROWS: list = [rows_loss_and_grad]
+_COMPILED: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def compiled_rows(backend: str = "inductor") -> Iterator[None]:
+    """Context: :class:`FusedHeadCrossEntropy` runs :func:`rows_loss_and_grad` compiled (``torch.compile``, one
+    graph for every row count): its log-softmax, exponent and one-hot in one pass over the logits instead of
+    four (``train.compile`` on a CPU, :mod:`fedllm.engine.compiled`). Compiled once per backend and process."""
+    if backend not in _COMPILED:
+        compiled = torch.compile(rows_loss_and_grad, dynamic=True, backend=backend)
+        # a chunk's targets as a tensor of their own: as a view of the batch's targets, dynamo would tie the row
+        # count to the batch's where they are equal (duck sizing), a second graph when they differ
+        _COMPILED[backend] = lambda logits, targets, *rest: compiled(logits, targets.clone(), *rest)
+    _ROWS.append(_COMPILED[backend])
+    try:
+        yield
+    finally:
+        _ROWS.pop()
+
+
+def rows_compiled() -> bool:
+    """Whether :func:`compiled_rows` is in effect."""
+    return len(_ROWS) > 1
+
+
 class FusedHeadCrossEntropy(torch.autograd.Function):
     """Per-row cross-entropy of ``hidden @ weight.T`` (``N`` values in ``loss_dtype``), chunked over the rows, with
     the gradient with respect to ``hidden`` computed in the forward pass (see the module docstring)."""
@@ -52,16 +98,12 @@ class FusedHeadCrossEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         losses = torch.empty(n, dtype=loss_dtype, device=hidden.device)
         grad = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if with_grad else None
+        chunk_rows_loss = _ROWS[-1]
         for start in range(0, n, rows):
             h, t = hidden[start:start + rows], targets[start:start + rows, None]
-            # cross_entropy's own steps (log_softmax's dtype upcasts first, as .float(); in the kernel on a GPU)
-            logp = torch.log_softmax(torch.mm(h, weight.t()), dim=-1, dtype=loss_dtype)
-            target_logp = logp.gather(1, t)
-            losses[start:start + rows] = -target_logp[:, 0]
-            if with_grad:  # softmax, written in the compute dtype by the exp itself (in place where it is the same)
-                probs = logp.exp_() if logp.dtype == hidden.dtype else torch.exp(logp, out=torch.empty_like(
-                    logp, dtype=hidden.dtype))
-                probs.scatter_(1, t, (target_logp.exp_() - 1).to(hidden.dtype))  # − onehot(target)
+            loss, probs = chunk_rows_loss(torch.mm(h, weight.t()), t, loss_dtype, hidden.dtype if with_grad else None)
+            losses[start:start + rows] = loss
+            if with_grad:
                 torch.mm(probs, weight, out=grad[start:start + rows])
         ctx.save_for_backward(grad)
         return losses

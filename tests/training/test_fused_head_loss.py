@@ -6,6 +6,7 @@ unfused bf16 path is), fedllm's unfused path (``FUSE_HEAD_LOSS = False``) on tin
 and one client's training with either path.
 """
 
+import contextlib
 from functools import partial
 
 import pytest
@@ -17,7 +18,8 @@ from fedllm.data.collate import collate
 from fedllm.engine.client import train_client
 from fedllm.engine.server import build_federation
 from fedllm.models import supervised_loss
-from fedllm.models.fused_head_loss import FusedHeadCrossEntropy, chunk_rows, fused_head_cross_entropy
+from fedllm.models.fused_head_loss import (FusedHeadCrossEntropy, chunk_rows, compiled_rows,
+                                          fused_head_cross_entropy, rows_compiled)
 from fedllm.models.loading import attach_lora, load_model
 from fedllm.models.preference_loss import sequence_logps
 from fedllm.models.supervised_loss import fused_head_weight, supervised_hidden, token_losses
@@ -338,3 +340,52 @@ def test_a_batch_within_one_chunk_keeps_the_unfused_path_bit_for_bit(monkeypatch
             plain.sum().backward()
             assert torch.equal(losses.detach(), plain.detach()) and torch.equal(hidden.grad, h.grad)
         assert (calls[-1:] == [rows]) == fused
+
+
+def test_under_compiled_rows_every_batch_fuses(monkeypatch):
+    """``train.compile`` on a CPU (``compiled_rows``): a batch within one chunk fuses too, and its loss and gradient
+    equal the unfused path's (fp32, 1e-6); outside, the same batch keeps the unfused path."""
+    monkeypatch.undo()  # fedllm's threshold
+    model = load_model(ModelConfig(name="tiny-llama", dtype="fp32"), LoraConfig(r=4)).model
+    weight = fused_head_weight(supervised_loss.base_of(model))
+    calls = []
+    real = FusedHeadCrossEntropy.apply
+    monkeypatch.setattr(FusedHeadCrossEntropy, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, weight.shape[1], generator=gen)
+    targets = torch.randint(0, weight.shape[0], (5,), generator=gen)
+    results = []
+    for compiled in (False, True):
+        h = hidden.clone().requires_grad_()
+        with compiled_rows("eager") if compiled else contextlib.nullcontext():
+            assert rows_compiled() == compiled
+            losses = token_losses(model, h, targets)
+        losses.sum().backward()
+        results.append((losses.detach(), h.grad))
+        assert calls == ([5] if compiled else [])
+    (a, ga), (b, gb) = results
+    assert torch.allclose(a, b, rtol=1e-6, atol=0) and _rel(gb, ga) <= 1e-6
+    assert not rows_compiled()
+
+
+def test_compiled_rows_equal_the_eager_chunk_in_one_graph(monkeypatch):
+    """The chunk as inductor compiles it (what a compiled CPU run executes): bf16 losses within 1e-6 and gradients
+    within one bf16 rounding of the eager chunk's, chunks of 37, 10 and 7 rows through one graph."""
+    from torch._dynamo.utils import counters
+
+    from fedllm.models import fused_head_loss
+
+    torch._dynamo.reset()  # compiled here, whatever ran before in this process
+    monkeypatch.setattr(fused_head_loss, "_COMPILED", {})
+
+    hidden, weight, targets, upstream = _inputs(torch.bfloat16, seed=3)
+    eager = _losses_and_grad(partial(fused_head_cross_entropy, chunk_bytes=10 * 4 * V), hidden, weight, targets,
+                             upstream)
+    counters.clear()
+    with compiled_rows("inductor"):
+        for chunk in (N, 10):  # 37 rows; then 10, 10, 10 and 7
+            loss, grad = _losses_and_grad(partial(fused_head_cross_entropy, chunk_bytes=chunk * 4 * V), hidden,
+                                          weight, targets, upstream)
+            assert float(((loss - eager[0]).abs() / eager[0].abs()).max()) <= 1e-6
+            assert float((grad.float() - eager[1].float()).abs().max()) <= BF16_EPS * float(eager[1].float().abs().max())
+    assert counters["stats"]["unique_graphs"] == 1
