@@ -38,12 +38,20 @@ from fedllm.strategies.base import ClientPlan, ClientUpdate, Strategy
 
 log = logging.getLogger("fedllm")
 
-#: ``train.optimizer`` -> the local optimizer. ``foreach=True``: one multi-tensor update per step instead of a Python
-#: loop over the parameters (torch's default on a GPU, not on a CPU), bit-identical to the loop on both
-#: (``tests/training/test_step_overhead.py``); 240 LoRA factors of a 30-layer model: 6.5 -> 4.2 ms per AdamW step
-#: on one CPU thread. ``fused=True`` is 7x faster still on a CPU but not bit-identical (2e-7), so not taken.
+def adamw_kernel(params: list, cfg: TrainConfig) -> dict[str, bool]:
+    """AdamW's implementation: ``foreach`` (one multi-tensor update per step instead of a Python loop over the
+    parameters; torch's default on a GPU, not on a CPU), bit-identical to the loop (``tests/training/
+    test_step_overhead.py``; 240 LoRA factors of a 30-layer model: 6.5 -> 4.2 ms per step on one CPU thread). Under
+    ``train.compile`` on a CPU, whose result differs from the eager run's by rounding anyway, ``fused`` (one kernel,
+    7x faster still on a CPU, 2e-7 from foreach)."""
+    on_cpu = all(p.device.type == "cpu" for p in params)
+    return {"fused": True} if cfg.compile and on_cpu else {"foreach": True}
+
+
+#: ``train.optimizer`` -> the local optimizer (SGD: ``foreach``, as AdamW's :func:`adamw_kernel`).
 OPTIMIZERS: dict[str, Callable[[list, TrainConfig, float], torch.optim.Optimizer]] = {
-    "adamw": lambda params, cfg, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, foreach=True),
+    "adamw": lambda params, cfg, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay,
+                                                       **adamw_kernel(params, cfg)),
     "sgd": lambda params, cfg, lr: torch.optim.SGD(params, lr=lr, momentum=cfg.momentum,
                                                    weight_decay=cfg.weight_decay, foreach=True),
 }
@@ -190,11 +198,12 @@ EAGER_PACKED_ROW_MAX_LENGTH = 512
 
 
 def training_attention_choice(current: str | None, device: torch.device, dtype: str, positions: int,
-                              packed: bool = False) -> str | None:
+                              packed: bool = False, compiled: bool = False) -> str | None:
     """The attention implementation a training micro-batch of ``positions`` per row takes instead of the model's
     SDPA, or None to keep it: flash-attention 2's variable-length kernel for a packed batch on a GPU in bf16/fp16
     where flash-attn is installed; eager on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH` positions
-    (a packed row: :data:`EAGER_PACKED_ROW_MAX_LENGTH`)."""
+    (a packed row: :data:`EAGER_PACKED_ROW_MAX_LENGTH`) — under ``train.compile`` (``compiled``) fedllm's grouped
+    eager attention (:mod:`fedllm.models.grouped_attention`), which the eager default leaves for its exact bits."""
     if current != "sdpa" or dtype not in ("bf16", "fp16"):
         return None
     if packed and device.type == "cuda":
@@ -202,7 +211,13 @@ def training_attention_choice(current: str | None, device: torch.device, dtype: 
 
         return "flash_attention_2" if is_flash_attn_2_available() else None
     limit = EAGER_PACKED_ROW_MAX_LENGTH if packed else EAGER_ATTENTION_MAX_LENGTH
-    return "eager" if device.type == "cpu" and positions <= limit else None
+    if device.type != "cpu" or positions > limit:
+        return None
+    if compiled:
+        from fedllm.models.grouped_attention import register
+
+        return register()
+    return "eager"
 
 
 @contextlib.contextmanager
@@ -216,7 +231,7 @@ def training_attention(model: torch.nn.Module, cfg: TrainConfig, positions: int 
     device = next(model.parameters()).device
     choice = None if config is None else training_attention_choice(
         getattr(config, "_attn_implementation", None), device, cfg.dtype,
-        cfg.max_length if positions is None else positions, packed)
+        cfg.max_length if positions is None else positions, packed, compiled=bool(cfg.compile))
     if choice is None:
         yield
         return

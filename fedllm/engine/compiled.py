@@ -160,7 +160,8 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
     # a graph per width and per variant of the layer (the first layer's input needs no gradient, the others' do;
     # Gemma 3's sliding and global layers differ): past dynamo's default limit of 8 a layer would run eagerly
     config = torch._dynamo.config
-    graphs = VARIANTS_PER_WIDTH * widths(cfg, device.type)
+    # (dynamic: one graph for every width, and room for one that dynamo specializes: 1, or equal to a fixed size)
+    graphs = VARIANTS_PER_WIDTH * (2 if dynamic else widths(cfg, device.type))
     limits = {"recompile_limit": max(config.recompile_limit, graphs),
               "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 2 * graphs)}
     hook = None

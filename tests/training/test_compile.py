@@ -118,11 +118,13 @@ def test_layers_are_compiled_only_inside_training_and_reused(tiny, eager_backend
 
 @pytest.fixture
 def fused_everywhere(monkeypatch):
-    """Every batch fuses its head's loss, as a compiled run on a CPU does (its chunk compiled too): the eager run
-    computes the same operations."""
+    """The eager run computes what a compiled run on a CPU does: every batch fuses its head's loss (the compiled
+    run's chunk compiled too) and AdamW is fused."""
+    from fedllm.engine import client
     from fedllm.models import supervised_loss
 
     monkeypatch.setattr(supervised_loss, "FUSE_FROM_BYTES", 0)
+    monkeypatch.setattr(client, "adamw_kernel", lambda params, cfg: {"fused": True})
 
 
 def test_a_compiled_run_equals_the_eager_run_bit_for_bit(tiny_recipe, ragged_file, tmp_path, eager_backend,

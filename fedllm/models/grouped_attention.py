@@ -1,0 +1,68 @@
+"""Grouped-query eager attention: each key/value head's whole query group in one matmul, no ``repeat_kv``.
+
+transformers' eager attention (``eager_attention_forward`` of LLaMA, Qwen2, Gemma, ...) first repeats every
+key/value head over the query heads that share it (``repeat_kv``: a copy forward, a sum over the copies backward)
+and then multiplies per query head: SmolLM2's 9 query heads on 3 key/value heads make 36 small ``S x 64`` products
+per batch of 4. Here the query heads of a group are stacked along the positions instead (``b x kv x (g·S) x d``),
+so each key/value head takes one ``g·S``-row matmul with its own keys and values, and no copy or sum is formed.
+The scores, mask, fp32 softmax, dropout and weighted sum are eager's, element for element (the same head order:
+query head ``h`` reads key/value head ``h // g``); the outputs equal eager's, and the key/value gradients, summed
+over the group inside one matmul rather than after it, agree to rounding (``tests/models/
+test_grouped_attention.py``).
+
+fedllm trains with it on a CPU in bf16/fp16 under ``train.compile`` (:func:`fedllm.engine.client.
+training_attention`): one compiled quickstart-shaped step took 1.5–3 % less CPU than with eager's
+(``bench/bf16_step.py``, docs/performance.md). Attention this function does not cover (Gemma 2's soft-capping,
+attention sinks, a module without key/value groups) runs the model's own eager function.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+#: The name fedllm registers with transformers' attention and mask interfaces (the mask is eager's).
+NAME = "fedllm_grouped_eager"
+
+
+def _model_eager(module: torch.nn.Module):
+    """The eager attention function of the model that defines ``module``."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def grouped_eager_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' attention-interface signature: ``query`` ``b x H x S x d``, ``key``/``value`` ``b x kv x S_k x
+    d`` (``H = g·kv``), an additive mask ``b x 1 x S x S_k`` (or one per head); returns ``(b x S x H x d output,
+    b x H x S x S_k weights)``."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or \
+            not hasattr(module, "num_key_value_groups"):
+        return _model_eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                    **kwargs)
+    if scaling is None:
+        scaling = module.head_dim**-0.5
+    batch, heads, length, dim = query.shape
+    kv_heads, groups = key.shape[1], module.num_key_value_groups
+    stacked = query.reshape(batch, kv_heads, groups * length, dim)
+    weights = (torch.matmul(stacked, key.transpose(2, 3)) * scaling).view(batch, kv_heads, groups, length, -1)
+    if attention_mask is not None:
+        mask = attention_mask[:, None] if attention_mask.shape[1] == 1 else attention_mask.view(
+            batch, kv_heads, groups, length, -1)
+        weights = weights + mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights.view(batch, kv_heads, groups * length, -1), value)
+    return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), weights.view(batch, heads, length, -1)
+
+
+def register() -> str:
+    """Register :func:`grouped_eager_attention` (with eager's mask) under :data:`NAME`; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NAME, grouped_eager_attention)
+    AttentionMaskInterface.register(NAME, eager_mask)
+    return NAME
