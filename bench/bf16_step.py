@@ -19,8 +19,11 @@ train_client`), which counts its tokens, FLOPs (:mod:`fedllm.models.flops`) and 
   (``F.cross_entropy`` on the head's ``N x V`` logits; :data:`fedllm.models.supervised_loss.FUSE_HEAD_LOSS` off),
   against fedllm's chunked fused head + loss (:mod:`fedllm.models.fused_head_loss`);
 - ``bf16-compiled``: as ``bf16`` under ``train.compile: true`` (:mod:`fedllm.engine.compiled`: the decoder layers
-  compiled by inductor, on a CPU one graph for every width, unpadded batches). Its first step compiles (or loads
-  inductor's on-disk cache) before the warm-up step ends, so the timed steps are the compiled ones.
+  compiled by inductor, on a CPU one graph for every width, unpadded batches, the head's loss chunk compiled,
+  grouped-query eager attention, fused AdamW). Its first step compiles (or loads inductor's on-disk cache) before
+  the warm-up step ends, so the timed steps are the compiled ones;
+- ``bf16-compiled-repeat-kv``, ``bf16-compiled-foreach``: as ``bf16-compiled`` with transformers' eager attention
+  (``repeat_kv``) instead of :mod:`fedllm.models.grouped_attention`, or with foreach AdamW instead of fused.
 
 The variants run interleaved (trial after trial, each variant ``--steps`` steps after one warm-up step), so the
 machine's load moves them alike; each figure is the best trial's. Peaks: fedllm's probe of the model's matmul
@@ -53,9 +56,14 @@ if str(ROOT) not in sys.path:
 
 import torch
 
+from fedllm.engine import client  # noqa: E402
+from fedllm.models import grouped_attention  # noqa: E402
+
 EAGER_MAX_LENGTH = 256  # fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH as shipped
+GROUPED_EAGER = grouped_attention.grouped_eager_attention  # as shipped
+ADAMW_KERNEL = client.adamw_kernel  # as shipped
 VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors", "fp32-unfused",
-            "bf16-unfused", "bf16-compiled")
+            "bf16-unfused", "bf16-compiled", "bf16-compiled-repeat-kv", "bf16-compiled-foreach")
 
 
 def build(threads: int):
@@ -87,7 +95,7 @@ def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     variant = variant.removesuffix("-unfused")
     if variant in ("fp32", "bf16-autocast"):
         return model
-    if variant in ("bf16-peft-casts", "bf16-flash", "bf16-compiled"):
+    if variant in ("bf16-peft-casts", "bf16-flash") or variant.startswith("bf16-compiled"):
         variant = "bf16"
     m = copy.deepcopy(model).to(torch.bfloat16)
     if variant == "bf16":
@@ -95,6 +103,11 @@ def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
             if "lora_" in name:
                 p.data = p.data.float()
     return m
+
+
+def transformers_eager(module, *args, **kwargs):
+    """transformers' own eager attention of ``module``'s model (``repeat_kv``), for ``bf16-compiled-repeat-kv``."""
+    return grouped_attention._model_eager(module)(module, *args, **kwargs)
 
 
 def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
@@ -111,7 +124,10 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
     client.EAGER_ATTENTION_MAX_LENGTH = 0 if variant == "bf16-flash" else EAGER_MAX_LENGTH
     cfg = copy.copy(recipe.train)
     cfg.dtype = "fp32" if variant.startswith("fp32") else "bf16"
-    cfg.compile = variant == "bf16-compiled"
+    cfg.compile = variant.startswith("bf16-compiled")
+    grouped_attention.grouped_eager_attention = (
+        transformers_eager if variant == "bf16-compiled-repeat-kv" else GROUPED_EAGER)
+    client.adamw_kernel = (lambda params, c: {"foreach": True}) if variant == "bf16-compiled-foreach" else ADAMW_KERNEL
     strategy = fed.strategy
     plan = strategy.configure_client(1, 0, state)
     plan.lr = cfg.lr

@@ -11,9 +11,10 @@ over the group inside one matmul rather than after it, agree to rounding (``test
 test_grouped_attention.py``).
 
 fedllm trains with it on a CPU in bf16/fp16 under ``train.compile`` (:func:`fedllm.engine.client.
-training_attention`): one compiled quickstart-shaped step took 1.5–3 % less CPU than with eager's
-(``bench/bf16_step.py``, docs/performance.md). Attention this function does not cover (Gemma 2's soft-capping,
-attention sinks, a module without key/value groups) runs the model's own eager function.
+training_attention`; the eager default keeps transformers' function and its exact bits). In a compiled
+quickstart-shaped step it saved 0–3 % of the CPU time, within the trials' spread (``bench/bf16_step.py --variants
+bf16-compiled,bf16-compiled-repeat-kv``, docs/performance.md). Attention this function does not cover (Gemma 2's
+soft-capping, attention sinks, a module without key/value groups) runs the model's own eager function.
 """
 
 from __future__ import annotations
