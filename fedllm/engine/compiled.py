@@ -166,7 +166,10 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
     # (dynamic: one graph for every width, and room for one that dynamo specializes: 1, or equal to a fixed size)
     graphs = VARIANTS_PER_WIDTH * (2 if dynamic else widths(cfg, device.type))
     limits = {"recompile_limit": max(config.recompile_limit, graphs),
-              "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 2 * graphs)}
+              "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 2 * graphs),
+              # guard the layers' hooks (strategies hook LoRA layers: residuals, nested or latent factors, private
+              # adapters): dynamo skips them by default and would replay a graph traced with another run's hooks
+              "skip_nnmodule_hook_guards": False}
     hook = None
     try:
         new = sum(_compile_in_place(layer, key) for layer in layers)

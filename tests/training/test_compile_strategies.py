@@ -1,0 +1,75 @@
+"""train.compile with the strategies whose clients change what the decoder layers compute: forward hooks on the
+LoRA layers (FRLoRA's residual, pFedLoRU's private adapter, mFedLoRU's nested factors, Fed-SB's latent matrix,
+pFL^MF's factorised pieces, FlexLoRA's DoRA stacks) and factors trained one at a time (RoLoRA: requires_grad
+changing between rounds).
+
+Under dynamo's ``eager`` backend (tracing, guards and graphs, no code generation) a compiled run's final adapter
+(and base, where the strategy merges into it) equals, bit for bit in fp32, the eager run that fuses its loss and
+AdamW as the compiled run does: dynamo traced the hooks and re-traced wherever a guard failed. (Inductor's kernels
+would round differently; the wiring is what this checks.) A second run in the same process never replays a graph
+traced with the first run's hooks (``skip_nnmodule_hook_guards`` off while a client trains).
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedllm.engine import client, compiled
+from fedllm.engine.server import run
+from fedllm.models import supervised_loss
+from fedllm.recipe.checks import parse_recipe
+
+CASES = {
+    "frlora": ("frlora", {}),
+    "pfedloru": ("pfedloru", {"personal_r": 2, "personal_steps": 1, "tau": 2}),
+    "mfedloru": ("mfedloru", {}),
+    "fed_sb": ("fed_sb", {}),
+    "pflmf": ("pflmf", {}),
+    "flexlora-ranks": ("flexlora", {"client_ranks": [2, 4, 3]}),
+    "rolora": ("rolora", {}),
+}
+
+
+@pytest.fixture
+def eager_compile(monkeypatch):
+    """dynamo's eager backend; the eager run fuses its loss and AdamW as a compiled CPU run does; no graph left
+    from an earlier test."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
+    monkeypatch.setattr(supervised_loss, "FUSE_FROM_BYTES", 0)
+    monkeypatch.setattr(client, "adamw_kernel", lambda params, cfg: {"fused": True})
+    torch._dynamo.reset()
+    counters.clear()
+    return counters
+
+
+def _final(tiny_recipe, out_dir, case, **train):
+    strategy, args = CASES[case]
+    recipe = parse_recipe(tiny_recipe(output_dir=str(out_dir), train=train, federation={
+        "num_clients": 3, "clients_per_round": 2, "rounds": 2, "strategy": strategy, "strategy_args": args}))
+    return {f.name: load_file(str(f)) for f in (run(recipe).run_dir / "final").glob("*.safetensors")}
+
+
+def _assert_equal(a, b):
+    assert a.keys() == b.keys() and "adapter.safetensors" in a
+    for f in a:
+        assert a[f].keys() == b[f].keys()
+        differ = [k for k in a[f] if not torch.equal(a[f][k], b[f][k])]
+        assert not differ, f"{f}: {differ[:3]}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_compiled_run_equals_the_eager_run(case, tiny_recipe, tmp_path, eager_compile):
+    eager = _final(tiny_recipe, tmp_path / "eager", case)
+    compiled_run = _final(tiny_recipe, tmp_path / "compiled", case, compile=True)
+    assert eager_compile["stats"]["unique_graphs"] >= 1
+    _assert_equal(eager, compiled_run)
+
+
+def test_a_second_run_does_not_replay_the_first_runs_hooks(tiny_recipe, tmp_path, eager_compile):
+    """mFedLoRU hooks its nested factors on the LoRA layers; pFedLoRU then hooks private adapters on new layers of
+    the same class. With dynamo's default (hooks unguarded) pFedLoRU's compiled run replayed mFedLoRU's graph."""
+    _final(tiny_recipe, tmp_path / "first", "mfedloru", compile=True)
+    _assert_equal(_final(tiny_recipe, tmp_path / "eager", "pfedloru"),
+                  _final(tiny_recipe, tmp_path / "compiled", "pfedloru", compile=True))
