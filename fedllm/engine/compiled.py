@@ -8,11 +8,12 @@ matmul peak per CPU-second against 56 % eager (docs/performance.md).
 This module holds the pieces a federated run needs:
 
 - :func:`compiled_training`: a context that compiles every repeated block of the model (its decoder layers) in
-  place with ``nn.Module.compile`` while a client trains, and restores the eager call on exit, so evaluation,
-  generation and export never run a compiled graph. ``nn.Module.compile`` sets the module's
-  ``_compiled_call_impl`` and wraps nothing: parameter names, state dicts and saved adapters keep their keys (no
-  ``_orig_mod.`` prefix). The compiled callable is kept with its layer and set again by the next client, so one
-  process compiles once per run, not once per client. On a CPU the head's cross-entropy chunk is compiled too
+  place while a client trains, and restores the eager call on exit, so evaluation, generation and export never
+  run a compiled graph. As ``nn.Module.compile`` does, it sets each layer's ``_compiled_call_impl`` and wraps
+  nothing: parameter names, state dicts and saved adapters keep their keys (no ``_orig_mod.`` prefix). One
+  compiled function serves every layer (one graph for all), is kept with the layers and set again by the next
+  client, so one process compiles once per run, not once per client; a run whose layers carry other hooks (another
+  strategy) compiles its own, isolated from the graphs before (:func:`_compile_layers`). On a CPU the head's cross-entropy chunk is compiled too
   (:func:`fedllm.models.fused_head_loss.compiled_rows`) and every batch takes the fused head; the client also takes
   fedllm's grouped-query attention (:func:`fedllm.engine.client.training_attention_choice`) and fused AdamW
   (:func:`fedllm.engine.client.adamw_kernel`).
@@ -34,6 +35,7 @@ What cannot hold is refused at recipe load (:mod:`fedllm.recipe.compile_checks`)
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import weakref
@@ -115,21 +117,41 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 KEPT = "_fedllm_compiled"
-"""Attribute of a layer holding ``(key, weak reference to the layer, compiled call)`` between clients (a deep copy of
-the layer carries the reference to the original, so it compiles its own)."""
+"""Attribute of a layer holding ``(key, hooks, weak reference to the layer, compiled call)`` between clients (a deep
+copy of the layer carries the reference to the original, so it compiles its own)."""
 
 
-def _compile_in_place(layer: torch.nn.Module, key: tuple) -> bool:
-    """Set ``layer``'s compiled call for ``key`` (``(train.compile, backend, dynamic)``): the one compiled before for
-    this same layer object, or a new one. True when new."""
-    kept = layer.__dict__.get(KEPT)
-    if kept is not None and kept[0] == key and kept[1]() is layer:
-        layer._compiled_call_impl = kept[2]
-        return False
-    mode = MODES[key[0]]
-    layer.compile(dynamic=key[2], backend=key[1], **({"mode": mode} if key[1] == "inductor" else {}))
-    layer.__dict__[KEPT] = (key, weakref.ref(layer), layer._compiled_call_impl)
-    return True
+def hooks_of(layers: list[torch.nn.Module]) -> tuple[int, ...]:
+    """The hooks on ``layers`` and their submodules (the hook functions' ids): strategies hook the LoRA layers
+    (residuals, nested or latent factors, private adapters), and dynamo does not guard hooks
+    (``skip_nnmodule_hook_guards``; guarding them cost 2–3 % of a compiled CPU step)."""
+    return tuple(id(hook) for layer in layers for module in layer.modules()
+                 for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                               module._backward_hooks) for hook in hooks.values())
+
+
+def _layer_call(layer: torch.nn.Module, *args, **kwargs):
+    """One layer's call (its hooks and forward): what :func:`_compile_layers` compiles once for every layer."""
+    return layer._call_impl(*args, **kwargs)
+
+
+def _compile_layers(layers: list[torch.nn.Module], key: tuple) -> int:
+    """Set each layer's compiled call for ``key`` (``(train.compile, backend, dynamic)``): the one compiled before
+    for this same layer with the same hooks, or else a new compiled :func:`_layer_call` that every such layer
+    shares (one graph for all). Each new one is its own region (``isolate_recompiles``): a later run in the same
+    process, whose layers carry other hooks, never replays its graphs. Returns how many layers were compiled anew."""
+    hooks = hooks_of(layers)
+    stale = [layer for layer in layers if not (
+        (kept := layer.__dict__.get(KEPT)) is not None and kept[:2] == (key, hooks) and kept[2]() is layer)]
+    if stale:
+        mode = MODES[key[0]]
+        compiled = torch.compile(_layer_call, dynamic=key[2], backend=key[1], isolate_recompiles=True,
+                                 **({"mode": mode} if key[1] == "inductor" else {}))
+        for layer in stale:
+            layer.__dict__[KEPT] = (key, hooks, weakref.ref(layer), functools.partial(compiled, layer))
+    for layer in layers:
+        layer._compiled_call_impl = layer.__dict__[KEPT][3]
+    return len(stale)
 
 
 def on_gpu(device: torch.device) -> bool:
@@ -166,13 +188,10 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
     # (dynamic: one graph for every width, and room for one that dynamo specializes: 1, or equal to a fixed size)
     graphs = VARIANTS_PER_WIDTH * (2 if dynamic else widths(cfg, device.type))
     limits = {"recompile_limit": max(config.recompile_limit, graphs),
-              "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 2 * graphs),
-              # guard the layers' hooks (strategies hook LoRA layers: residuals, nested or latent factors, private
-              # adapters): dynamo skips them by default and would replay a graph traced with another run's hooks
-              "skip_nnmodule_hook_guards": False}
+              "accumulated_recompile_limit": max(config.accumulated_recompile_limit, 2 * graphs)}
     hook = None
     try:
-        new = sum(_compile_in_place(layer, key) for layer in layers)
+        new = _compile_layers(layers, key)
         if new:
             shapes = ("one graph for every width" if dynamic else
                       f"micro-batches padded to multiples of {pad_multiple(cfg, device.type)}: at most "

@@ -127,6 +127,27 @@ def fused_everywhere(monkeypatch):
     monkeypatch.setattr(client, "adamw_kernel", lambda params, cfg: {"fused": True})
 
 
+def test_a_hook_added_between_clients_compiles_anew_and_runs(tiny, eager_backend):
+    """dynamo does not guard hooks; fedllm compares the layers' hooks at each client and compiles anew when they
+    changed, so the next client's graph runs the hook (its output equals the eager model's with the hook)."""
+    ids = torch.randint(3, 100, (2, 48), generator=torch.Generator().manual_seed(0))
+    cfg = TrainConfig(compile=True)
+    layers = compiled.repeated_blocks(tiny)
+    with torch.no_grad(), compiled.compiled_training(tiny, cfg):
+        tiny(input_ids=ids)
+        first = [x._compiled_call_impl for x in layers]
+    proj = layers[0].self_attn.q_proj
+    handle = proj.register_forward_hook(lambda module, args, output: output * 3)
+    try:
+        with torch.no_grad():
+            eager = tiny(input_ids=ids).logits
+            with compiled.compiled_training(tiny, cfg):
+                assert all(x._compiled_call_impl is not f for x, f in zip(layers, first))
+                assert torch.equal(tiny(input_ids=ids).logits, eager)
+    finally:
+        handle.remove()
+
+
 def test_a_compiled_run_equals_the_eager_run_bit_for_bit(tiny_recipe, ragged_file, tmp_path, eager_backend,
                                                          fused_everywhere):
     from fedllm.engine.server import run
