@@ -3,8 +3,8 @@
 On a GPU fedllm's client step is host-bound: about 4,000 kernel launches per micro-batch, the GPU busy ~15 ms of
 136 (docs/gpu.md). ``torch.compile`` of each decoder layer (inductor) fuses them: one bf16 step 1.7–2.3× faster on
 an H100, 2.5–6× with CUDA graphs (``mode="reduce-overhead"``; ``bench/gpu_step.py``). On a CPU it fuses the
-elementwise work around the matmuls: a quickstart-shaped bf16 step takes 1.2× less CPU, 66–69 % of the bf16
-matmul peak per CPU-second against 56 % eager (docs/performance.md).
+elementwise work around the matmuls: a quickstart-shaped bf16 step takes 1.2× less CPU, 65–67 % of the bf16
+matmul peak per CPU-second against 55 % eager (docs/performance.md).
 This module holds the pieces a federated run needs:
 
 - :func:`compiled_training`: a context that compiles every repeated block of the model (its decoder layers) in
