@@ -13,10 +13,10 @@ This module holds the pieces a federated run needs:
   nothing: parameter names, state dicts and saved adapters keep their keys (no ``_orig_mod.`` prefix). One
   compiled function serves every layer (one graph for all), is kept with the layers and set again by the next
   client, so one process compiles once per run, not once per client; a run whose layers carry other hooks (another
-  strategy) compiles its own, isolated from the graphs before (:func:`_compile_layers`). On a CPU the head's cross-entropy chunk is compiled too
-  (:func:`fedllm.models.fused_head_loss.compiled_rows`) and every batch takes the fused head; the client also takes
-  fedllm's grouped-query attention (:func:`fedllm.engine.client.training_attention_choice`) and fused AdamW
-  (:func:`fedllm.engine.client.adamw_kernel`).
+  strategy) compiles its own, isolated from the graphs before (:func:`_compile_layers`). On a CPU the head's
+  cross-entropy chunk is compiled too (:func:`fedllm.models.fused_head_loss.compiled_rows`) and every batch takes
+  the fused head; the client also takes fedllm's grouped-query attention
+  (:func:`fedllm.engine.client.training_attention_choice`) and fused AdamW (:func:`fedllm.engine.client.adamw_kernel`).
 - Widths: on a CPU one graph takes every micro-batch width (``dynamic=True``: compiled once, batches unpadded,
   packed rows allowed). On a GPU ``dynamic=False`` compiles one graph per width, as timed there (CUDA graphs need
   fixed shapes), and :func:`padded_to_multiple` right-pads each batch's width up to a multiple of
@@ -122,12 +122,12 @@ copy of the layer carries the reference to the original, so it compiles its own)
 
 
 def hooks_of(layers: list[torch.nn.Module]) -> tuple[int, ...]:
-    """The hooks on ``layers`` and their submodules (the hook functions' ids): strategies hook the LoRA layers
-    (residuals, nested or latent factors, private adapters), and dynamo does not guard hooks
-    (``skip_nnmodule_hook_guards``; guarding them cost 2–3 % of a compiled CPU step)."""
-    return tuple(id(hook) for layer in layers for module in layer.modules()
+    """The hooks on ``layers`` and their submodules, by their handles' ids (torch numbers every registration anew):
+    strategies hook the LoRA layers (residuals, nested or latent factors, private adapters), and dynamo does not
+    guard hooks (``skip_nnmodule_hook_guards``; guarding them cost 2–3 % of a compiled CPU step)."""
+    return tuple(handle for layer in layers for module in layer.modules()
                  for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
-                               module._backward_hooks) for hook in hooks.values())
+                               module._backward_hooks) for handle in hooks)
 
 
 def _layer_call(layer: torch.nn.Module, *args, **kwargs):
