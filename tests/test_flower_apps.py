@@ -122,12 +122,19 @@ CASES = {
     "lora_fair": ("lora_fair", {}, {}),
     "fedsvd": ("fedsvd", {}, {"train": {"optimizer_state": "per_client"}}),  # A refactorised on the server, sent down
     "fed_sb": ("fed_sb", {}, {}),  # A and B reach a node once and stay in its client's state; R travels
+    # train.compile on the nodes (dynamo's eager backend here): compiled layers, loss chunk and FRLoRA's residual
+    # hooks as in one process; each node's model compiles its own graphs (this loopback builds one per message)
+    "frlora-compile": ("frlora", {}, {"train": {"compile": True}}),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_identity):
+def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_identity, monkeypatch):
     strategy, args, sections = CASES[case]
+    if sections.get("train", {}).get("compile"):
+        from fedllm.engine import compiled
+
+        monkeypatch.setattr(compiled, "BACKEND", "eager")  # tracing and graphs, no inductor code generation
     fed = {"num_clients": 3, "clients_per_round": 2, "rounds": 3, "strategy": strategy, "strategy_args": args}
     raw = tiny_recipe(federation=fed, **sections)
     sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")}))
