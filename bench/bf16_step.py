@@ -58,9 +58,9 @@ import torch
 
 from fedllm.engine import client  # noqa: E402
 from fedllm.models import grouped_attention  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
 
 EAGER_MAX_LENGTH = 256  # fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH as shipped
-GROUPED_EAGER = grouped_attention.grouped_eager_attention  # as shipped
 ADAMW_KERNEL = client.adamw_kernel  # as shipped
 VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors", "fp32-unfused",
             "bf16-unfused", "bf16-compiled", "bf16-compiled-repeat-kv", "bf16-compiled-foreach")
@@ -125,8 +125,9 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
     cfg = copy.copy(recipe.train)
     cfg.dtype = "fp32" if variant.startswith("fp32") else "bf16"
     cfg.compile = variant.startswith("bf16-compiled")
-    grouped_attention.grouped_eager_attention = (
-        transformers_eager if variant == "bf16-compiled-repeat-kv" else GROUPED_EAGER)
+    grouped_attention.register()  # (once per process) then this variant's function under fedllm's name
+    AttentionInterface.register(grouped_attention.NAME, transformers_eager if variant == "bf16-compiled-repeat-kv"
+                                else grouped_attention.grouped_eager_attention)
     client.adamw_kernel = (lambda params, c: {"foreach": True}) if variant == "bf16-compiled-foreach" else ADAMW_KERNEL
     strategy = fed.strategy
     plan = strategy.configure_client(1, 0, state)

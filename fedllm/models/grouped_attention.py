@@ -19,6 +19,7 @@ soft-capping, attention sinks, a module without key/value groups) runs the model
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -59,8 +60,10 @@ def grouped_eager_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), weights.view(batch, heads, length, -1)
 
 
+@functools.cache
 def register() -> str:
-    """Register :func:`grouped_eager_attention` (with eager's mask) under :data:`NAME`; returns the name."""
+    """Register :func:`grouped_eager_attention` (with eager's mask) under :data:`NAME`, once per process (a packed
+    run asks per micro-batch); returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
