@@ -1,4 +1,5 @@
-"""README's "M machines" section, run top to bottom from its own text on one machine.
+"""The Flower tutorial's "M machines" section (docs/tutorials/flower-federation.md, README's before it moved), run top
+to bottom from its own text on one machine.
 
 The commands are read from README.md (nothing here restates them): the certificate step, the SuperLink, one
 SuperNode per client, the run; and the section's one-process run of the same recipe, whose final model the Flower
@@ -26,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def flower_section() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "tutorials" / "flower-federation.md").read_text()
     return text[text.index("**M machines**"):text.index("`fedllm flower run` is `flwr run")]
 
 
 def readme_commands() -> dict[str, list[list[str]]]:
     """The section's ``fedllm`` commands by step (``certs``, ``superlink``, ``supernode``, ``run``) as argv lists,
     with the one-process ``train`` of the section's opening block; trailing ``# ...`` comments dropped."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "tutorials" / "flower-federation.md").read_text()
     opening = text[text.index("**One process** (laptop"):text.index("**N processes / GPUs**")]
     lines = re.findall(r"^fedllm train .*$", opening, re.MULTILINE)
     section = flower_section()

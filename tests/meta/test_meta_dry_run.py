@@ -26,8 +26,8 @@ def test_dry_run_of_llama2_7b_frlora_offline(capsys, monkeypatch):
     assert "every client also keeps the base changes, 4,294.967 MB" in out
     assert "activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i)" in out and "FRLoRA SVD init (randomized)" in out
     assert "not checked: step time" in out and "nothing was written to" in out
-    # README shows this report verbatim: the same lines but for the seconds the set-up took
-    readme = Path("README.md").read_text(encoding="utf-8")
+    # the cost how-to shows this report verbatim: the same lines but for the seconds the set-up took
+    readme = Path("docs/how-to/estimate-cost.md").read_text(encoding="utf-8")
     shown = readme.split(f"$ HF_HUB_OFFLINE=1 fedllm train {RECIPE} --dry-run\n", 1)[1].split("```", 1)[0]
     seconds = re.compile(r"set up in [0-9.]+ s")
     assert seconds.sub("set up in S", shown) == seconds.sub("set up in S", out)
