@@ -58,7 +58,8 @@ def runs(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa: F
     if launch.begin(request):
         where = tmp_path_factory.mktemp("deployment-runs")
         launch.items["offsets"] = {cid: deployment.logs[cid].stat().st_size for cid in deployment.logs}
-        if "test_flower_deployment_with_workers_matches_the_simulation" in launch.wanted:
+        if {"test_flower_deployment_with_workers_matches_the_simulation",
+                "test_status_page_of_a_deployment_run_in_headless_chromium"} & set(launch.wanted):
             for name, (strategy, per_round, options) in CASES.items():
                 raw = tiny_recipe(federation={"num_clients": 2, "clients_per_round": per_round, "rounds": 2,
                                               "strategy": strategy})
@@ -116,6 +117,26 @@ def test_flower_deployment_with_workers_matches_the_simulation(runs, deployment,
         # client a round, so the other node's first message comes a round later)
         assert len(CASES) <= len(built) <= len(CASES) + 2 and len(set(built)) == len(built), built
         assert all("(ahead of its first message)" in line for line in lines), lines  # a later run adds ", the base copied from memory"
+
+
+@pytest.mark.slow
+def test_status_page_of_a_deployment_run_in_headless_chromium(runs, deployment, tmp_path):  # noqa: F811
+    """`fedllm flower status RUN_DIR --serve` on a real deployment's run: headless Chromium renders the round and the
+    SuperNodes the ServerApp recorded (both nodes connected and serving), read from the page's DOM."""
+    import status_page_kit as kit
+
+    if kit.CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    run_dir = runs["fedavg"].out
+    wait_until(lambda: (run_dir / "recipe.yaml").exists() or runs["fedavg"].proc.poll() is not None, 600,
+               "the run directory", runs["fedavg"].log)
+    with kit.status_page(run_dir, tmp_path / "page.log") as url:
+        runs["fedavg"].finish()
+        page = kit.rendered(url)
+    assert (page["round"], page["rounds"], page["nodes"], page["serving"], page["state"]) == \
+        ("2", "2", "2", "2 of 2", "finished"), page
+    history = page["dom"].split('id="history">', 1)[1].split("</tbody>", 1)[0]
+    assert history.count("<tr>") == 2  # one row per round
 
 
 @pytest.mark.slow

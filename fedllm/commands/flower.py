@@ -421,6 +421,37 @@ def _outcome(flwr: str, run_id: str, env: dict, args: argparse.Namespace, wait_s
     return 2 if bad_input else 1
 
 
+def _status(args: argparse.Namespace) -> int:
+    """``fedllm flower status RUN_DIR``: the run's status once, every few seconds (``--watch``) or as a live page."""
+    from fedllm.common.errors import check_local_path
+    from fedllm.runs.live_status import format_status, run_status
+
+    check_local_path(args.run_dir, "run directory", hub_ok=False)
+    try:
+        status = run_status(args.run_dir)
+    except FileNotFoundError as e:
+        raise InputError(f"{e}; expected the output_dir of a run (its recipe.yaml, metrics.jsonl)") from None
+    if args.serve:
+        from fedllm.commands.serve import bind
+        from fedllm.flower.status_page import serve_status
+
+        sock = bind(args.host, args.port)
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"warning: the status page listens on {args.host}: anyone who reaches it sees the run's progress",
+                  file=sys.stderr)
+        try:
+            serve_status(args.run_dir, sock)
+        finally:
+            sock.close()
+        return 0
+    print(format_status(status), flush=True)
+    while args.watch and status["state"] != "finished":
+        time.sleep(args.watch)
+        status = run_status(args.run_dir)
+        print("\n" + format_status(status), flush=True)
+    return 0
+
+
 def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``fedllm flower`` sub-commands."""
     sub = parser.add_subparsers(dest="flower_command", required=True)
@@ -489,6 +520,16 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--operator-key", help="the operator's private key that signs the run (default: operator.key "
                    "beside --root-certificates, as fedllm flower certs writes them)")
     p.set_defaults(flower_func=_run)
+
+    p = sub.add_parser("status", help="a run's progress: round, nodes, clients (arrived, late, dropped), bytes, "
+                       "losses, epsilon, ETA; in the terminal or as a live page")
+    p.add_argument("run_dir", help="the run's output_dir (on the SuperLink's machine: inside its --runs-dir)")
+    p.add_argument("--watch", type=float, nargs="?", const=5.0, default=0.0, metavar="SECONDS",
+                   help="print it again every SECONDS (default 5) until the run finishes")
+    p.add_argument("--serve", action="store_true", help="serve a live page (read-only) instead of printing")
+    p.add_argument("--host", default="127.0.0.1", help="address of the page; default 127.0.0.1 (this machine only)")
+    p.add_argument("--port", type=int, default=8765, help="port of the page")
+    p.set_defaults(flower_func=_status)
 
 
 def run_flower_command(args: argparse.Namespace) -> int:

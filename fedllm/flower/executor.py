@@ -91,7 +91,15 @@ class FlowerExecutor:
 
             self.recipe_yaml = dump_recipe(loop.recipe)  # sent with the query: node workers build the model then
             self.adapter.nodes = self.discover(loop.recipe.federation.num_clients)
+            self.record_nodes(loop)
         return self.adapter
+
+    def record_nodes(self, loop: Any) -> None:
+        """Write which SuperNode serves which client, and how many are connected, for the operator's status page
+        (``fedllm flower status``; :func:`fedllm.runs.live_status.write_federation`)."""
+        from fedllm.runs.live_status import write_federation
+
+        write_federation(loop.run_dir, self.adapter.nodes, len(self.connected()))
 
     # ----- which node serves which client
     def connected(self) -> dict[int, bytes]:
@@ -300,6 +308,7 @@ class FlowerExecutor:
               bar: Any) -> tuple[list[Any], dict[int, int], dict[int, str]]:
         adapter = self.bind(loop)
         self.rejoin(loop.recipe.federation.num_clients)
+        self.record_nodes(loop)
         missing = [c for c in sampled if c not in adapter.nodes]
         if missing:
             raise ClientFailed(f"round {rnd}: no SuperNode serves client(s) {missing}")
