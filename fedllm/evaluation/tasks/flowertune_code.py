@@ -40,7 +40,7 @@ def code_rows(ctx: EvalContext, task: str, cs: CodeSet) -> list[dict]:
     key = data_key(task, cs.key)
     spec = ctx.data_spec(key)
     try:
-        rows = read_records(spec, cs.hub.split) if spec else read_hub_set(cs.hub)
+        rows = read_records(spec, cs.hub.split) if spec else read_hub_set(cs.hub, cs.revision)
     except DataError as e:
         source = f"--data {key}={spec}" if spec else f"the hub data set {cs.hub.spec()}"
         raise DataSourceError(f"{task}: {cs.key} could not be read from {source} ({e}); give a local copy of "
