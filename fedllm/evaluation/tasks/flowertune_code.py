@@ -4,8 +4,9 @@ FlowerTune scores it with the bigcode-evaluation-harness (:mod:`~fedllm.evaluati
 4 samples per problem at temperature 0.2 (:func:`~fedllm.evaluation.flowertune_generation.code_samples`),
 each program executed against the problem's tests; pass@1 = mean over problems of passed/4 (Chen et al. 2021,
 Eq. 1). Model-written code runs only with ``eval.allow_code_execution`` (``--allow-code-execution``), each program
-in :class:`~fedllm.evaluation.code_sandbox.CodeSandbox` (no network, time/memory/process limits, a scratch
-directory deleted afterwards). FlowerTune's command loads the model unquantized (fp32).
+in :class:`~fedllm.evaluation.code_sandbox.CodeSandbox` (no network, a read-only file system but a private scratch
+tmpfs, its own ``/proc``, no secrets, an unprivileged uid, time/memory/process limits; docs/code_sandbox.md) and
+judged as the harness judges it. FlowerTune's command loads the model unquantized (fp32).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from fedllm.evaluation.task import Task
 CODE_EXECUTION_REFUSED = (
     "flowertune_code scores model-written programs by running them: pass --allow-code-execution "
     "(eval.allow_code_execution: true) to allow it; each program then runs in a sandbox with no network, "
-    "time, memory and process limits and a scratch directory deleted afterwards (eval/README.md)")
+    "a read-only file system but a private scratch directory, time, memory and process limits "
+    "(docs/code_sandbox.md)")
 
 
 def code_rows(ctx: EvalContext, task: str, cs: CodeSet) -> list[dict]:
