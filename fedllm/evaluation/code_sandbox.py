@@ -47,6 +47,9 @@ PYTHON_HARNESS = Path(__file__).with_name("python_harness.py")
 SANDBOX_FLAGS = ["--net", "--mount", "--pid", "--fork", "--kill-child=SIGKILL"]
 OUTPUT_KEPT = 2048
 """Characters of stdout/stderr kept per program (as MultiPL-E's evaluator keeps)."""
+VERDICT_RULES = "harness"
+"""How verdicts are reached (stored beside them): a Python program as the bigcode harness judges it. Verdicts stored
+without it (fedllm before issue #49 passed a Python program on exit status 0) are judged again."""
 TIMEOUT_STATUS, NO_VERDICT_STATUS, SETUP_FAILED_STATUS = 124, 123, 125
 """The launcher's statuses: a step ran past its limit; a Python program ended without a verdict; no sandbox."""
 
@@ -143,7 +146,7 @@ def sandbox_problem() -> str:
     if shutil.which("unshare") is None:
         return "the code sandbox needs util-linux 'unshare' on PATH (apt-get install util-linux)"
     try:
-        probe = subprocess.run([*unshare_argv(), "/bin/true"], check=False, capture_output=True, timeout=30, env={})
+        probe = subprocess.run([*unshare_argv(), shutil.which("true") or "/bin/true"], check=False, capture_output=True, timeout=30, env={})
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"'unshare {' '.join(SANDBOX_FLAGS)}' could not run: {e}"
     if probe.returncode != 0:

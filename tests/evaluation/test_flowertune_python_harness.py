@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import sandboxkit
 
-from fedllm.evaluation.code_sandbox import LANGUAGES, NO_VERDICT_STATUS
+from fedllm.evaluation.code_sandbox import LANGUAGES, NO_VERDICT_STATUS, VERDICT_RULES
 from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, checked_program
 
 code_sandbox = sandboxkit.code_sandbox
@@ -87,3 +88,17 @@ def test_flowertune_python_time_limits_are_the_harness():
     """The timer is 3 s (compute_code_eval's timeout=3.0); the worker is killed 1 s later (join(timeout + 1))."""
     python = LANGUAGES["python"]
     assert (python.seconds, python.seconds + python.grace_seconds) == (3.0, 4.0)
+
+
+def test_flowertune_code_judges_again_verdicts_stored_by_exit_status(code_sandbox):
+    """A result file written before the harness's rules (``exit(0)`` scored a pass) is judged again on resume."""
+    from fedllm.evaluation.tasks.flowertune_code import FlowerTuneCode
+
+    cs, record, solution = CASES["wrong_then_exit"]
+    entry = {"id": "humaneval/0", "solutions": [solution], "passed": [True], "status": ["OK"]}
+    saved = []
+    results = SimpleNamespace(save=lambda order: saved.append(list(order)))
+    assert FlowerTuneCode._score(code_sandbox, cs, entry, record, ["humaneval/0"], results) == [False]
+    assert entry["status"] == ["Failed"] and entry["verdict_rules"] == VERDICT_RULES and saved
+    entry["passed"] = ["kept"]  # judged under these rules: not run again
+    assert FlowerTuneCode._score(code_sandbox, cs, entry, record, ["humaneval/0"], results) == ["kept"]

@@ -17,7 +17,7 @@ from fedllm.common.errors import InputError
 from fedllm.common.registry import register_task
 from fedllm.data.errors import DataError
 from fedllm.evaluation import flowertune_generation as gen
-from fedllm.evaluation.code_sandbox import CodeSandbox, SandboxUnavailable, tool_missing
+from fedllm.evaluation.code_sandbox import VERDICT_RULES, CodeSandbox, SandboxUnavailable, tool_missing
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, checked_program, program_of
 from fedllm.evaluation.flowertune_data import data_key, read_hub_set
@@ -114,10 +114,11 @@ class FlowerTuneCode(Task):
 
     @staticmethod
     def _score(sandbox: CodeSandbox, cs: CodeSet, entry: dict, row: dict, order: list[str], results: Any) -> list[bool]:
-        if "passed" not in entry:  # identical programs run once (as MultiPL-E's evaluator caches them)
-            programs = [checked_program(s, cs.test(row)) for s in entry["solutions"]]
+        if "passed" not in entry or entry.get("verdict_rules") != VERDICT_RULES:  # identical programs run once
+            programs = [checked_program(s, cs.test(row)) for s in entry["solutions"]]  # (as MultiPL-E caches them)
             outcomes = {p: sandbox.run(cs.language, p) for p in dict.fromkeys(programs)}
             entry["passed"] = [outcomes[p].passed for p in programs]
             entry["status"] = [outcomes[p].status for p in programs]
+            entry["verdict_rules"] = VERDICT_RULES
             results.save(order)
         return entry["passed"]
