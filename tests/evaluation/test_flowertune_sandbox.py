@@ -142,6 +142,11 @@ for p in os.listdir("/proc"):
     except OSError:
         pass
 assert not leaks, leaks
+try:
+    open("/proc/1/environ", "rb").read()
+    raise AssertionError("the launcher's environment is readable")
+except PermissionError:
+    pass
 """
 IDENTITY = """
 import ctypes, os
@@ -150,6 +155,7 @@ remount = ctypes.CDLL(None).mount(None, b"/", None, ctypes.c_ulong(32 | 4096), N
 assert os.getuid() != 0 and os.geteuid() != 0, (os.getuid(), os.geteuid())
 assert int(status["CapEff"], 16) == 0 and status["NoNewPrivs"].strip() == "1", status
 assert remount != 0, "the program made / writable again"
+assert ctypes.CDLL(None).ptrace(16, 1, None, None) != 0, "the program attached to the launcher"  # PTRACE_ATTACH
 """
 
 
@@ -219,11 +225,13 @@ def test_flowertune_sandbox_shows_only_its_own_processes(escapes):
 
 
 def test_flowertune_sandbox_shows_no_environment_of_fedllm(escapes):
+    """No visible process's environment holds the variable planted in fedllm's; the launcher's cannot be read."""
     results, _, _ = escapes
     assert results["environ"]["passed"], results["environ"]["stderr"]
 
 
 def test_flowertune_sandbox_runs_the_program_unprivileged(escapes):
+    """Not uid 0, no effective capability, no new privileges; it can neither remount / nor ptrace the launcher."""
     results, _, _ = escapes
     assert results["identity"]["passed"], results["identity"]["stderr"]
 
