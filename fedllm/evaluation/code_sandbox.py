@@ -138,22 +138,57 @@ def unshare_argv() -> list[str]:
     return [shutil.which("unshare") or "unshare", *user, *SANDBOX_FLAGS]
 
 
+Step = tuple[list[str], float, str, bool]
+"""One step of a sandbox: ``(argv, wall-clock seconds, memory kind, whether it writes a verdict)``."""
+
+
+def launcher_spec(limits: SandboxLimits, steps: list[Step], files: dict[str, str] | None = None,
+                  readonly: str = "auto") -> dict:
+    """What the launcher reads on stdin: the limits, the steps and the source files."""
+    return {"files": files or {}, "as_root": os.geteuid() == 0, "uid": limits.uid, "gid": limits.uid,
+            "readonly": readonly, "scratch_bytes": limits.scratch_mb << 20, "file_bytes": limits.file_mb << 20,
+            "open_files": limits.open_files, "processes": limits.processes,
+            "steps": [{"argv": argv, "seconds": seconds, "cpu_seconds": math.ceil(seconds) + 1,
+                       "memory_bytes": limits.memory_mb << 20, "memory_kind": kind, "verdict": verdict}
+                      for argv, seconds, kind, verdict in steps]}
+
+
+def launch(spec: dict) -> tuple[int, str, str]:
+    """Run :data:`LAUNCHER` on ``spec`` in fresh namespaces: its exit status and the heads of stdout and stderr."""
+    total = sum(step["seconds"] for step in spec["steps"]) + 10.0
+    # unlinked files: nothing of a program's output outlives this call, whatever happens to fedllm
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:  # an empty environment: the sandbox's processes hold none of fedllm's secrets
+            code = subprocess.run([*unshare_argv(), sys.executable, str(LAUNCHER)], input=json.dumps(spec).encode(),
+                                  stdout=out, stderr=err, timeout=total, check=False, env={}).returncode
+        except subprocess.TimeoutExpired:  # the launcher's own limit failed: --kill-child ends the tree
+            code = TIMEOUT_STATUS
+        return code, _head(out), _head(err)
+
+
+def _head(file) -> str:
+    file.seek(0)
+    return file.read(OUTPUT_KEPT).decode("utf-8", errors="replace")
+
+
 @lru_cache(maxsize=1)
 def sandbox_problem() -> str:
-    """Why programs cannot be isolated here (``""``: they can)."""
+    """Why programs cannot be isolated here (``""``: they can): a sandbox is set up once and runs ``true``."""
     if not sys.platform.startswith("linux"):
         return f"the code sandbox needs Linux namespaces; this is {sys.platform}"
     if shutil.which("unshare") is None:
         return "the code sandbox needs util-linux 'unshare' on PATH (apt-get install util-linux)"
     try:
-        probe = subprocess.run([*unshare_argv(), shutil.which("true") or "/bin/true"], check=False, capture_output=True, timeout=30, env={})
-    except (OSError, subprocess.TimeoutExpired) as e:
+        code, _, err = launch(launcher_spec(SandboxLimits(), [([shutil.which("true") or "/bin/true"], 10.0,
+                                                                "address_space", False)]))
+    except OSError as e:
         return f"'unshare {' '.join(SANDBOX_FLAGS)}' could not run: {e}"
-    if probe.returncode != 0:
-        return (f"'unshare {' '.join(SANDBOX_FLAGS)}' failed ({probe.stderr.decode(errors='replace').strip()}): "
-                "user namespaces may be disabled (sysctl kernel.unprivileged_userns_clone=1) or blocked by "
-                "the container")
-    return ""
+    if code == 0:
+        return ""
+    if code == SETUP_FAILED_STATUS:
+        return f"the sandbox could not be set up in its namespaces: {err.strip()}"
+    return (f"'unshare {' '.join(SANDBOX_FLAGS)}' failed (status {code}: {err.strip()}): user namespaces may be "
+            "disabled (sysctl kernel.unprivileged_userns_clone=1) or blocked by the container")
 
 
 def tool_missing(language: str) -> str:
@@ -184,7 +219,6 @@ class CodeSandbox:
             raise SandboxUnavailable(problem)
         self.limits = limits
         self.readonly = readonly
-        self.as_root = os.geteuid() == 0
         self.python = python or self._usable_python()
 
     def _usable_python(self) -> str:
@@ -192,10 +226,7 @@ class CodeSandbox:
         for candidate in dict.fromkeys([sys.executable, shutil.which("python3") or "", "/usr/bin/python3"]):
             if not candidate:
                 continue
-            result = self._run_steps([([candidate, "-c", "pass"], 10.0, "address_space", False)])
-            if result.exit_code == SETUP_FAILED_STATUS:
-                raise SandboxUnavailable(f"the sandbox could not be set up: {result.stderr.strip()}")
-            if result.passed:
+            if self._run_steps([([candidate, "-c", "pass"], 10.0, "address_space", False)]).passed:
                 return candidate
         raise SandboxUnavailable(f"no Python interpreter runs inside the sandbox (tried {sys.executable} and "
                                  "python3 on PATH): the sandbox user cannot execute them")
@@ -215,24 +246,9 @@ class CodeSandbox:
                      (["./program"], lang.seconds, lang.memory_kind, False)]
         return self._run_steps(steps, {name: source}, compiled=lang.compile_seconds > 0)
 
-    def _run_steps(self, steps: list[tuple[list[str], float, str, bool]], files: dict[str, str] | None = None,
+    def _run_steps(self, steps: list[Step], files: dict[str, str] | None = None,
                    compiled: bool = False) -> ProgramResult:
-        lim = self.limits
-        spec = {"files": files or {}, "as_root": self.as_root, "uid": lim.uid, "gid": lim.uid,
-                "readonly": self.readonly, "scratch_bytes": lim.scratch_mb << 20, "file_bytes": lim.file_mb << 20,
-                "open_files": lim.open_files, "processes": lim.processes,
-                "steps": [{"argv": argv, "seconds": seconds, "cpu_seconds": math.ceil(seconds) + 1,
-                           "memory_bytes": lim.memory_mb << 20, "memory_kind": kind, "verdict": verdict}
-                          for argv, seconds, kind, verdict in steps]}
-        total = sum(seconds for _, seconds, _, _ in steps) + 10.0
-        # unlinked files: nothing of a program's output outlives this call, whatever happens to fedllm
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            try:  # an empty environment: the sandbox's processes hold none of fedllm's secrets
-                code = subprocess.run([*unshare_argv(), sys.executable, str(LAUNCHER)], input=json.dumps(spec).encode(),
-                                      stdout=out, stderr=err, timeout=total, check=False, env={}).returncode
-            except subprocess.TimeoutExpired:  # the launcher's own limit failed: --kill-child ends the tree
-                code = TIMEOUT_STATUS
-            stdout, stderr = (self._head(f) for f in (out, err))
+        code, stdout, stderr = launch(launcher_spec(self.limits, steps, files, self.readonly))
         if code == 0:
             status = "OK"
         elif code == TIMEOUT_STATUS:
@@ -242,8 +258,3 @@ class CodeSandbox:
         else:
             status = "Failed"
         return ProgramResult(code == 0, status, code, stdout, stderr)
-
-    @staticmethod
-    def _head(file) -> str:
-        file.seek(0)
-        return file.read(OUTPUT_KEPT).decode("utf-8", errors="replace")
