@@ -124,6 +124,7 @@ SHARED_GROUPS = {
     "tests/evaluation/test_flowertune_sandbox.py": "flowertune-sandbox",
     "tests/evaluation/test_flowertune_protocols.py": "flowertune-sandbox",
     "tests/evaluation/test_flowertune_tasks.py": "flowertune-sandbox",
+    "tests/evaluation/test_flowertune_python_harness.py": "flowertune-sandbox",
 }
 SHARED_PREFIXES = {"tests/export/": "export"}  # the exported runs of tests/export/conftest.py (`cases`)
 LONG_GROUPS_FIRST = ("flower-deployment", "smollm2", "tests/test_flower_readme.py", "tests/meta/test_meta_gemma3.py",

@@ -6,6 +6,9 @@ subject; FlowerTune's ``lukaemon/mmlu`` per-subject configs), FPB's ``train`` sp
 ``train``+``validation``+``test`` splits concatenated in that order (both then split 75/25 with seed 42 as
 FlowerTune's ``train_test_split(0.25, seed=42)``), the evaluated split of the others.
 
+The Code harness pins ``nuprl/MultiPL-E`` to one revision
+(:data:`~fedllm.evaluation.flowertune_code_prompts.MULTIPLE_REVISION`), which is loaded as pinned.
+
 FlowerTune's code loads some hub sets through their loading scripts (``lukaemon/mmlu``, ``bigbio/pubmed_qa``,
 ``bigbio/med_qa``: ``trust_remote_code=True``), which ``datasets`` >= 4 no longer runs; when a set FlowerTune
 (or the code harness: ``nuprl/MultiPL-E``) names by config cannot be loaded from the hub's main branch, the Hub's automatic Parquet conversion of it is
@@ -15,12 +18,14 @@ config FlowerTune names, split as FlowerTune's).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fedllm.data.errors import DataError
 from fedllm.evaluation.flowertune_prompts import MMLU_CATEGORIES, QuestionSet
 from fedllm.evaluation.sources import DataSourceError, HubSource, read_hub, read_records
 
+log = logging.getLogger("fedllm")
 MMLU_HUB = "lukaemon/mmlu"
 PARQUET_EXPORT = "refs/convert/parquet"
 
@@ -48,22 +53,44 @@ def read_parquet_export(source: HubSource) -> list[dict]:
     return rows
 
 
-def read_hub_set(source: HubSource) -> list[dict]:
-    """``source`` from the hub; for a config FlowerTune names, the Parquet conversion when the main branch fails.
+def read_pinned(source: HubSource, revision: str) -> list[dict]:
+    """The rows of ``source`` at the hub revision ``revision`` (a commit the reference harness pins).
+
+    Raises:
+        DataError: it cannot be loaded (offline and not cached, a loading script ``datasets`` no longer runs).
+    """
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source.path, source.name, split=source.split, revision=revision)
+    except Exception as e:  # noqa: BLE001  (the hub client raises many types)
+        raise DataError(f"{source.spec()} at revision {revision}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    return ds.to_list()
+
+
+def read_hub_set(source: HubSource, revision: str = "") -> list[dict]:
+    """``source`` from the hub (at ``revision`` when given); for a config FlowerTune or the harness names, the
+    Parquet conversion when that fails (a conversion of the default branch: a warning says so for a pinned set).
 
     Raises:
         DataError: neither loads (the message gives both reasons).
     """
     try:
-        return read_hub(source)
+        return read_pinned(source, revision) if revision else read_hub(source)
     except DataError as e:
         if not source.name:
             raise
         try:
-            return read_parquet_export(source)
+            rows = read_parquet_export(source)
         except DataError as export_error:
             raise DataError(f"{e}; nor from its Parquet conversion ({PARQUET_EXPORT}, data_dir {source.name!r}): "
                             f"{export_error}") from None
+        if revision:
+            log.warning("%s: the revision the harness pins (%s) could not be read (%s); read the Hub's Parquet "
+                        "conversion (%s), which is of the default branch: the rows may differ from the harness's",
+                        source.spec(), revision, e, PARQUET_EXPORT)
+        return rows
 
 
 def _hub_rows(qs: QuestionSet) -> list[dict]:

@@ -1,10 +1,30 @@
-"""The code sandbox fixture of the FlowerTune tests (skips where this machine cannot isolate a program)."""
+"""The code sandbox fixture of the FlowerTune tests (skips where this machine cannot isolate a program), and a way
+to run programs in a sandbox started by an ordinary user (``nobody``) when the tests run as root."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+
 import pytest
 
+from fedllm.evaluation import code_sandbox as code_sandbox_module
 from fedllm.evaluation.code_sandbox import CodeSandbox, sandbox_problem
+
+NOBODY = 65534
+_AS_NOBODY = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("code_sandbox", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules["code_sandbox"] = module
+spec.loader.exec_module(module)
+sandbox = module.CodeSandbox()
+programs = json.loads(sys.stdin.read())
+print(json.dumps({name: vars(sandbox.run(language, source)) for name, (language, source) in programs.items()}))
+"""
+"""Run by ``python3`` as ``nobody``: code_sandbox.py needs only the standard library, so it is loaded by path."""
 
 
 @pytest.fixture(scope="module")
@@ -13,3 +33,36 @@ def code_sandbox() -> CodeSandbox:
     if problem:
         pytest.skip(f"no code sandbox here: {problem}")
     return CodeSandbox()
+
+
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+_SET_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+def nobody_python() -> tuple[str, str]:
+    """``(python3 that nobody can run on code_sandbox.py, "")``, or ``("", why none)`` (not root, no setpriv...)."""
+    if os.geteuid() != 0:
+        return "", "the tests do not run as root (the ordinary-user path is the in-process sandbox then)"
+    if shutil.which("setpriv") is None:
+        return "", "setpriv is not on PATH"
+    python = shutil.which("python3", path=SYSTEM_PATH)
+    if python is None:
+        return "", f"no python3 on {SYSTEM_PATH}"
+    probe = subprocess.run([*_SET_NOBODY, python, "-c", "open(__import__('sys').argv[1]).close()",
+                            code_sandbox_module.__file__], capture_output=True, text=True, timeout=60, check=False,
+                           cwd="/", env={"PATH": SYSTEM_PATH})
+    if probe.returncode != 0:
+        return "", f"nobody cannot run {python} on {code_sandbox_module.__file__}: {probe.stderr.strip()[-200:]}"
+    return python, ""
+
+
+def run_as_nobody(programs: dict[str, tuple[str, str]], env: dict[str, str]) -> dict[str, dict]:
+    """``{name: ProgramResult fields}`` of each ``(language, source)``, run by a CodeSandbox that ``nobody`` starts
+    (``setpriv``) with ``env`` as its environment."""
+    python, problem = nobody_python()
+    assert python, problem
+    done = subprocess.run([*_SET_NOBODY, python, "-c", _AS_NOBODY, code_sandbox_module.__file__],
+                          input=json.dumps(programs), capture_output=True, text=True,
+                          env={"PATH": SYSTEM_PATH, **env}, timeout=300, check=False, cwd="/")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)

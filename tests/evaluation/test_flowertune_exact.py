@@ -271,5 +271,5 @@ def test_flowertune_code_reads_multiple_from_the_parquet_conversion(monkeypatch)
     ctx = SimpleNamespace(data_spec=lambda key: None, limited=lambda rows: rows)
     multiple_js = next(cs for cs in CODE_SETS if cs.key == "multiple_js")
     assert code_rows(ctx, "flowertune_code", multiple_js) == RECORDS["multiple-js"]
-    assert hub.calls == [("nuprl/MultiPL-E", "humaneval-js", {"split": "test"}),
+    assert hub.calls == [("nuprl/MultiPL-E", "humaneval-js", {"split": "test", "revision": multiple_js.revision}),
                          ("nuprl/MultiPL-E", None, {"data_dir": "humaneval-js", "split": "test", "revision": PARQUET})]

@@ -4,8 +4,9 @@ FlowerTune scores it with the bigcode-evaluation-harness (:mod:`~fedllm.evaluati
 4 samples per problem at temperature 0.2 (:func:`~fedllm.evaluation.flowertune_generation.code_samples`),
 each program executed against the problem's tests; pass@1 = mean over problems of passed/4 (Chen et al. 2021,
 Eq. 1). Model-written code runs only with ``eval.allow_code_execution`` (``--allow-code-execution``), each program
-in :class:`~fedllm.evaluation.code_sandbox.CodeSandbox` (no network, time/memory/process limits, a scratch
-directory deleted afterwards). FlowerTune's command loads the model unquantized (fp32).
+in :class:`~fedllm.evaluation.code_sandbox.CodeSandbox` (no network, a read-only file system but a private scratch
+tmpfs, its own ``/proc``, no secrets, an unprivileged uid, time/memory/process limits; docs/code_sandbox.md) and
+judged as the harness judges it. FlowerTune's command loads the model unquantized (fp32).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fedllm.common.errors import InputError
 from fedllm.common.registry import register_task
 from fedllm.data.errors import DataError
 from fedllm.evaluation import flowertune_generation as gen
-from fedllm.evaluation.code_sandbox import CodeSandbox, SandboxUnavailable, tool_missing
+from fedllm.evaluation.code_sandbox import VERDICT_RULES, CodeSandbox, SandboxUnavailable, tool_missing
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, CodeSet, checked_program, program_of
 from fedllm.evaluation.flowertune_data import data_key, read_hub_set
@@ -28,7 +29,8 @@ from fedllm.evaluation.task import Task
 CODE_EXECUTION_REFUSED = (
     "flowertune_code scores model-written programs by running them: pass --allow-code-execution "
     "(eval.allow_code_execution: true) to allow it; each program then runs in a sandbox with no network, "
-    "time, memory and process limits and a scratch directory deleted afterwards (eval/README.md)")
+    "a read-only file system but a private scratch directory, time, memory and process limits "
+    "(docs/code_sandbox.md)")
 
 
 def code_rows(ctx: EvalContext, task: str, cs: CodeSet) -> list[dict]:
@@ -40,7 +42,7 @@ def code_rows(ctx: EvalContext, task: str, cs: CodeSet) -> list[dict]:
     key = data_key(task, cs.key)
     spec = ctx.data_spec(key)
     try:
-        rows = read_records(spec, cs.hub.split) if spec else read_hub_set(cs.hub)
+        rows = read_records(spec, cs.hub.split) if spec else read_hub_set(cs.hub, cs.revision)
     except DataError as e:
         source = f"--data {key}={spec}" if spec else f"the hub data set {cs.hub.spec()}"
         raise DataSourceError(f"{task}: {cs.key} could not be read from {source} ({e}); give a local copy of "
@@ -112,10 +114,11 @@ class FlowerTuneCode(Task):
 
     @staticmethod
     def _score(sandbox: CodeSandbox, cs: CodeSet, entry: dict, row: dict, order: list[str], results: Any) -> list[bool]:
-        if "passed" not in entry:  # identical programs run once (as MultiPL-E's evaluator caches them)
-            programs = [checked_program(s, cs.test(row)) for s in entry["solutions"]]
+        if "passed" not in entry or entry.get("verdict_rules") != VERDICT_RULES:  # identical programs run once
+            programs = [checked_program(s, cs.test(row)) for s in entry["solutions"]]  # (as MultiPL-E caches them)
             outcomes = {p: sandbox.run(cs.language, p) for p in dict.fromkeys(programs)}
             entry["passed"] = [outcomes[p].passed for p in programs]
             entry["status"] = [outcomes[p].status for p in programs]
+            entry["verdict_rules"] = VERDICT_RULES
             results.save(order)
         return entry["passed"]
