@@ -45,7 +45,7 @@ def missing_files(r: Recipe) -> list[tuple[str, Any, str]]:
                                                     f"directory {Path.cwd()})")
             what = what_data(key[len("eval.data."):]) if key.startswith("eval.data.") else ""
             problems.append((key, path, f"an existing local file or directory (or a hub id){where}"
-                                        + (f"; for this task: {what}" if what else "")))
+                                        + (f"; for this task: {what}" if what else "") + path_hint(path)))
         elif key != "federation.partition.path" and _holds_nothing(local, r.data.split if key == "data.path" else None):
             problems.append((key, path, "a data file with at least one record (it is empty)"))
     return problems

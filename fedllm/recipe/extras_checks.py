@@ -17,8 +17,8 @@ from fedllm.recipe.schema import Recipe
 Need = tuple[str, str, str, Callable[[Recipe], list[tuple[str, Any]]]]
 
 
-def _privacy_keys(r: Recipe) -> list[tuple[str, Any]]:
-    return [("privacy.mechanism", r.privacy.mechanism)] if r.privacy.mechanism != "none" else []
+def _central_dp_keys(r: Recipe) -> list[tuple[str, Any]]:
+    return [("privacy.mechanism", r.privacy.mechanism)] if r.privacy.mechanism.startswith("central") else []
 
 
 def _dp_sgd_keys(r: Recipe) -> list[tuple[str, Any]]:
@@ -60,8 +60,8 @@ def _tracker_keys(module: str, tracker: str) -> Callable[[Recipe], list[tuple[st
 
 
 NEEDS: tuple[Need, ...] = (
-    ("privacy", "dp_accounting", "privacy accounting (dp-accounting)", _privacy_keys),
-    ("privacy", "opacus", "DP-SGD (opacus)", _dp_sgd_keys),
+    ("privacy", "dp_accounting", "client-level DP's accounting (dp-accounting)", _central_dp_keys),
+    ("privacy", "opacus", "DP-SGD and its accounting (opacus)", _dp_sgd_keys),
     ("quant", "bitsandbytes", "quantisation (bitsandbytes)", _quantisation_keys),
     ("eval", "lm_eval", "lm-evaluation-harness", _harness_keys),
     ("fastchat", "fastchat", "FastChat's conversation templates (fschat)", _fastchat_keys),
