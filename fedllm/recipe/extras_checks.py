@@ -9,7 +9,8 @@ that installs it. Whether a package is installed is asked of the import system's
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fedllm.recipe.schema import Recipe
 
@@ -104,7 +105,7 @@ def extras_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     for extra, module, what, keys in NEEDS:
         asked = keys(r)
         if asked and not installed(module):
-            problems += [(key, given, f"fedllm's [{extra}] extra, for {what}: the {module!r} module is not "
-                                      f"installed; in fedllm's clone run {install_line(extra)}")
-                         for key, given in asked]
+            expected = (f"fedllm's [{extra}] extra, for {what}: the {module!r} module is not installed; in "
+                        f"fedllm's clone run {install_line(extra)}")
+            problems += [(key, given, expected) for key, given in asked]
     return problems

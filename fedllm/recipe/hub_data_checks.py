@@ -92,6 +92,7 @@ def hub_data_problems(r: Recipe) -> list[tuple[str, Any, str]]:
         why = dataset_unavailable(repo)
         if why:
             local = " (a local file of the data)" if given is None else ""
-            problems.append((key, given, f"data that loads from here{local}: the hub data set {repo!r} is {why}; "
-                                         f"give a local file or directory instead ({key}=PATH)"))
+            expected = (f"data that loads from here{local}: the hub data set {repo!r} is {why}; give a local file or "
+                        f"directory instead ({key}=PATH)")
+            problems.append((key, given, expected))
     return problems

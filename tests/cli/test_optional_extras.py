@@ -6,9 +6,6 @@ import json
 import re
 import subprocess
 import sys
-import time
-
-import pytest
 
 from tests.cli.conftest import ROOT, clean_env
 
@@ -111,7 +108,7 @@ def test_every_optional_extra_that_a_recipe_can_need_is_checked():
     extras = set(cfg["options.extras_require"])
     assert {extra for extra, *_ in NEEDS} == extras - {"gemma", "flower", "dev", "trl"}
     sources = "\n".join(p.read_text() for p in (ROOT / "fedllm").rglob("*.py"))
-    assert not re.search(r"^\s*(import trl|from trl\b)", sources, re.M)
+    assert not re.search(r"^\s*(import trl|from trl\b)", sources, re.MULTILINE)
     for extra, module, _, _ in NEEDS:  # each module is one of the extra's packages
         packages = cfg["options.extras_require"][extra]
         assert module.replace("_", "-").split(".")[0][:5] in packages.replace("_", "-").replace("fschat", "fastchat")
