@@ -79,6 +79,11 @@ def run_train_command(args: argparse.Namespace) -> int:
         compression = recipe.federation.compression
         if recipe.model.quantization != "none" or "none" != compression.upload or "none" != compression.download:
             logs.unblock_bitsandbytes()  # a quantised base, or compressed updates (bitsandbytes' quantisers)
+        from fedllm.recipe.compile_cost import compile_warning
+
+        costly = compile_warning(recipe)  # before the dry run or the run compiles (minutes on a busy machine)
+        if costly and int(os.environ.get("RANK", "0")) == 0:
+            print(f"warning: {costly}", file=sys.stderr)
         if recipe.train.threads is not None:  # the CLI applied the policy before torch loaded; now the count
             threads.apply(recipe.train.threads)
         if args.dry_run:
