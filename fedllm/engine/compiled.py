@@ -221,8 +221,9 @@ progress = logging.getLogger("fedllm.compile")
 def compile_progress() -> Iterator[None]:
     """Context: a line when dynamo starts compiling a graph and one when it is done, with the seconds it took and
     the seconds spent compiling so far (dynamo's compile callbacks; a graph found in inductor's cache is quick).
-    Compiling runs on the first steps of the first client, and took from ~30 CPU-s (idle 2-core machine, cold
-    cache) to 22 minutes (a busy one): without these lines that time looked like a hung round."""
+    Compiling runs on the first steps of the first client, and took from ~35 CPU-s (the quickstart; idle 2-core
+    machine, cold cache) to 22 minutes (the tiny recipe on a busy one): without these lines that looked like a hung
+    round."""
     from torch._dynamo.callback import CallbackTrigger, callback_handler
 
     if progress.getEffectiveLevel() == logging.WARNING:  # fedllm's default: these lines show; FEDLLM_LOG=error not
