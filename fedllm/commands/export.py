@@ -108,7 +108,7 @@ def check_exportable(path: Path) -> None:
     from fedllm.runs.rundir import is_run_dir
 
     why = ("a fedllm run directory without a checkpoint yet (no final/ and no checkpoints/round-*)"
-           if is_run_dir(path) else "not a fedllm run directory or checkpoint")
+           if is_run_dir(path) else "neither a run directory with checkpoints nor a fedllm checkpoint")
     near = nearby_exportables(path)
     hint = ("; run directories and checkpoints nearby: " + ", ".join(str(p) for p in near)) if near else \
         "; give a run's output_dir (its final/ or newest checkpoints/round-*) or a checkpoint directory"

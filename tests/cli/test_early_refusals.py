@@ -13,20 +13,29 @@ import sys
 
 from tests.cli.conftest import HEAVY, clean_env
 
-# Runs ``main(case)`` for every case of argv[1] (a JSON list), capturing stderr per case.
+# Runs ``main(case)`` for every case of argv[1] (a JSON list), capturing stderr and the CPU seconds per case. With
+# FEDLLM_TEST_FAILING_LOADER set, the model loader fails first (a refusal that comes after the load exits 1 naming it).
 BATCH = """
-import contextlib, io, json, sys
+import contextlib, io, json, os, sys, time
+if os.environ.get("FEDLLM_TEST_FAILING_LOADER"):
+    import fedllm.engine.server
+
+    def never(*args, **kwargs):
+        raise RuntimeError("the model loader was reached")
+
+    fedllm.engine.server.load_model = never
 from fedllm.commands.cli import main
 heavy = %r
 report = []
 for name, argv in json.loads(sys.argv[1]):
     err = io.StringIO()
+    cpu = time.process_time()
     with contextlib.redirect_stderr(err):
         try:
             code = main(argv)
         except SystemExit as e:
             code = e.code
-    report.append({"name": name, "code": code, "stderr": err.getvalue(),
+    report.append({"name": name, "code": code, "stderr": err.getvalue(), "cpu": time.process_time() - cpu,
                    "heavy": [m for m in heavy if m in sys.modules], "loader": "fedllm.engine.server" in sys.modules})
 print("@@BATCH@@" + json.dumps(report))
 """ % (HEAVY,)
@@ -34,7 +43,7 @@ print("@@BATCH@@" + json.dumps(report))
 
 def run_batch(cases, cwd, **env):
     out = subprocess.run([sys.executable, "-c", BATCH, json.dumps(cases)], capture_output=True, text=True,
-                         env=clean_env(**env), cwd=cwd, timeout=600)
+                         env=clean_env(**env), cwd=cwd, timeout=600, check=False)
     lines = [x for x in out.stdout.splitlines() if x.startswith("@@BATCH@@")]
     assert lines, out.stderr[-3000:]
     return {r["name"]: r for r in json.loads(lines[-1][len("@@BATCH@@"):])}
@@ -154,31 +163,6 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
     assert not os.path.exists(work / "runs" / "new")
 
 
-# Like BATCH, with the model loader made to fail (a refusal that comes after the load shows as exit 1 naming it),
-# and the CPU seconds each case took.
-TIMED_BATCH = """
-import contextlib, io, json, sys, time
-import fedllm.engine.server
-
-def never(*args, **kwargs):
-    raise RuntimeError("the model loader was reached")
-
-fedllm.engine.server.load_model = never
-from fedllm.commands.cli import main
-report = []
-for name, argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    cpu = time.process_time()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    report.append({"name": name, "code": code, "stderr": err.getvalue(), "cpu": time.process_time() - cpu})
-print("@@BATCH@@" + json.dumps(report))
-"""
-
-
 def test_recipe_mistakes_are_refused_before_the_model_loads_each_in_seconds(tmp_path, arith_file):
     """The mistakes of a newcomer's trial (issue 52), each against a model whose loading fails: a strategy switched on
     the command line under the recipe's strategy_args, Krum under SecAgg+ (train and --dry-run), AdvBench offline
@@ -208,11 +192,7 @@ def test_recipe_mistakes_are_refused_before_the_model_loads_each_in_seconds(tmp_
         ("export-not-a-run", ["export", "data", "--format", "adapter", "--out", "exported"]),
     ]
     empty_cache = tmp_path / "hf"  # no hub data set is cached here
-    out = subprocess.run([sys.executable, "-c", TIMED_BATCH, json.dumps(cases)], capture_output=True, text=True,
-                         env=clean_env(HF_HOME=str(empty_cache), HF_HUB_OFFLINE="1"), cwd=work, timeout=600)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("@@BATCH@@")]
-    assert lines, out.stderr[-3000:]
-    got = {r["name"]: r for r in json.loads(lines[-1][len("@@BATCH@@"):])}
+    got = run_batch(cases, work, HF_HOME=str(empty_cache), HF_HUB_OFFLINE="1", FEDLLM_TEST_FAILING_LOADER="1")
     said = {name: " ".join(r["stderr"].split()) for name, r in got.items()}
     for name, _ in cases:
         assert got[name]["code"] == 2, (name, said[name])
@@ -231,8 +211,8 @@ def test_recipe_mistakes_are_refused_before_the_model_loads_each_in_seconds(tmp_
     assert "(did you mean 'data/arith.jsonl'?)" in said["data-typo"]
     assert "federation.partition.column: got 'categry'; expected a column of" in said["column-typo"]
     assert "(did you mean 'category'?)" in said["column-typo"]
-    assert "RUN_DIR_OR_CHECKPOINT 'data': not a fedllm run directory or checkpoint; run directories and checkpoints " \
-           f"nearby: {os.path.join('runs', 'old')}" in said["export-not-a-run"]
+    assert "RUN_DIR_OR_CHECKPOINT 'data': neither a run directory with checkpoints nor a fedllm checkpoint; run " \
+           f"directories and checkpoints nearby: {os.path.join('runs', 'old')}" in said["export-not-a-run"]
     assert sorted(p.name for p in work.iterdir()) == ["data", "recipe.yaml", "runs"]  # nothing written
     assert sorted(p.name for p in (work / "runs").iterdir()) == ["old"]
 
