@@ -10,6 +10,8 @@ import tempfile
 
 import pytest
 
+from tests.stop_on_interrupt import pytest_configure, pytest_keyboard_interrupt  # noqa: F401 (Ctrl-C ends every process)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # one CPU thread per test process (and the processes it starts): on tiny models a second OpenMP thread

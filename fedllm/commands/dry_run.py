@@ -98,7 +98,7 @@ class DryRunReport:
             *evals,
             f"  whole run: building, {r.federation.rounds} rounds and the evaluations -> "
             f"up to ~{_duration(self.seconds_total)} at this machine's load now ({_load()})",
-            f"  bytes per round: up {self.bytes_up / 1e6:.2f} MB, down {self.bytes_down / 1e6:.2f} MB "
+            f"  bytes per round: up {self.bytes_up / 1024**2:.2f} MB, down {self.bytes_down / 1024**2:.2f} MB "
             f"({r.federation.comm_dtype})",
             *projection_lines(self.bytes_up, self.bytes_down, r.federation.rounds,
                               r.federation.communication_budget_mb),

@@ -8,8 +8,12 @@ The recipe is read and validated, and the run directory checked (``--overwrite``
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import sys
+from pathlib import Path
+from typing import Optional
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +79,11 @@ def run_train_command(args: argparse.Namespace) -> int:
         compression = recipe.federation.compression
         if recipe.model.quantization != "none" or "none" != compression.upload or "none" != compression.download:
             logs.unblock_bitsandbytes()  # a quantised base, or compressed updates (bitsandbytes' quantisers)
+        from fedllm.recipe.compile_cost import compile_warning
+
+        costly = compile_warning(recipe)  # before the dry run or the run compiles (minutes on a busy machine)
+        if costly and int(os.environ.get("RANK", "0")) == 0:
+            print(f"warning: {costly}", file=sys.stderr)
         if recipe.train.threads is not None:  # the CLI applied the policy before torch loaded; now the count
             threads.apply(recipe.train.threads)
         if args.dry_run:
@@ -87,10 +96,69 @@ def run_train_command(args: argparse.Namespace) -> int:
             return 0
         from fedllm.engine.server import run
 
-        result = run(recipe, resume=args.resume, overwrite=args.overwrite)
+        created = _absent_paths(recipe.output_dir) if int(os.environ.get("RANK", "0")) == 0 else None
+        try:
+            result = run(recipe, resume=args.resume, overwrite=args.overwrite)
+        except BaseException:
+            if created:  # this attempt made output_dir: unless a round finished, take it away again
+                _remove_unstarted_run(created)
+            raise
     finally:
         if blocked:
             logs.unblock_bitsandbytes()
     if int(os.environ.get("RANK", "0")) == 0:
         print(result.run_dir)
     return 0
+
+
+def _absent_paths(output_dir: str) -> Optional[list[Path]]:
+    """``output_dir`` and the parents above it that do not exist yet (what this attempt will create), deepest first;
+    None when ``output_dir`` exists (a run to resume or overwrite, or a directory the user made)."""
+    path = Path(output_dir).expanduser().absolute()
+    if path.exists():
+        return None
+    absent = [path]
+    for parent in path.parents:
+        if parent.exists():
+            break
+        absent.append(parent)
+    return absent
+
+
+def _remove_unstarted_run(created: list[Path]) -> None:
+    """Remove the run directory (and the empty parents) this attempt created, when it holds no finished round: a run
+    that failed before its first round would otherwise block the same command ("already holds a run")."""
+    from fedllm.common.errors import InputError
+    from fedllm.runs import runlock
+    from fedllm.runs.rundir import is_run_dir
+
+    run_dir = created[0]
+    if not is_run_dir(run_dir):
+        return
+    if _rounds_done(run_dir / "metrics.jsonl") or any((run_dir / "checkpoints").glob("round-*")) or \
+            (run_dir / "final").exists():
+        return  # a round finished: the run resumes from there
+    try:
+        with runlock.hold(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+    except InputError:  # another process holds it now: it is theirs
+        return
+    for parent in created[1:]:
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+
+
+def _rounds_done(metrics: Path) -> bool:
+    """Whether ``metrics.jsonl`` records a finished round (round >= 1; a round-0 evaluation is no training)."""
+    if not metrics.is_file():
+        return False
+    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("round"), int) and record["round"] >= 1:
+            return True
+    return False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from fedllm.common.errors import did_you_mean
 from fedllm.data.errors import DataError
 from fedllm.data.templates import field_name
 from fedllm.recipe.schema import DataConfig, PartitionConfig
@@ -141,13 +142,13 @@ def column_problems(data_cfg: DataConfig, partition_cfg: PartitionConfig, record
     for key in fields:
         column = field_name(data_cfg, key)
         if not any(column in r for r in records):
-            problems.append((f"data.fields.{key}", column, have))
+            problems.append((f"data.fields.{key}", column, have + did_you_mean(column, columns)))
     if partition_cfg.method in ("dirichlet", "natural") and not partition_cfg.path:
         column = partition_cfg.column or (field_name(data_cfg, "label") if data_cfg.format == "classification"
                                           else None)
         named = {given for _, given, _ in problems}  # a label column already reported is not reported twice
         if column is not None and column not in named and not any(column in r for r in records):
-            problems.append(("federation.partition.column", column, have))
+            problems.append(("federation.partition.column", column, have + did_you_mean(column, columns)))
     label = field_name(data_cfg, "label")
     if data_cfg.format == "classification" and data_cfg.labels and any(label in r for r in records):
         values = {r[label] for r in records if isinstance(r.get(label), (str, int))}

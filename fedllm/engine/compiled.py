@@ -38,6 +38,7 @@ import contextlib
 import functools
 import logging
 import math
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -202,13 +203,52 @@ def compiled_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None
         if cfg.compile == "cudagraphs":  # on the (eager) module that runs the layers: outside every compiled graph
             hook = stack_owner(model, layers[0]).register_forward_pre_hook(
                 lambda *_: torch.compiler.cudagraph_mark_step_begin())
-        with config.patch(**limits), (compiled_rows(BACKEND) if dynamic else contextlib.nullcontext()):
+        with config.patch(**limits), (compiled_rows(BACKEND) if dynamic else contextlib.nullcontext()), \
+                compile_progress():
             yield  # on a CPU the head's cross-entropy chunk compiled too (fedllm.models.fused_head_loss)
     finally:
         if hook is not None:
             hook.remove()
         for layer, call in zip(layers, before, strict=True):
             layer._compiled_call_impl = call
+
+
+progress = logging.getLogger("fedllm.compile")
+"""Where compiling says what it does (shown at the default log level: a cold compile can take minutes)."""
+
+
+@contextlib.contextmanager
+def compile_progress() -> Iterator[None]:
+    """Context: a line when dynamo starts compiling a graph and one when it is done, with the seconds it took and
+    the seconds spent compiling so far (dynamo's compile callbacks; a graph found in inductor's cache is quick).
+    Compiling runs on the first steps of the first client, and took from ~35 CPU-s (the quickstart; idle 2-core
+    machine, cold cache) to 22 minutes (the tiny recipe on a busy one): without these lines that looked like a hung
+    round."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    if progress.getEffectiveLevel() == logging.WARNING:  # fedllm's default: these lines show; FEDLLM_LOG=error not
+        progress.setLevel(logging.INFO)
+    started: dict[str, float] = {}
+    spent = [0.0]
+
+    def start(args) -> None:
+        started[args.compile_id] = time.perf_counter()
+        what = " (its backward, deferred)" if args.callback_trigger == CallbackTrigger.LAZY_BACKWARD else ""
+        progress.info("train.compile: compiling graph %s%s ...", args.compile_id, what)
+
+    def end(args) -> None:
+        took = time.perf_counter() - started.pop(args.compile_id, time.perf_counter())
+        spent[0] += took
+        progress.info("train.compile: graph %s compiled in %.1f s (%.1f s compiling so far)", args.compile_id, took,
+                      spent[0])
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    try:
+        yield
+    finally:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
 
 
 def stack_owner(model: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module:

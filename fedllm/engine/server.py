@@ -578,7 +578,7 @@ class RoundLoop:
             eta = run_eta(self.history, rounds)
             bar.set_postfix_str(f"run ETA {eta}", refresh=True)
             self.say(f"round {rnd}/{rounds}  clients={record['clients']}  loss={_loss(record)}  "
-                     f"up={record['bytes_up_total'] / 1e6:.2f}MB  down={record['bytes_down_total'] / 1e6:.2f}MB  "
+                     f"up={record['bytes_up_total'] / 1024**2:.2f}MB  down={record['bytes_down_total'] / 1024**2:.2f}MB  "
                      f"{record['seconds']:.1f}s  {round_text(record.get('throughput'))}  ETA {eta}  "
                      f"{_format_metrics(record.get('eval', {}))}".rstrip()
                      + "".join(f"\n  client {c} dropped: {why}" for c, why in record.get("dropped", {}).items()))

@@ -45,7 +45,7 @@ def missing_files(r: Recipe) -> list[tuple[str, Any, str]]:
                                                     f"directory {Path.cwd()})")
             what = what_data(key[len("eval.data."):]) if key.startswith("eval.data.") else ""
             problems.append((key, path, f"an existing local file or directory (or a hub id){where}"
-                                        + (f"; for this task: {what}" if what else "")))
+                                        + (f"; for this task: {what}" if what else "") + path_hint(path)))
         elif key != "federation.partition.path" and _holds_nothing(local, r.data.split if key == "data.path" else None):
             problems.append((key, path, "a data file with at least one record (it is empty)"))
     return problems
@@ -91,6 +91,9 @@ def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool 
             p.extend(split_problems(r.data, r.federation.partition, r.federation.num_clients))
             p.extend(data_problems(r))
         p.extend(missing_fastchat_files(r.eval))
+        from fedllm.recipe.hub_data_checks import hub_data_problems
+
+        p.extend(hub_data_problems(r))  # a hub data set that cannot load from here (offline, not cached)
     p.extend(value_problems(r))
     fed, tr = r.federation, r.train
     from fedllm.common.tracking import TRACKERS
@@ -122,12 +125,14 @@ def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool 
     from fedllm.privacy.recipe_checks import privacy_problems
     from fedllm.recipe.compile_checks import compile_problems
     from fedllm.recipe.compression_checks import compression_problems, dora_problems
+    from fedllm.recipe.extras_checks import extras_problems
     from fedllm.recipe.packing_checks import packing_problems
     from fedllm.recipe.preference_checks import preference_problems
 
     p.extend(privacy_problems(r))
     p.extend(x for x in preference_problems(r) if x not in p)
     p.extend(compression_problems(r) + dora_problems(r) + packing_problems(r) + compile_problems(r))
+    p.extend(extras_problems(r))  # an optional package a feature needs: before anything loads or is written
     return p
 
 
@@ -159,7 +164,7 @@ def check_strategy(recipe: Recipe) -> None:
         problems += [x for x in _client_batching_problems(recipe) if x not in _client_batching_problems(
             recipe, with_strategy=False)]
     if problems:
-        raise RecipeError(recipe.source, problems)
+        raise RecipeError(recipe.source, from_command_line(problems, getattr(recipe, "overrides", None)))
 
 
 def _client_batching_problems(r: Recipe, with_strategy: bool = True) -> list[tuple[str, Any, str]]:
@@ -197,9 +202,33 @@ def parse_recipe(raw: Any, source: str = "<recipe>", overrides: Optional[list[st
         reported = {key for key, _, _ in problems}
         problems.extend(x for x in _semantic_problems(recipe, check_files, ask_strategy) if x[0] not in reported)
     if problems:
-        raise RecipeError(source, problems)
+        raise RecipeError(source, from_command_line(problems, overrides))
     recipe.source = source
+    recipe.overrides = list(overrides or [])
     return recipe
+
+
+def from_command_line(problems: list[tuple[str, Any, str]], overrides: Optional[list[str]]) -> list[tuple[str, Any, str]]:
+    """``problems`` with each one whose key (or a section above it) a dotted override set marked as given on the
+    command line (``federation.rounds=0``), so that it is not looked for in the recipe file."""
+    given: dict[str, str] = {}
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        given[key] = item
+    marked = []
+    for key, value, expected in problems:
+        key_str = str(key)
+        origin = next((item for k, item in given.items()
+                       if key_str == k or key_str.startswith((k + ".", k + "["))), None)
+        if origin is not None and "=" not in origin:  # `federation.rounds 2`: the problem says how to write it
+            origin = None
+        if origin is not None:
+            expected = f"{expected} [set on the command line: {origin}, not in the recipe file]"
+        elif key_str.startswith("federation.strategy_args.") and "federation.strategy" in given:
+            expected = (f"{expected} [the recipe file's argument; the strategy was changed on the command line: "
+                        f"{given['federation.strategy']}]")
+        marked.append((key, value, expected))
+    return marked
 
 
 def load_recipe(path: str | Path, overrides: Optional[list[str]] = None, check_files: bool = False,

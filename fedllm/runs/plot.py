@@ -57,8 +57,13 @@ def series(history: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[flo
                 add(f"eval {metric}", rnd, value)
         if "bytes_up_total" in rec:
             total += rec["bytes_up_total"] + rec.get("bytes_down_total", 0)
-            add("cumulative MB (up + down)", rnd, total / 1e6)
+            add(COMM_AXIS, rnd, total / MB)
     return out
+
+
+MB = 1024**2
+"""Bytes per MB, on the plot as on the console and in summary.json (FlowerTune's ``count_bytes() / 1024**2``)."""
+COMM_AXIS = "cumulative MB (up + down; MB = 1024**2 bytes)"
 
 
 def plot_runs(run_dirs: list[Path], out: Path, labels: Optional[list[str]] = None) -> Path:

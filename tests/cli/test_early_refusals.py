@@ -13,20 +13,29 @@ import sys
 
 from tests.cli.conftest import HEAVY, clean_env
 
-# Runs ``main(case)`` for every case of argv[1] (a JSON list), capturing stderr per case.
+# Runs ``main(case)`` for every case of argv[1] (a JSON list), capturing stderr and the CPU seconds per case. With
+# FEDLLM_TEST_FAILING_LOADER set, the model loader fails first (a refusal that comes after the load exits 1 naming it).
 BATCH = """
-import contextlib, io, json, sys
+import contextlib, io, json, os, sys, time
+if os.environ.get("FEDLLM_TEST_FAILING_LOADER"):
+    import fedllm.engine.server
+
+    def never(*args, **kwargs):
+        raise RuntimeError("the model loader was reached")
+
+    fedllm.engine.server.load_model = never
 from fedllm.commands.cli import main
 heavy = %r
 report = []
 for name, argv in json.loads(sys.argv[1]):
     err = io.StringIO()
+    cpu = time.process_time()
     with contextlib.redirect_stderr(err):
         try:
             code = main(argv)
         except SystemExit as e:
             code = e.code
-    report.append({"name": name, "code": code, "stderr": err.getvalue(),
+    report.append({"name": name, "code": code, "stderr": err.getvalue(), "cpu": time.process_time() - cpu,
                    "heavy": [m for m in heavy if m in sys.modules], "loader": "fedllm.engine.server" in sys.modules})
 print("@@BATCH@@" + json.dumps(report))
 """ % (HEAVY,)
@@ -34,7 +43,7 @@ print("@@BATCH@@" + json.dumps(report))
 
 def run_batch(cases, cwd, **env):
     out = subprocess.run([sys.executable, "-c", BATCH, json.dumps(cases)], capture_output=True, text=True,
-                         env=clean_env(**env), cwd=cwd, timeout=600)
+                         env=clean_env(**env), cwd=cwd, timeout=600, check=False)
     lines = [x for x in out.stdout.splitlines() if x.startswith("@@BATCH@@")]
     assert lines, out.stderr[-3000:]
     return {r["name"]: r for r in json.loads(lines[-1][len("@@BATCH@@"):])}
@@ -152,3 +161,81 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
     assert sorted(p.name for p in (work / "runs").iterdir()) == ["notasks", "quickstart"]
     assert [p.name for p in (work / "runs" / "notasks").iterdir()] == ["recipe.yaml"]
     assert not os.path.exists(work / "runs" / "new")
+
+
+def test_recipe_mistakes_are_refused_before_the_model_loads_each_in_seconds(tmp_path, arith_file):
+    """The mistakes of a newcomer's trial (issue 52), each against a model whose loading fails: a strategy switched on
+    the command line under the recipe's strategy_args, Krum under SecAgg+ (train and --dry-run), AdvBench offline
+    without its data, an override out of range, a mistyped data file and column, an export of a directory that holds
+    no run. Every one exits 2 naming where the mistake came from, in under 10 CPU-seconds."""
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "arith.jsonl").write_text(arith_file.read_text())
+    (work / "runs" / "old" / "final").mkdir(parents=True)
+    (work / "runs" / "old" / ".fedllm-run").write_text("{}")
+    (work / "recipe.yaml").write_text(
+        "output_dir: runs/new\nmodel: {name: tiny-llama}\nlora: {r: 4}\n"
+        "data: {path: data/arith.jsonl, fields: {instruction: question, output: answer}}\n"
+        "federation: {num_clients: 8, clients_per_round: 6, rounds: 2, strategy: frlora,\n"
+        "             strategy_args: {svd: randomized, niter: 2}}\ntrain: {local_steps: 1}\n")
+    cases = [
+        ("strategy-switch", ["train", "recipe.yaml", "federation.strategy=fedavg"]),
+        ("krum-secagg", ["train", "recipe.yaml", "federation.strategy=krum", "federation.strategy_args={}",
+                         "privacy.secure_aggregation=secagg_plus"]),
+        ("krum-secagg-dry", ["train", "recipe.yaml", "--dry-run", "federation.strategy=krum",
+                             "federation.strategy_args={}", "privacy.secure_aggregation=secagg_plus"]),
+        ("advbench-offline", ["train", "recipe.yaml", "eval.tasks=[advbench]"]),
+        ("rounds", ["train", "recipe.yaml", "federation.rounds=0"]),
+        ("data-typo", ["train", "recipe.yaml", "data.path=data/arth.jsonl"]),
+        ("column-typo", ["train", "recipe.yaml", "federation.partition.method=natural",
+                         "federation.partition.column=categry"]),
+        ("export-not-a-run", ["export", "data", "--format", "adapter", "--out", "exported"]),
+    ]
+    empty_cache = tmp_path / "hf"  # no hub data set is cached here
+    got = run_batch(cases, work, HF_HOME=str(empty_cache), HF_HUB_OFFLINE="1", FEDLLM_TEST_FAILING_LOADER="1")
+    said = {name: " ".join(r["stderr"].split()) for name, r in got.items()}
+    for name, _ in cases:
+        assert got[name]["code"] == 2, (name, said[name])
+        assert got[name]["cpu"] < 10, (name, got[name]["cpu"])
+    assert "federation.strategy_args.svd: got 'randomized'; expected an argument of fedavg" in said["strategy-switch"]
+    assert "the strategy was changed on the command line: federation.strategy=fedavg" in said["strategy-switch"]
+    for case in ("krum-secagg", "krum-secagg-dry"):
+        assert "privacy.secure_aggregation: got 'secagg_plus'; expected none with federation.strategy 'krum'" \
+            in said[case]
+        assert "[set on the command line: privacy.secure_aggregation=secagg_plus, not in the recipe file]" in said[case]
+    assert "eval.data.advbench: got None; expected data that loads from here (a local file of the data): the hub " \
+           "data set 'walledai/AdvBench' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" \
+        in said["advbench-offline"]
+    assert "federation.rounds: got 0; expected a positive integer [set on the command line: federation.rounds=0, " \
+           "not in the recipe file]" in said["rounds"]
+    assert "(did you mean 'data/arith.jsonl'?)" in said["data-typo"]
+    assert "federation.partition.column: got 'categry'; expected a column of" in said["column-typo"]
+    assert "(did you mean 'category'?)" in said["column-typo"]
+    assert "RUN_DIR_OR_CHECKPOINT 'data': neither a run directory with checkpoints nor a fedllm checkpoint; run " \
+           f"directories and checkpoints nearby: {os.path.join('runs', 'old')}" in said["export-not-a-run"]
+    assert sorted(p.name for p in work.iterdir()) == ["data", "recipe.yaml", "runs"]  # nothing written
+    assert sorted(p.name for p in (work / "runs").iterdir()) == ["old"]
+
+
+def test_the_export_checks_know_a_checkpoint_by_the_files_the_checkpoints_write():
+    """``fedllm export``'s torch-free check and the checkpoint module name the same files."""
+    from fedllm.commands.export import CHECKPOINT_FILES
+    from fedllm.runs import checkpoint
+
+    assert CHECKPOINT_FILES == checkpoint._CHECKPOINT_FILES
+
+
+def test_the_default_hub_data_of_each_task_is_the_tasks_own():
+    """The table the recipe checks read (no task imported) against the tasks' ``hub`` sources."""
+    from fedllm.common.registry import tasks
+    from fedllm.evaluation.tasks import advbench
+    from fedllm.recipe.hub_data_checks import TASK_HUB_DATA
+
+    for name in tasks.names():
+        cls = tasks.get(name)
+        hub = advbench.HUB if name == "advbench" else getattr(cls, "hub", None)
+        if name.startswith("flowertune"):
+            continue
+        assert (TASK_HUB_DATA.get(name) or (None,))[0] == (hub.path if hub else None), name
+        if hub:
+            assert TASK_HUB_DATA[name][1] == bool(getattr(cls, "uses_records", False)), name

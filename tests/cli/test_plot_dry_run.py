@@ -15,13 +15,42 @@ def png_size(path):
 
 
 def test_series_cumulates_bytes_and_splits_eval():
+    """Bytes in MB of 1024**2 bytes, the unit of the console's round lines and summary (README's quickstart: 56.25 MB
+    on the console was 59 on the plot, which divided by 10**6)."""
     history = [{"round": 0, "eval": {"acc": 0.1}},
-               {"round": 1, "train_loss": 2.0, "bytes_up_total": 1e6, "bytes_down_total": 2e6, "eval": {"acc": 0.2}},
-               {"round": 2, "train_loss": 1.0, "bytes_up_total": 1e6, "bytes_down_total": 2e6}]
+               {"round": 1, "train_loss": 2.0, "bytes_up_total": 1 << 20, "bytes_down_total": 2 << 20,
+                "eval": {"acc": 0.2}},
+               {"round": 2, "train_loss": 1.0, "bytes_up_total": 1 << 20, "bytes_down_total": 2 << 20}]
     s = series(history)
     assert s["train loss"] == ([1, 2], [2.0, 1.0])
     assert s["eval acc"] == ([0, 1], [0.1, 0.2])
-    assert s["cumulative MB (up + down)"] == ([1, 2], [3.0, 6.0])
+    assert s["cumulative MB (up + down; MB = 1024**2 bytes)"] == ([1, 2], [3.0, 6.0])
+
+
+def test_round_lines_plot_and_summary_count_bytes_in_one_unit(tmp_path, arith_file, capsys):
+    """The console's per-round ``up=``/``down=`` MB, summed over the rounds, equal the summary line's MB total and
+    the plot's last cumulative MB (one unit: 1024**2 bytes)."""
+    import re
+
+    from fedllm.runs.rundir import read_metrics
+
+    (tmp_path / "r.yaml").write_text(
+        f"output_dir: {tmp_path / 'run'}\nmodel: {{name: tiny-llama}}\nlora: {{r: 32}}\n"
+        f"data: {{path: {arith_file}, fields: {{instruction: question, output: answer}}}}\n"
+        "federation: {num_clients: 3, clients_per_round: 2, rounds: 2}\n"
+        "train: {local_steps: 1, batch_size: 2, max_length: 32, dtype: fp32}\nlogging: {progress: false}\n")
+    assert main(["train", str(tmp_path / "r.yaml")]) == 0  # r=32: rounds of ~0.5 MB, where 10**6 and 1024**2 differ
+    err = capsys.readouterr().err
+    per_round = re.findall(r"up=([\d.]+)MB  down=([\d.]+)MB", err)
+    total = float(re.search(r"communication: ([\d.,]+) MB up \+ down \(MB = 1024\*\*2 bytes\)", err).group(1))
+    history = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    plotted = series(history)["cumulative MB (up + down; MB = 1024**2 bytes)"][1][-1]
+    exact = sum(r["bytes_up_total"] + r["bytes_down_total"] for r in history) / 1024**2
+    assert per_round == [(f"{r['bytes_up_total'] / 1024**2:.2f}", f"{r['bytes_down_total'] / 1024**2:.2f}")
+                         for r in history if r["round"] >= 1]
+    assert per_round != [(f"{r['bytes_up_total'] / 1e6:.2f}", f"{r['bytes_down_total'] / 1e6:.2f}")
+                         for r in history if r["round"] >= 1]  # the sizes tell the two units apart
+    assert total == pytest.approx(exact, abs=0.0051) and plotted == pytest.approx(exact)
 
 
 @pytest.fixture(scope="module")

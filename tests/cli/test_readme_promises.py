@@ -157,3 +157,14 @@ def test_ci_runs_readmes_test_command():
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert install in ci_lines
     assert f"{pytest_command} || status=$?" in ci_lines
+
+
+def test_readmes_set_up_makes_a_virtual_environment_before_installing_as_ci_does():
+    """A newcomer following README installs into a virtual environment of its own (issue 52: README never said so),
+    made and activated with .ci/run's own lines, before the first ``pip install``."""
+    text = section("Set up")
+    venv = "python3 -m venv .venv && . .venv/bin/activate"
+    assert venv in text and text.index(venv) < text.index("pip install")
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci_lines.index("python3 -m venv .venv") < ci_lines.index(". .venv/bin/activate") < next(
+        i for i, line in enumerate(ci_lines) if line.startswith("pip install"))

@@ -15,7 +15,8 @@ def test_every_column_and_class_name_that_misses_the_data_is_named():
     data = DataConfig(format="classification", fields={"text": "sentence", "label": "sentimnt"}, labels=["pos", "neg"])
     got = column_problems(data, PartitionConfig(method="natural", column="usr"), RECORDS, "d.jsonl")
     have = "a column of d.jsonl (its records have sentence, sentiment, user)"
-    assert got == [("data.fields.label", "sentimnt", have), ("federation.partition.column", "usr", have)]
+    assert got == [("data.fields.label", "sentimnt", have + " (did you mean 'sentiment' or 'sentence'?)"),
+                   ("federation.partition.column", "usr", have + " (did you mean 'user'?)")]
     data = DataConfig(format="classification", fields={"text": "sentence", "label": "sentiment"}, labels=["pos", "neg"])
     assert column_problems(data, PartitionConfig(method="natural", column="user"), RECORDS, "d.jsonl") == [
         ("data.labels", ["pos", "neg"], "class names covering every label of d.jsonl (not named: 'meh')")]

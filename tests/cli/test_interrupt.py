@@ -1,0 +1,130 @@
+"""One Ctrl-C stops README's ``pytest -n 2`` within seconds, its workers and every process their tests started with
+it (tests/stop_on_interrupt.py)."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.cli.conftest import ROOT, clean_env
+
+SLEEPERS = ["tests/assets/interrupt/sleepers_a.py", "tests/assets/interrupt/sleepers_b.py"]
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (no such process, or a zombie waiting for its parent to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return any(not _gone(pid) for pid in _group_members(pgid))
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as f:
+            if entry.isdigit() and int(f.read().rpartition(")")[2].split()[2]) == pgid:
+                members.append(int(entry))
+    return members
+
+
+def test_one_ctrl_c_stops_a_two_worker_run_and_every_process_its_tests_started(tmp_path):
+    """Two workers, each in a test waiting on a child (one in the workers' process group, one in a session of its
+    own, as Flower's processes are); the tests write a marker once their child runs, then SIGINT goes to the run's
+    process group once, as a terminal's Ctrl-C does. Before the fix: exit after 14 s (pytest-xdist's 10 s wait for
+    its workers) and the child in its own session still running.
+
+    The run leaves out the repository's conftest (``--noconftest``; its session fixture imports torch in each worker:
+    90 s at load 14) and takes in the same hooks it does (``-p tests.stop_on_interrupt``; the next test checks that
+    conftest has them)."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-p",
+                            "tests.stop_on_interrupt", "-n", "2", *SLEEPERS], cwd=ROOT, start_new_session=True,
+                           env=clean_env(FEDLLM_INTERRUPT_MARKERS=str(markers)), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(markers.iterdir())) < 2:  # both tests run, each waiting on its child
+            assert run.poll() is None, run.stdout.read()
+            assert time.monotonic() < deadline, "the tests never started their children"
+            time.sleep(0.1)
+        children = [int(p.read_text()) for p in markers.iterdir()]
+        os.killpg(run.pid, signal.SIGINT)
+        sent = time.monotonic()
+        try:
+            run.wait(timeout=60)
+        finally:
+            took = time.monotonic() - sent
+        out = run.stdout.read()
+        assert took < 10, (took, out[-2000:])
+        assert run.returncode == 2 and "KeyboardInterrupt" in out, out[-2000:]
+        deadline = time.monotonic() + 5  # the kernel may take a moment to tear a killed process down
+        while (_group_alive(run.pid) or not all(map(_gone, children))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _group_alive(run.pid), _group_members(run.pid)
+        assert all(map(_gone, children)), [pid for pid in children if not _gone(pid)]
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+
+
+def test_the_suites_conftest_takes_in_the_interrupt_hooks():
+    """README's command runs with tests/conftest.py: the hooks the test above runs are its."""
+    import tests.conftest
+    import tests.stop_on_interrupt
+
+    for hook in ("pytest_configure", "pytest_keyboard_interrupt"):
+        assert getattr(tests.conftest, hook) is getattr(tests.stop_on_interrupt, hook)
+
+
+TREE = """
+import json, os, subprocess, sys, time
+from tests.stop_on_interrupt import descendants, stop_descendants
+
+script = ("import subprocess, sys, time\\n"
+          "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\\n"
+          "print(g.pid, flush=True)\\n"
+          "time.sleep(600)\\n")
+child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+grandchild = int(child.stdout.readline())
+before = descendants(os.getpid())
+start = time.monotonic()
+stop_descendants(grace_s=2.0)
+print(json.dumps({"child": child.pid, "grandchild": grandchild, "before": before, "after": descendants(os.getpid()),
+                  "seconds": time.monotonic() - start}))
+"""
+
+
+def test_stopping_ends_a_whole_tree_a_child_in_its_own_session_included():
+    """:func:`stop_descendants`, in a process of its own: it finds its child and the grandchild in a session of its
+    own (which no terminal's SIGINT reaches), ends both on SIGTERM within the grace, and nothing is left."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", TREE], capture_output=True, text=True, env=clean_env(), cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    try:
+        assert {got["child"], got["grandchild"]} <= set(got["before"])
+        assert got["after"] == [] and got["seconds"] < 2.0  # SIGTERM was enough: no wait for the SIGKILL
+        assert _gone(got["grandchild"])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(got["grandchild"], signal.SIGKILL)
