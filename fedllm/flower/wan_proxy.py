@@ -34,7 +34,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -165,15 +165,19 @@ class WanProxy:
         down: the server -> client direction.
         seed: seeds every random draw (jitter, loss).
         cuts: connections to reset (each once).
+        observer: called with ``(connection number, direction, bytes)`` for everything forwarded.
         listen: ``(host, port)`` to listen on; port 0 picks a free one (see :attr:`address`).
     """
 
     def __init__(self, target: tuple[str, int], up: Link = Link(), down: Link = Link(), seed: int = 0,
-                 cuts: tuple[Cut, ...] = (), listen: tuple[str, int] = ("127.0.0.1", 0)):
+                 cuts: tuple[Cut, ...] = (), listen: tuple[str, int] = ("127.0.0.1", 0),
+                 observer: Callable[[int, str, bytes], object] | None = None):
         _loopback(target[0], "target")
         _loopback(listen[0], "listen address")
-        self.target, self.links, self.seed, self.listen = target, {UP: up, DOWN: down}, seed, listen
+        self.target, self.seed, self.listen = target, seed, listen
+        self.links = {UP: up, DOWN: down}  # may be replaced while running: open connections follow
         self.pending_cuts = list(cuts)
+        self.observer = observer  # sees (connection, direction, bytes) of everything forwarded (a bench's tap)
         self.stats = Stats()
         self.server: asyncio.base_events.Server | None = None
         self.started = 0.0
@@ -268,6 +272,11 @@ class WanProxy:
         read_size = max(1, min(link.segment_bytes, link.burst_bytes))
         try:
             while not cut.is_set():
+                if self.links[direction] is not link:  # changed between runs (a bench's next profile)
+                    link = self.links[direction]
+                    bucket = TokenBucket(link.bytes_per_s, link.burst_bytes, loop.time())
+                    draws = Segments(link, (self.seed, number, direction, offset))
+                    read_size = max(1, min(link.segment_bytes, link.burst_bytes))
                 pending = self._byte_cut(direction)
                 want = read_size
                 if pending is not None:
@@ -289,6 +298,8 @@ class WanProxy:
                     await asyncio.sleep(stalls * link.stall_ms / 1e3)
                 offset += len(data)
                 self.stats.bytes[direction] += len(data)
+                if self.observer is not None:
+                    self.observer(number, direction, data)
                 if pending is not None and self.stats.bytes[direction] >= pending.at_byte \
                         and pending in self.pending_cuts:
                     self.pending_cuts.remove(pending)
