@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fedllm.flower.wan_proxy import DOWN, UP, Link, WanProxy, running  # noqa: E402
+from fedllm.flower.wan_proxy import DOWN, UP, Link, WanProxy, running
 
 PAYLOAD_RANK = {"quickstart": 8, "7b": 146}  # SmolLM2-135M, q/k/v/o of 30 layers: 460 800 fp32 bytes per unit of r
 RTT_MS = {"loopback": 0, "region": 20, "continent": 80, "intercontinental": 200}
@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--keep", help="keep the runs and logs in this new directory")
     args = ap.parse_args()
 
-    from scaling import flower_run  # noqa: E402 — bench/scaling.py: the loopback deployment
+    from scaling import flower_run
 
     from tests.conftest import arith_records, write_jsonl
 
