@@ -82,7 +82,7 @@ def recipe(args: argparse.Namespace, data: Path, out: Path, secure: bool) -> dic
         "eval": {"tasks": []}, "checkpoint": {"every": 0}, "logging": {"progress": False, "quiet": True},
     }
     if secure:
-        raw["privacy"] = {"secure_aggregation": "secagg_plus", "secagg": {"max_dropouts": 1, "neighbours": 2}}
+        raw["privacy"] = {"secure_aggregation": "secagg_plus", "secagg": {"max_dropouts": 1, "neighbours": 3}}
     return raw
 
 
@@ -110,7 +110,7 @@ class Tap:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--payload", choices=sorted(PAYLOAD_RANK), default="quickstart")
-    ap.add_argument("--clients", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trials", type=int, default=1, help="passes over every profile (interleaved)")
     ap.add_argument("--profiles", default="loopback,region,continent,intercontinental")

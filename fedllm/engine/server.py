@@ -34,7 +34,6 @@ from fedllm.engine.client import micro_batch_loss, run_client
 from fedllm.engine.compiled import compile_choice
 from fedllm.engine.compressed_rounds import Downlink
 from fedllm.engine.distributed import Dispatch
-from fedllm.engine.round_deadline import RoundDeadline, arrival_seconds
 from fedllm.engine.reference import (
     EVAL_REFERENCE_KEY,
     HELD_OUT,
@@ -42,6 +41,7 @@ from fedllm.engine.reference import (
     precompute_references,
     with_reference,
 )
+from fedllm.engine.round_deadline import RoundDeadline, arrival_seconds
 from fedllm.engine.secure_rounds import SecureRound, SummedUpdate
 from fedllm.engine.throughput import Throughput, round_text
 from fedllm.evaluation.personal import personal_stats
@@ -474,17 +474,21 @@ class RoundLoop:
         self.accepted_norms = [norms[u.client_id] for u in kept] or self.accepted_norms
         return kept
 
-    def drop_late(self, rnd: int, updates: list[ClientUpdate], sampled: int,
-                  dropped: dict[int, str]) -> list[ClientUpdate]:
+    def drop_late(self, rnd: int, updates: list[ClientUpdate], sampled: int, dropped: dict[int, str],
+                  silent: tuple[int, ...] = ()) -> list[ClientUpdate]:
         """The round deadline (``federation.round_deadline``, :mod:`fedllm.engine.round_deadline`): the updates that
-        arrived in time; each late client goes into ``dropped`` (with its arrival time) and :attr:`late`. Its
-        per-client state is put back as it was before the round by :meth:`run_round`."""
+        arrived in time; each late client (and each ``silent`` one, whose upload had not arrived when a transport
+        stopped waiting at the deadline) goes into ``dropped`` and :attr:`late`. Its per-client state is put back
+        as it was before the round by :meth:`run_round`."""
         self.late, self.deadline_s = {}, None
-        if self.deadline is None or not updates:
+        if self.deadline is None or not (updates or silent):
             return updates
-        self.late, self.deadline_s = self.deadline.late({u.client_id: arrival_seconds(u) for u in updates}, sampled)
+        arrivals = {u.client_id: arrival_seconds(u) for u in updates} | dict.fromkeys(silent, math.inf)
+        self.late, self.deadline_s = self.deadline.late(arrivals, sampled)
         for cid, t in self.late.items():
-            dropped[cid] = f"late: its upload arrived {t:.3f} s into the round, after the deadline {self.deadline_s:.3f} s"
+            dropped[cid] = (f"late: its upload arrived {t:.3f} s into the round, after the deadline "
+                            f"{self.deadline_s:.3f} s" if math.isfinite(t) else
+                            f"late: no upload by the round's deadline {self.deadline_s:.3f} s")
         return [u for u in updates if u.client_id not in self.late]
 
     def stop(self, rnd: int, why: str) -> None:
@@ -557,7 +561,7 @@ class RoundLoop:
             record["dropped"] = {str(c): why for c, why in dropped.items()}
         if self.deadline_s is not None:
             record["round_deadline_s"] = round(self.deadline_s, 3) if math.isfinite(self.deadline_s) else None
-            record["late"] = {str(c): round(t, 3) for c, t in sorted(self.late.items())}
+            record["late"] = {str(c): round(t, 3) if math.isfinite(t) else None for c, t in sorted(self.late.items())}
         if retries:
             record["retries"] = retries
             record["bytes_down_total"] += sum(r["bytes_down_total"] for r in retries)
