@@ -188,8 +188,16 @@ class WanProxy:
         """``(host, port)`` the proxy listens on (after :meth:`start`)."""
         return self.server.sockets[0].getsockname()[:2]
 
+    def cut_after(self, direction: str, more_bytes: int) -> None:
+        """Reset the connection that carries the byte ``more_bytes`` after what ``direction`` has carried so far (from
+        any thread: a test arms it when its process reaches a point)."""
+        def arm() -> None:
+            self.pending_cuts.append(Cut(direction, at_byte=self.stats.bytes[direction] + more_bytes))
+        self.loop.call_soon_threadsafe(arm)
+
     async def start(self) -> None:
         """Listen (returns once the port is open)."""
+        self.loop = asyncio.get_running_loop()
         self.started = time.monotonic()
         self.server = await asyncio.start_server(self._serve, *self.listen)
 

@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from fedllm.engine import server
-from fedllm.flower.wan_proxy import DOWN, UP, Link, WanProxy, running
+from fedllm.flower.wan_proxy import DOWN, UP, Link
 from fedllm.recipe.checks import parse_recipe
-from tests.flower_cluster import assert_matches, env_for, free_port, port_open, start, stop, wait_until
+from tests.flower_cluster import assert_matches, wait_until
+from tests.flower_wan.wan_cluster import wan_deployment
 
 SLOW = Link(mbit_s=0.001, burst_bytes=64)  # 125 B/s: a reply of ~10 kB takes minutes; back to fast within 0.5 s
 
@@ -24,37 +25,22 @@ def _rounds(run_dir):
 @pytest.mark.slow
 def test_the_deadline_drops_a_slow_node_and_the_run_equals_the_simulation_without_it(tiny_recipe, tmp_path,
                                                                                     monkeypatch):
-    env = env_for(tmp_path / "flwr-home")
-    port = free_port()
-    procs = [start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--runs-dir",
-                    str(tmp_path)], tmp_path / "superlink.log", env)]
     raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 3, "rounds": 2, "round_deadline": "10x"},
                       train={"optimizer_state": "per_client"})
     raw["output_dir"] = str(tmp_path / "flower-run")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(raw))
-    try:
-        wait_until(lambda: port_open(port), 120, "SuperLink listening", tmp_path / "superlink.log")
-        with running(WanProxy(("127.0.0.1", port))) as proxy:
-            for cid in range(3):
-                address = f"127.0.0.1:{proxy.address[1] if cid == 2 else port}"
-                procs.append(start(["flower", "supernode", "--superlink", address, "--client", str(cid), "--insecure",
-                                    "--state-dir", str(tmp_path / "state"), "--port", str(free_port())],
-                                   tmp_path / f"supernode{cid}.log", env))
-            run = start(["flower", "run", str(recipe), "--superlink", f"127.0.0.1:{port}", "--insecure", "--timeout",
-                         "600"], tmp_path / "run.log", env)
-            procs.append(run)
-            node_log = tmp_path / "supernode2.log"
-            wait_until(lambda: "Receiving: train message" in node_log.read_text(errors="replace"), 600,
-                       "node 2's round-1 train message", node_log, every_s=0.02)
-            proxy.links = {UP: SLOW, DOWN: SLOW}  # its reply now crawls
-            run_dir = tmp_path / "flower-run"
-            wait_until(lambda: len(_rounds(run_dir)) >= 1, 600, "round 1 aggregated", tmp_path / "run.log")
-            proxy.links = {UP: Link(), DOWN: Link()}  # back to loopback for round 2
-            assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    finally:
-        for p in reversed(procs):
-            stop(p)
+    run_dir = tmp_path / "flower-run"
+    with wan_deployment(tmp_path, 3) as (port, proxies, _, launch):
+        run = launch(["flower", "run", str(recipe), "--superlink", f"127.0.0.1:{port}", "--insecure", "--timeout",
+                      "600"], "run.log")
+        node_log = tmp_path / "supernode2.log"
+        wait_until(lambda: "Receiving: train message" in node_log.read_text(errors="replace"), 600,
+                   "node 2's round-1 train message", node_log, every_s=0.02)
+        proxies[2].links = {UP: SLOW, DOWN: SLOW}  # its reply now crawls
+        wait_until(lambda: len(_rounds(run_dir)) >= 1, 600, "round 1 aggregated", tmp_path / "run.log")
+        proxies[2].links = {UP: Link(), DOWN: Link()}  # back to loopback for round 2
+        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
 
     first, second = _rounds(run_dir)
     assert first["late"] == {"2": None} and first["dropped"]["2"].startswith("late: no upload by the round's deadline")
