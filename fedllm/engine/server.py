@@ -517,8 +517,9 @@ class RoundLoop:
             sampled = sample_clients(strategy.sampling_seed(recipe.seed), rnd, fed.num_clients,
                                      recipe.sampled_per_round(), attempt, frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
+            self.late, self.deadline_s = {}, None  # set by drop_late, which the executor calls
             updates, down, dropped = self.executor.train(self, rnd, sampled, lr, bar)
-            for cid in self.late:  # a late client's state stays as before the round (its next starts from the new global)
+            for cid in self.late:  # a late client keeps its state from before the round: its next starts afresh
                 self.store.put(cid, before[cid])
             if not secure_aggregation(recipe.privacy):  # the server sees no single update to measure
                 updates = self.screen_updates(rnd, updates, dropped, before)

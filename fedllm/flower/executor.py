@@ -251,7 +251,7 @@ class FlowerExecutor:
         while pending or offline:
             for m in self.grid.pull_messages(set(pending)) if pending else []:
                 wait.reset()  # the other nodes' answers are often close behind
-                if arrived is not None:
+                if arrived is not None and not m.has_error():
                     arrived[self.origin.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)] = \
                         time.monotonic() - start
                 sent = pending.pop(m.metadata.reply_to_message_id, None)
