@@ -123,10 +123,12 @@ def rounds_of(run_dir: Path) -> list[float]:
 
 def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path, env: dict, timeout: float,
                repeats: int = 1, between=None, cpu: list[float] | None = None,
-               cpu_kinds: list[dict[str, float]] | None = None) -> list[Path]:
+               cpu_kinds: list[dict[str, float]] | None = None, node_superlink=None) -> list[Path]:
     """Run ``recipe`` ``repeats`` times over one loopback SuperLink with one SuperNode per client (calling
     ``between(i)`` before run ``i``); return the run directories (and append each run's CPU seconds, of every
-    process of the deployment and of ``fedllm flower run``, to ``cpu``, and by process kind to ``cpu_kinds``)."""
+    process of the deployment and of ``fedllm flower run``, to ``cpu``, and by process kind to ``cpu_kinds``).
+    ``node_superlink(client, superlink_port)`` gives the address client's SuperNode connects to (bench/wan_rounds.py:
+    a WAN proxy's); default the SuperLink's."""
     port = free_port()
     env = {**env, "FLWR_HOME": str(work / "flwr-home")}
     procs = []
@@ -148,7 +150,8 @@ def flower_run(recipe: Path, overrides: list[str], num_clients: int, work: Path,
                     raise RuntimeError("SuperLink did not start") from None
                 time.sleep(0.3)
         for cid in range(num_clients):
-            start(["supernode", "--superlink", f"127.0.0.1:{port}", "--client", str(cid), "--insecure",
+            address = node_superlink(cid, port) if node_superlink is not None else f"127.0.0.1:{port}"
+            start(["supernode", "--superlink", address, "--client", str(cid), "--insecure",
                    "--state-dir", str(work / "state"), "--port", str(free_port())], f"supernode{cid}")
         outs = []
         for i in range(repeats):

@@ -103,6 +103,7 @@ class DryRunReport:
             *projection_lines(self.bytes_up, self.bytes_down, r.federation.rounds,
                               r.federation.communication_budget_mb),
             *(self.costs.lines() if self.costs is not None else []),
+            *deadline_lines(r),
             f"  nothing was written to {r.output_dir}",
         ])
 
@@ -126,8 +127,24 @@ class UntimedReport:
             *self.costs.lines(),
             *projection_lines(self.costs.comm.round_up, self.costs.comm.round_down, r.federation.rounds,
                               r.federation.communication_budget_mb),
+            *deadline_lines(r),
             f"  nothing was written to {r.output_dir}",
         ])
+
+
+def deadline_lines(r: Recipe) -> list[str]:
+    """``federation.round_deadline``: how long a round waits and what a late client means for the strategy."""
+    if r.federation.round_deadline is None:
+        return []
+    from fedllm.common.registry import strategies
+    from fedllm.engine.round_deadline import RoundDeadline
+
+    deadline = RoundDeadline.of(r.federation.round_deadline, r.federation.min_clients_per_round)
+    secure = ("; under SecAgg+ a late client is a dropout (a round completes with at most "
+              f"privacy.secagg.max_dropouts = {r.privacy.secagg.max_dropouts} of them)") \
+        if r.privacy.secure_aggregation == "secagg_plus" else ""
+    return [f"  round deadline: {deadline.describe()}; a late client is "
+            f"{strategies.get(r.federation.strategy).late_update}{secure}"]
 
 
 def packing_note(r: Recipe) -> str:

@@ -41,6 +41,7 @@ from fedllm.engine.reference import (
     precompute_references,
     with_reference,
 )
+from fedllm.engine.round_deadline import RoundDeadline, arrival_seconds
 from fedllm.engine.secure_rounds import SecureRound, SummedUpdate
 from fedllm.engine.throughput import Throughput, round_text
 from fedllm.evaluation.personal import personal_stats
@@ -230,6 +231,7 @@ class LocalExecutor:
         loop.store.update(changed)
         strategy.uploads_seen(rnd, client_faults.steps_seen(updates))  # before any is dropped (DP-SGD counts them)
         updates, dropped = client_faults.split_dropped(updates)
+        updates = loop.drop_late(rnd, updates, len(sampled), dropped)  # before SecAgg+ unmasks: late = dropout
         if secure is not None:
             updates, lost, loop.secure_record = secure.finish(updates)
             for cid, why in lost.items():
@@ -334,6 +336,10 @@ class RoundLoop:
         self.accepted_norms: list[float] = []  # update norms of the last round (outlier reference)
         self.final_written = False  # resumed from final/ (stopped before summary.json): only the summary is left
         self.secure_record: dict[str, Any] = {}  # the last round's secure-aggregation figures (metrics.jsonl)
+        self.deadline = RoundDeadline.of(self.recipe.federation.round_deadline,
+                                         self.recipe.federation.min_clients_per_round)
+        self.late: dict[int, float] = {}  # the last round's late clients: {client: arrival seconds}
+        self.deadline_s: Optional[float] = None  # the last round's deadline in seconds from its start
         if secure_aggregation(self.recipe.privacy) and not getattr(self.executor, "runs_secure_aggregation", False):
             raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus runs in simulation (one "
                              f"or N processes) and on Flower; {type(self.executor).__name__} does not run it")
@@ -468,6 +474,23 @@ class RoundLoop:
         self.accepted_norms = [norms[u.client_id] for u in kept] or self.accepted_norms
         return kept
 
+    def drop_late(self, rnd: int, updates: list[ClientUpdate], sampled: int, dropped: dict[int, str],
+                  silent: tuple[int, ...] = ()) -> list[ClientUpdate]:
+        """The round deadline (``federation.round_deadline``, :mod:`fedllm.engine.round_deadline`): the updates that
+        arrived in time; each late client (and each ``silent`` one, whose upload had not arrived when a transport
+        stopped waiting at the deadline) goes into ``dropped`` and :attr:`late`. Its per-client state is put back
+        as it was before the round by :meth:`run_round`."""
+        self.late, self.deadline_s = {}, None
+        if self.deadline is None or not (updates or silent):
+            return updates
+        arrivals = {u.client_id: arrival_seconds(u) for u in updates} | dict.fromkeys(silent, math.inf)
+        self.late, self.deadline_s = self.deadline.late(arrivals, sampled)
+        for cid, t in self.late.items():
+            dropped[cid] = (f"late: its upload arrived {t:.3f} s into the round, after the deadline "
+                            f"{self.deadline_s:.3f} s" if math.isfinite(t) else
+                            f"late: no upload by the round's deadline {self.deadline_s:.3f} s")
+        return [u for u in updates if u.client_id not in self.late]
+
     def stop(self, rnd: int, why: str) -> None:
         """End the run in round ``rnd`` without aggregating: checkpoint the state after round ``rnd - 1``."""
         write_state(self.model, self.global_state)
@@ -494,7 +517,10 @@ class RoundLoop:
             sampled = sample_clients(strategy.sampling_seed(recipe.seed), rnd, fed.num_clients,
                                      recipe.sampled_per_round(), attempt, frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
+            self.late, self.deadline_s = {}, None  # set by drop_late, which the executor calls
             updates, down, dropped = self.executor.train(self, rnd, sampled, lr, bar)
+            for cid in self.late:  # a late client keeps its state from before the round: its next starts afresh
+                self.store.put(cid, before[cid])
             if not secure_aggregation(recipe.privacy):  # the server sees no single update to measure
                 updates = self.screen_updates(rnd, updates, dropped, before)
             if len(updates) >= fed.min_clients_per_round and not (dropped and fed.on_client_error == "fail"):
@@ -534,6 +560,9 @@ class RoundLoop:
             record["secure_aggregation"] = self.secure_record
         if dropped:
             record["dropped"] = {str(c): why for c, why in dropped.items()}
+        if self.deadline_s is not None:
+            record["round_deadline_s"] = round(self.deadline_s, 3) if math.isfinite(self.deadline_s) else None
+            record["late"] = {str(c): round(t, 3) if math.isfinite(t) else None for c, t in sorted(self.late.items())}
         if retries:
             record["retries"] = retries
             record["bytes_down_total"] += sum(r["bytes_down_total"] for r in retries)
@@ -625,6 +654,7 @@ class RoundLoop:
             "throughput": self.throughput.run_summary(rounds),
             "startup_seconds": self.startup.get("seconds"), "startup": self.startup,
             "dropped": {str(h["round"]): h["dropped"] for h in rounds if h.get("dropped")},
+            "late": {str(h["round"]): sorted(int(c) for c in h["late"]) for h in rounds if h.get("late")},
             **{k: rounds[-1][k] for k in ("epsilon", "client_epsilon", "privacy") if rounds and k in rounds[-1]},
         }
         budget = self.recipe.federation.communication_budget_mb

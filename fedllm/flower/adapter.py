@@ -27,6 +27,9 @@ from fedllm.strategies.base import ClientUpdate
 log = logging.getLogger("fedllm")
 
 
+NO_REPLY = "no reply within the timeout"
+
+
 class ClientFailed(RuntimeError):
     """A SuperNode answered with an error (its ClientApp raised)."""
 
@@ -225,7 +228,7 @@ class FedllmStrategy(FlowerStrategy):
                 updates.append(update)
         for cid in self.expected:
             if cid not in dropped and all(u.client_id != cid for u in updates):
-                dropped[cid] = "no reply within the timeout"
+                dropped[cid] = NO_REPLY
         self.strategy.uploads_seen(server_round, {c: s for c, s in sorted(seen.items()) if s})
         return sorted(updates, key=lambda u: u.client_id), dropped
 

@@ -229,8 +229,11 @@ class FlowerExecutor:
                 log.warning("%s", note)
                 print(note, flush=True)
 
-    def send(self, messages: list[Message], timeout: float | None = None) -> list[Message]:
-        """Push ``messages`` and collect their replies until all came or ``timeout``: asking again after
+    def send(self, messages: list[Message], timeout: float | None = None, deadline: Any = None,
+             arrived: dict[int, float] | None = None) -> list[Message]:
+        """Push ``messages`` and collect their replies until all came, ``timeout`` or ``deadline(arrival times)`` (a
+        round deadline: seconds from the push, given the replies' arrival times so far); each reply's arrival, in
+        seconds from the push, goes into ``arrived`` by the node the message went to. Asking again after
         ``first_poll_s`` once pushed and after every reply, doubling up to ``poll_s`` while none comes (a SecAgg+
         stage's answers arrive a few hundred ms after the push, a training's after minutes).
 
@@ -251,11 +254,14 @@ class FlowerExecutor:
         except NotImplementedError:  # a grid without the push/pull interface (tests' loopback grid)
             return list(self.grid.send_and_receive(messages, timeout=timeout))
         start = time.monotonic()
-        deadline, replies, offline, checked = start + timeout, [], {}, start
+        round_deadline, deadline, replies, offline, checked = deadline, start + timeout, [], {}, start
         wait = Backoff(self.first_poll_s, self.poll_s, self.sleep)
         while pending or offline:
             for m in self.grid.pull_messages(set(pending)) if pending else []:
                 wait.reset()  # the other nodes' answers are often close behind
+                if arrived is not None and not m.has_error():
+                    arrived[self.origin.get(m.metadata.reply_to_message_id, m.metadata.src_node_id)] = \
+                        time.monotonic() - start
                 sent = pending.pop(m.metadata.reply_to_message_id, None)
                 if (m.has_error() and m.error.code == ErrorCode.NODE_UNAVAILABLE and sent is not None
                         and time.monotonic() - start < min(timeout, self.node_wait)):
@@ -273,6 +279,10 @@ class FlowerExecutor:
                 replies += [err for _, err in offline.values()]
                 offline = {}
             if (not pending and not offline) or now > deadline:
+                break
+            if round_deadline is not None and now - start > round_deadline(list((arrived or {}).values())):
+                log.warning("round deadline reached after %.1f s: %d message(s) without a reply", now - start,
+                            len(pending) + len(offline))
                 break
             wait.wait()
         return replies
@@ -319,10 +329,30 @@ class FlowerExecutor:
         messages = adapter.configure_train(rnd, ArrayRecord(), ConfigRecord({"sampled": sampled, "lr": lr}),
                                            self.grid)
         down = dict(adapter.bytes_down)
-        updates, dropped = adapter.decode_updates(rnd, self.send(list(messages)))
+        updates, dropped = self.collect_uploads(loop, rnd, list(messages))
         if bar is not None:
             bar.update(sum(u.steps for u in updates))
         return updates, down, dropped
+
+    def collect_uploads(self, loop: Any, rnd: int, messages: list[Message]) -> tuple[list[Any], dict[int, str]]:
+        """Send a round's train messages and decode the uploads, collecting until every client answered, the
+        timeout, or the round's deadline (``federation.round_deadline``, which the round loop owns: its
+        :meth:`~fedllm.engine.server.RoundLoop.drop_late` drops the late uploads, and a client with no reply by
+        the deadline is late too). Each upload carries its arrival in seconds from the push."""
+        from fedllm.flower.adapter import NO_REPLY
+
+        adapter, arrived = self.adapter, {}
+        limit = None
+        if loop.deadline is not None:
+            def limit(times: list[float]) -> float:
+                return loop.deadline.limit(times, len(messages))
+        updates, dropped = adapter.decode_updates(rnd, self.send(messages, deadline=limit, arrived=arrived))
+        for u in updates:
+            u.arrival_s = arrived.get(adapter.nodes.get(u.client_id))
+        silent = [c for c, why in dropped.items() if why == NO_REPLY] if limit is not None else []
+        for cid in silent:  # no reply by the deadline: late, not failed
+            del dropped[cid]
+        return loop.drop_late(rnd, updates, len(messages), dropped, silent), dropped
 
     def sync(self, loop: Any, rnd: int, sampled: list[int], aggregated: StateDict) -> dict[int, int]:
         """Keep the aggregate for catch-up; after the last round bring every node to the final model."""

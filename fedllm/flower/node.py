@@ -103,7 +103,8 @@ class Node:
         return sorted(p for p in self.dir.glob("step-*") if ckpt_io.is_checkpoint(p))
 
     def load(self, before: int, expected_step: int = 0) -> None:
-        """Restore this client's state and the replica as they were after its newest step before round ``before``.
+        """Restore this client's state and the replica as they were after its newest step before round ``before`` that
+        the server knows of (``expected_step``).
 
         ``expected_step``: the newest step the server knows this node saved (0: none); a node that has lost
         it (state directory deleted or replaced) fails loudly instead of training from a blank state.
@@ -112,7 +113,10 @@ class Node:
         from fedllm.runs.client_store import ClientStore
 
         self.store = ClientStore()
-        found = [p for p in self.steps() if int(p.name.split("-")[1]) < before]
+        # the newest step the server accepted: a step saved after a reply it never took (late for its round's
+        # deadline, federation.round_deadline) or after its resumed checkpoint is not this client's state
+        found = [p for p in self.steps() if int(p.name.split("-")[1]) < before
+                 and int(p.name.split("-")[1]) <= expected_step]
         newest = int(found[-1].name.split("-")[1]) if found else 0
         if newest < expected_step:
             raise RuntimeError(f"client {self.config.client_id}: state lost: the server expects its state after "

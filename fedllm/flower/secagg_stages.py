@@ -382,7 +382,7 @@ def train_secure(executor: Any, loop: Any, rnd: int, sampled: list[int], lr: flo
     secure.attach(messages, adapter.sent)
     adapter.expected = dict.fromkeys(trained, secure.masked_upload_layout())
     down = dict(adapter.bytes_down)
-    updates, dropped = adapter.decode_updates(rnd, executor.send(messages))
+    updates, dropped = executor.collect_uploads(loop, rnd, messages)  # with the round deadline
     if bar is not None:
         bar.update(sum(u.steps for u in updates))
     updates, lost, record = secure.finish(updates)

@@ -144,6 +144,9 @@ def _strategy_arg_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     cls = strategies.get(r.federation.strategy)
     p = [(f"federation.strategy_args.{key}", given, expected)
          for key, given, expected in cls.check_args(r.federation.strategy_args)]
+    if r.federation.round_deadline is not None and cls.late_update_problem:
+        p.append(("federation.round_deadline", r.federation.round_deadline, (
+            f"null with federation.strategy {r.federation.strategy!r}: it {cls.late_update_problem}")))
     if r.privacy.secure_aggregation == "secagg_plus":
         why = cls.sum_aggregation_problem()
         if why:

@@ -139,6 +139,7 @@ class FederationConfig:
     round_retries: int = doc(2, "fresh samples tried for a round with too few valid updates before the run stops (with a checkpoint); none under client-level DP")
     max_update_norm: Optional[float] = doc(None, "drop an update whose norm ||u - global|| is above this (null: no absolute bound)")
     communication_budget_mb: Optional[float] = doc(None, "bytes up + down for the whole run, in MB of 1024**2 bytes (FlowerTune: 200000): --dry-run projects it, summary.json reports the share; over: a warning (null: no budget)")
+    round_deadline: Any = doc(None, "seconds (e.g. 600) or a multiple of the round's median client time (e.g. '2x'): a round aggregates the uploads that arrived by then (waiting for at least min_clients_per_round) and drops the later ones as late (null: wait for every client)")
     update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (under client-level DP: this times privacy.clipping_norm; null: off)")
 
 
@@ -556,6 +557,15 @@ def value_problems(r: Recipe) -> list[tuple[str, Any, str]]:
                   "one of 64, 128, 256, 512, 1024, 2048, 4096 (bitsandbytes' block sizes)"))
     if fed.round_retries < 0:
         p.append(("federation.round_retries", fed.round_retries, "an integer >= 0"))
+    if fed.round_deadline is not None and round_deadline(fed.round_deadline) is None:
+        p.append(("federation.round_deadline", fed.round_deadline,
+                  "a positive number of seconds (600), a positive multiple of the median client time ('2x'), or null"))
+    elif (round_deadline(fed.round_deadline) or (0, False))[1] and r.privacy.mechanism in ("central",
+                                                                                          "central_client_clipping"):
+        p.append(("federation.round_deadline", fed.round_deadline,
+                  f"seconds (e.g. 600), not a multiple of the median client time, with privacy.mechanism "
+                  f"{r.privacy.mechanism}: under client-level DP one client's time must not decide whether another "
+                  "is summed"))
     if not r.data.path and not r.federation.partition.path:
         p.append(("data.path", r.data.path, "a hub id or a local data file"))
     if r.data.max_record_chars is not None and r.data.max_record_chars < 1:
@@ -585,6 +595,19 @@ def value_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     if tr.threads is not None and tr.threads <= 0:
         p.append(("train.threads", tr.threads, "a positive integer (CPU threads)"))
     return p
+
+
+def round_deadline(value: Any) -> Optional[tuple[float, bool]]:
+    """``federation.round_deadline`` as ``(number, relative)``: seconds (``600``, ``"600"``, ``"600s"``) or a multiple
+    of the round's median client time (``"2x"``); None when ``value`` is neither (or not positive)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return (float(value), False) if math.isfinite(value) and value > 0 else None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(x|s)?\s*", str(value), re.IGNORECASE)
+    if match is None or not 0 < float(match.group(1)) < math.inf:
+        return None
+    return float(match.group(1)), (match.group(2) or "").lower() == "x"
 
 
 def build_recipe(raw: Any, source: str, overrides: Optional[list[str]], problems: list) -> Recipe:

@@ -28,7 +28,7 @@ SAFE_KEYS = frozenset({
     # fault policy: changes nothing in a round without faults (e.g. resume a run stopped by
     # on_client_error=fail with skip)
     "federation.on_client_error", "federation.min_clients_per_round", "federation.round_retries",
-    "federation.max_update_norm", "federation.update_outlier_factor",
+    "federation.max_update_norm", "federation.update_outlier_factor", "federation.round_deadline",
     "federation.communication_budget_mb",  # reported against, never acted on
 })
 """Single keys that may change on ``--resume``."""
@@ -38,6 +38,8 @@ PART_OF_DP = {
                                   "summed and which steps are accounted: part of the mechanism",
     "federation.update_outlier_factor": "under differential privacy the update-norm screen decides which uploads "
                                         "are summed and which steps are accounted: part of the mechanism",
+    "federation.round_deadline": "under differential privacy the round deadline decides which uploads are summed: "
+                                 "part of the mechanism",
 }
 """Safe keys that may not change on ``--resume`` of a run under differential privacy (``privacy.mechanism`` not
 ``none``), with why."""

@@ -57,6 +57,7 @@ class ClientUpdate:
     wire_bytes: int | None = None  # bytes as sent when compressed (federation.compression); None: the state's
     packed: Any = None  # the compressed form a transport carries (federation.compression.upload); None: uncompressed
     work: dict[str, float] = field(default_factory=dict)  # fedllm.models.flops.TrainedWork: tokens, seconds
+    arrival_s: float | None = None  # seconds from the round's start to the upload's arrival (Flower); None: training's
 
 
 @dataclass
@@ -314,6 +315,14 @@ class Strategy(abc.ABC):
     """Whether a round with too few valid updates may be tried again with a fresh sample
     (``federation.round_retries``); not under client-level DP, where which clients failed would pick the second
     sample."""
+
+    late_update = ("dropped from its round as a failed client is: its upload is not aggregated, its per-client state "
+                   "stays as it was before the round, and its next round starts from the global state of then")
+    """What a client whose upload misses its round's deadline (``federation.round_deadline``) means for this
+    strategy, in one sentence (``--dry-run`` prints it; docs/flower.md, "A round deadline")."""
+
+    late_update_problem: Optional[str] = None
+    """Why this strategy cannot run with ``federation.round_deadline`` (None: it can); the recipe is refused with it."""
 
     def outlier_scale(self) -> Optional[float]:
         """A data-independent norm that ``federation.update_outlier_factor`` multiplies to bound each update's norm

@@ -35,6 +35,8 @@ class FedSALoRA(FedAvg):
     """
 
     name = "fedsa_lora"
+    late_update = ("dropped: its private B_k stays as before the round and Ā is the mean of the arrived clients' A_k; "
+                   "its next round starts from the new Ā")
     aggregates_by_sum = True  # FedAvg's weighted mean of the shared keys
     personalized = True
 

@@ -70,6 +70,8 @@ class FRLoRA(FedAvg):
     """
 
     name = "frlora"
+    late_update = ("dropped: the base merges ΔW from the arrived clients' means B̄, Ā only, every client (the late one "
+                   "too) applies that merge, and the late client's next round starts from (B0, A0) on the new base")
     client_batching = True  # client side: FedAvg's plus dropping stale moments (batched passes start without moments)
     after_aggregate_reads_download = True  # the merge subtracts the factors the clients started from
     init = "principal"  # how the run starts: "principal" (SVD init) or "gaussian" (B = 0, A ~ N(0, 1/r²))

@@ -23,6 +23,8 @@ class Local(Strategy):
     name = "local"
     aggregates_by_sum = False
     needs_individual_updates = "aggregates nothing"
+    late_update_problem = ("aggregates nothing, so a round has nothing to wait for: a deadline would only throw "
+                           "away a client's own training")
     personalized = True
 
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:

@@ -89,6 +89,8 @@ class PFLMF(Strategy):
     """
 
     name = "pflmf"
+    late_update = ("dropped: its private v_i stays as before the round and U steps on the mean G_i of the clients that "
+                   "arrived; its next round starts from the new U")
     aggregates_by_sum = False
     needs_individual_updates = "uploads gradients G_i taken at each client's private vector, not a change of the state it was sent"
     personalized = True

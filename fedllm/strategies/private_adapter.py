@@ -51,6 +51,8 @@ class PrivateFactors:
     """
 
     private_attr = "private"
+    late_update = ("dropped: its private factors stay as before the round (its store entry is not replaced) and the "
+                   "shared part is aggregated from the clients that arrived; its next round starts from that")
     private_salt = 0x9E7
 
     def attach_private(self, model: torch.nn.Module, layers: dict[str, AdapterLayer],

@@ -39,6 +39,8 @@ class Scaffold(FedAvg):
     """
 
     name = "scaffold"
+    late_update = ("dropped: its c_i stays the one from before the round and c moves by (1/N)·Σ Δc_i over the clients "
+                   "that arrived, as for a client not sampled; its next round starts from the new x and c")
     aggregates_by_sum = True  # a weighted mean of models and the unweighted sum of the Δc_i (summed_unweighted)
 
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:

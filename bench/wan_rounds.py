@@ -1,0 +1,217 @@
+"""Flower rounds across an emulated internet, against the ideal round (issue 50, item 2).
+
+One loopback deployment (an insecure SuperLink, one ``fedllm flower supernode`` per client with its worker), each
+SuperNode connected to the SuperLink through its own :class:`fedllm.flower.wan_proxy.WanProxy`. The proxies' links
+are switched between runs, so every profile runs on the same processes, interleaved (loopback, profile 1, 2, 3,
+loopback, ...), plain FedAvg and SecAgg+ alternating:
+
+- ``loopback``: the proxies forward without delay (the compute baseline: training, aggregation and Flower's local
+  costs, proxies included);
+- ``region``: 20 ms round trip, 1 Gbit/s each way;
+- ``continent``: 80 ms, 100 Mbit/s;
+- ``intercontinental``: 200 ms, 20 Mbit/s, and client 0 (one slow site) at 5 Mbit/s each way.
+
+The payload is the quickstart's model, SmolLM2-135M-Instruct, with LoRA on q/k/v/o (240 tensors, 460 800 fp32 bytes
+per unit of rank): ``--payload quickstart`` is the quickstart's r 8 (3 686 400 B each way per client),
+``--payload 7b`` r 146 (67 276 800 B, the 7B recipe's 67 MB). One local step of batch 2 per client (the compute is
+the loopback baseline's; what is measured is what the network adds). Every client trains in every round, so the
+slow site is in every round.
+
+The ideal round of a profile = the loopback round of the same mode (compute and local costs) + the slowest
+client's ``bytes down / bandwidth down + bytes up / bandwidth up`` + round trips x RTT, with 1 round trip for a
+plain round (the train message and its reply) and 4 for SecAgg+ (its keys, check and unmask stages add 3).
+
+The compute is measured in the same round: the node workers log each train message (``received in A s, answered
+in B s, handed back in C s``), and a round's ideal is ``max over clients (B + transfer)`` + round trips x RTT, so
+the load of a shared machine, which moves the training time from round to round, cancels out of the ratio.
+Prints, per profile and mode, medians over rounds >= 2: the round, the ideal, their ratio, and the slowest client's
+training (B), its bytes / bandwidth, its message received in (A: the download, the SuperNode's poll and pulls), handed
+back in (C: to its SuperNode), the rest of the round (the SuperNode's upload, the ServerApp's collect, aggregation);
+and what went through the proxies: Fleet API requests by path per client and run, wire bytes per client and round.
+
+    python bench/wan_rounds.py --payload quickstart --trials 2 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fedllm.flower.wan_proxy import DOWN, UP, Link, WanProxy, running
+
+PAYLOAD_RANK = {"quickstart": 8, "7b": 146}  # SmolLM2-135M, q/k/v/o of 30 layers: 460 800 fp32 bytes per unit of r
+RTT_MS = {"loopback": 0, "region": 20, "continent": 80, "intercontinental": 200}
+MBIT = {"loopback": None, "region": 1000, "continent": 100, "intercontinental": 20}
+SLOW_SITE = {"intercontinental": (0, 5)}  # profile -> (client, Mbit/s)
+ROUND_TRIPS = {False: 1, True: 4}
+REQUEST = re.compile(rb"(?:POST|GET|PUT) (/[A-Za-z0-9_/\-]+)")
+
+
+def links(profile: str, client: int) -> tuple[Link, Link]:
+    """``(up, down)`` of ``client`` in ``profile``."""
+    mbit = MBIT[profile]
+    slow = SLOW_SITE.get(profile)
+    if slow is not None and slow[0] == client:
+        mbit = slow[1]
+    one_way = RTT_MS[profile] / 2
+    return Link(one_way, mbit), Link(one_way, mbit)
+
+
+def recipe(args: argparse.Namespace, data: Path, out: Path, secure: bool) -> dict:
+    rank = PAYLOAD_RANK[args.payload]
+    raw = {
+        "seed": 0, "output_dir": str(out), "model": {"name": "smollm2-135m-instruct"},
+        "lora": {"r": rank, "alpha": 2 * rank, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "data": {"path": str(data), "format": "instruction", "fields": {"instruction": "question", "output": "answer"}},
+        "federation": {"num_clients": args.clients, "clients_per_round": args.clients, "rounds": args.rounds,
+                       "strategy": "fedavg", "partition": {"method": "iid"}},
+        "train": {"local_steps": 1, "batch_size": 2, "lr": 1e-3, "max_length": 64, "dtype": "fp32", "threads": 1},
+        "eval": {"tasks": []}, "checkpoint": {"every": 0}, "logging": {"progress": False, "quiet": True},
+    }
+    if secure:
+        raw["privacy"] = {"secure_aggregation": "secagg_plus", "secagg": {"max_dropouts": 1, "neighbours": 3}}
+    return raw
+
+
+class Tap:
+    """Counts the Fleet API requests and bytes through one client's proxy (thread-safe; read between runs)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: Counter = Counter()
+        self.bytes = {UP: 0, DOWN: 0}
+
+    def __call__(self, connection: int, direction: str, data: bytes) -> None:
+        with self.lock:
+            self.bytes[direction] += len(data)
+            if direction == UP:
+                self.requests.update(m.decode().rsplit("/", 1)[-1] for m in REQUEST.findall(data))
+
+    def take(self) -> tuple[Counter, dict[str, int]]:
+        with self.lock:
+            out = (self.requests, dict(self.bytes))
+            self.requests, self.bytes = Counter(), {UP: 0, DOWN: 0}
+            return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--payload", choices=sorted(PAYLOAD_RANK), default="quickstart")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=1, help="passes over every profile (interleaved)")
+    ap.add_argument("--profiles", default="loopback,region,continent,intercontinental")
+    ap.add_argument("--modes", default="plain,secagg")
+    ap.add_argument("--keep", help="keep the runs and logs in this new directory")
+    args = ap.parse_args()
+
+    from scaling import flower_run
+
+    from tests.conftest import arith_records, write_jsonl
+
+    profiles = args.profiles.split(",")
+    modes = [m == "secagg" for m in args.modes.split(",")]
+    order = [(p, s) for _ in range(args.trials) for p in profiles for s in modes]
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fedllm-wan-"))
+    work.mkdir(parents=True, exist_ok=bool(not args.keep))
+    data = write_jsonl(work / "arith.jsonl", arith_records(96))
+    path = work / "recipe.yaml"
+    taps = [Tap() for _ in range(args.clients)]
+    proxies: list[WanProxy] = []
+    seen: list[tuple[Counter, list[dict]]] = []
+
+    import yaml
+
+    def write(i: int) -> None:
+        profile, secure = order[i]
+        if i:
+            seen.append(tuple(zip(*[t.take() for t in taps])))
+        for cid, proxy in enumerate(proxies):
+            up, down = links(profile, cid)
+            proxy.links = {UP: up, DOWN: down}
+        path.write_text(yaml.safe_dump(recipe(args, data, work / f"unused-{i}", secure)))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with ExitStack() as stack:
+        def node_superlink(cid: int, port: int) -> str:
+            proxy = stack.enter_context(running(WanProxy(("127.0.0.1", port), observer=taps[cid])))
+            proxies.append(proxy)
+            return f"127.0.0.1:{proxy.address[1]}"
+
+        write(0)
+        outs = flower_run(path, [], args.clients, work, env, 3600, repeats=len(order), between=write,
+                          node_superlink=node_superlink)
+        seen.append(tuple(zip(*[t.take() for t in taps])))
+    report(args, order, outs, seen, work)
+
+
+WORKER_LINE = re.compile(r"train message: received in ([0-9.]+) s, answered in ([0-9.]+) s, handed back in ([0-9.]+) s")
+
+
+def worker_lines(work: Path, clients: int) -> list[list[tuple[float, float, float]]]:
+    """Per client, its worker's ``(received, answered, handed back)`` seconds of every train message, in order."""
+    return [[tuple(map(float, m)) for m in WORKER_LINE.findall((work / f"supernode{c}.log").read_text())]
+            for c in range(clients)]
+
+
+def report(args, order, outs, seen, work: Path) -> None:
+    """One line per profile and mode: the median round against the ideal built from the same rounds' compute."""
+    lines = worker_lines(work, args.clients)
+    rows: dict[tuple[str, bool], list[dict]] = {}
+    for i, ((profile, secure), out, (requests, wire)) in enumerate(zip(order, outs, seen, strict=True)):
+        history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        for h in history:
+            if h.get("round", 0) < 2:
+                continue
+            at = i * args.rounds + h["round"] - 1
+            msg = {c: lines[c][at] for c in range(args.clients)}
+            transfer = {c: h["bytes_down"][str(c)] / (links(profile, c)[1].bytes_per_s or float("inf"))
+                        + h["bytes_up"][str(c)] / (links(profile, c)[0].bytes_per_s or float("inf"))
+                        for c in range(args.clients)}
+            slowest = max(range(args.clients), key=lambda c: msg[c][1] + transfer[c])
+            ideal = msg[slowest][1] + transfer[slowest] + ROUND_TRIPS[secure] * RTT_MS[profile] / 1e3
+            rows.setdefault((profile, secure), []).append({
+                "seconds": h["seconds"], "ideal": ideal, "received": msg[slowest][0], "answered": msg[slowest][1],
+                "handed": msg[slowest][2], "transfer": transfer[slowest], "up": h["bytes_up"][str(slowest)],
+                "requests": requests, "wire": wire})
+    print(f"payload {args.payload} (r {PAYLOAD_RANK[args.payload]}), {args.clients} clients, all per round, "
+          f"{args.rounds} rounds, {args.trials} trial(s); rounds >= 2, medians; the slowest client's messages")
+    print(f"{'profile':17s} {'mode':6s} {'round':>6s} {'ideal':>6s} {'ratio':>6s} {'train':>6s} {'bytes/bw':>8s} "
+          f"{'recv':>6s} {'handbk':>6s} {'rest':>6s}  requests per client and run; wire MB up/down per client-round")
+    for (profile, secure), runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "ideal", "answered", "transfer",
+                                                                   "received", "handed")}
+        ratio = statistics.median(r["seconds"] / r["ideal"] for r in runs)
+        rest = statistics.median(r["seconds"] - r["answered"] - r["received"] - r["handed"] for r in runs)
+        requests, n_runs = Counter(), 0
+        wire = {UP: 0, DOWN: 0}
+        for reqs, w in {id(r["requests"]): (r["requests"], r["wire"]) for r in runs}.values():
+            n_runs += 1
+            for node in reqs:
+                requests.update(node)
+            for node in w:
+                wire[UP], wire[DOWN] = wire[UP] + node[UP], wire[DOWN] + node[DOWN]
+        per = n_runs * args.clients
+        text = ", ".join(f"{k} {v / per:.0f}" for k, v in requests.most_common(6))
+        mb = [wire[d] / per / args.rounds / 1e6 for d in (UP, DOWN)]
+        print(f"{profile:17s} {'secagg' if secure else 'plain':6s} {med['seconds']:6.2f} {med['ideal']:6.2f} "
+              f"{ratio:6.2f} {med['answered']:6.2f} {med['transfer']:8.2f} {med['received']:6.2f} {med['handed']:6.2f} "
+              f"{rest:6.2f}  {text}; {mb[0]:.2f}/{mb[1]:.2f} (payload {runs[0]['up'] / 1e6:.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""federation.round_deadline on a real Flower deployment: one SuperNode behind a WAN proxy turned slow (125 B/s) as
+soon as it has its round-1 train message; the round stops waiting at the deadline, drops the late client, and the
+run (FedAvg with per-client optimizer moments, 2 rounds) equals the simulation in which that client failed in round 1:
+its node starts round 2 from the state the server knows (none), not from the late round's moments."""
+
+import json
+
+import pytest
+import yaml
+
+from fedllm.engine import server
+from fedllm.flower.wan_proxy import DOWN, UP, Link
+from fedllm.recipe.checks import parse_recipe
+from tests.flower_cluster import assert_matches, wait_until
+from tests.flower_wan.wan_cluster import wan_deployment
+
+SLOW = Link(mbit_s=0.001, burst_bytes=64)  # 125 B/s: a reply of ~10 kB takes minutes; back to fast within 0.5 s
+
+
+def _rounds(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_the_deadline_drops_a_slow_node_and_the_run_equals_the_simulation_without_it(tiny_recipe, tmp_path,
+                                                                                    monkeypatch):
+    raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 3, "rounds": 2, "round_deadline": "10x"},
+                      train={"optimizer_state": "per_client"})
+    raw["output_dir"] = str(tmp_path / "flower-run")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "flower-run"
+    with wan_deployment(tmp_path, 3) as (port, proxies, _, launch):
+        run = launch(["flower", "run", str(recipe), "--superlink", f"127.0.0.1:{port}", "--insecure", "--timeout",
+                      "600"], "run.log")
+        node_log = tmp_path / "supernode2.log"
+        wait_until(lambda: "Receiving: train message" in node_log.read_text(errors="replace"), 600,
+                   "node 2's round-1 train message", node_log, every_s=0.02)
+        proxies[2].links = {UP: SLOW, DOWN: SLOW}  # its reply now crawls
+        wait_until(lambda: len(_rounds(run_dir)) >= 1, 600, "round 1 aggregated", tmp_path / "run.log")
+        proxies[2].links = {UP: Link(), DOWN: Link()}  # back to loopback for round 2
+        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+
+    first, second = _rounds(run_dir)
+    assert first["late"] == {"2": None} and first["dropped"]["2"].startswith("late: no upload by the round's deadline")
+    assert set(first["client_loss"]) == {"0", "1"} and set(second["client_loss"]) == {"0", "1", "2"}
+    assert second["late"] == {}
+    assert json.loads((run_dir / "summary.json").read_text())["late"] == {"1": [2]}
+
+    # the simulation of the same recipe in which client 2 fails in round 1 (a non-finite upload)
+    original = server.run_client
+
+    def fail_client_2_in_round_1(model, plan, *args, **kwargs):
+        update = original(model, plan, *args, **kwargs)
+        if (plan.rnd, plan.client_id) == (1, 2):
+            next(iter(update.state.values())).view(-1)[0] = float("nan")
+        return update
+
+    monkeypatch.setattr(server, "run_client", fail_client_2_in_round_1)
+    sim = {**raw, "output_dir": str(tmp_path / "sim")}
+    sim["federation"] = {k: v for k, v in raw["federation"].items() if k != "round_deadline"}
+    sim_dir = server.run(parse_recipe(sim)).run_dir
+    assert_matches(sim_dir, run_dir, ["adapter"], "round deadline", exact=True)
