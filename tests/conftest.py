@@ -131,6 +131,7 @@ SHARED_GROUPS = {
 SHARED_PREFIXES = {"tests/export/": "export"}  # the exported runs of tests/export/conftest.py (`cases`)
 LONG_GROUPS_FIRST = ("flower-deployment", "smollm2", "tests/test_flower_readme.py", "tests/meta/test_meta_gemma3.py",
                      "tests/evaluation/test_eval_harness.py", "tests/test_distributed.py", "tests/test_flower_apps.py",
+                     "tests/flower_wan/test_flower_cut.py", "tests/flower_wan/test_flower_deadline.py",
                      "export", "tests/strategies/test_e2e.py", "tests/cli/test_cli_startup.py")
 
 
