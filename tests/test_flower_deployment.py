@@ -151,20 +151,35 @@ def test_flower_run_exits_2_when_the_server_app_refuses_its_input(runs):
     assert (taken.out / "metrics.jsonl").read_text() == '{"round": 1}\n'
 
 
-def test_kill_9_of_flower_supernode_leaves_no_process_behind(deployment, tmp_path):  # noqa: F811
-    node = start(["flower", "supernode", "--superlink", deployment.address, "--client", "7", "--insecure",
-                  "--state-dir", str(tmp_path / "state"), "--port", str(free_port())], tmp_path / "node.log",
-                 deployment.env)
+def test_kill_9_of_flower_supernode_leaves_no_process_behind_and_it_restarts_on_its_port(deployment, tmp_path):  # noqa: F811
+    """``kill -9`` of ``fedllm flower supernode``: its SuperNode and worker die with it, and the same command starts
+    again at once on the same ``--port``, whose connections from the worker wait in TIME-WAIT for about 60 s (before:
+    ``--port=N: already in use``, exit 2)."""
+    port = str(free_port())
+    argv = ["flower", "supernode", "--superlink", deployment.address, "--client", "7", "--insecure", "--state-dir",
+            str(tmp_path / "state"), "--port", port]
+    node = start(argv, tmp_path / "node.log", deployment.env)
+    again = None
     try:
-        wait_until(lambda: worker_pid(node) is not None and any("fedllm.flower.supernode" in c for c in map(
-            cmdline, children(node.pid))), 120, "SuperNode and worker", tmp_path / "node.log")
+        def running(proc, log):
+            wait_until(lambda: worker_pid(proc) is not None and any("fedllm.flower.supernode" in c for c in map(
+                cmdline, children(proc.pid))), 120, "SuperNode and worker", log)
+
+        running(node, tmp_path / "node.log")
+        wait_until(lambda: any(f":{int(port):04X} " in line and line.split()[3] in ("01", "06") for line in open(
+            "/proc/net/tcp").read().splitlines()[1:]), 120, "the worker connected to its SuperNode's port")
         family = children(node.pid)
         os.kill(node.pid, signal.SIGKILL)  # the command alone, not its process group
         node.wait()
         wait_until(lambda: not [p for p in family if os.path.exists(f"/proc/{p}")], 240,
                    f"every child of fedllm flower supernode gone ({family})")
+        again = start(argv, tmp_path / "again.log", deployment.env)
+        running(again, tmp_path / "again.log")
+        assert again.poll() is None and "already in use" not in (tmp_path / "again.log").read_text()
     finally:
         stop(node)
+        if again is not None:
+            stop(again)
 
 
 def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin(tmp_path):

@@ -94,8 +94,11 @@ def _existing_file(given: str | None, option: str, written_as: str) -> None:
 
 
 def local_port(port: int | None) -> int:
-    """``--port`` of a SuperNode's local runtime API: a free one when not given; a taken one is refused."""
+    """``--port`` of a SuperNode's local runtime API: a free one when not given; one a live process listens on is
+    refused. The probe binds as the SuperNode's own server does (``SO_REUSEADDR``), so the connections a killed
+    SuperNode left in TIME-WAIT on its port (about 60 s after ``kill -9``) do not refuse its restart."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port or 0))
         except OSError:
