@@ -112,6 +112,8 @@ def supernode_command(args: argparse.Namespace, secret: Path | None) -> list[str
     ``args.port`` to a free port when none was given."""
     if args.client < 0:
         raise InputError(f"--client={args.client}: expected an integer >= 0 (the client id)")
+    if getattr(args, "wait_superlink", 0) < 0:
+        raise InputError(f"--wait-superlink={args.wait_superlink:g}: expected seconds >= 0")
     _existing_file(args.root_certificates, "--root-certificates", "DIR/ca.crt")
     _existing_file(args.auth_key, "--auth-key", f"DIR/nodes/client-{args.client}.key (with --clients N)")
     args.port = local_port(args.port)
@@ -223,16 +225,16 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -
     return False
 
 
-def register_nodes(port: int, ca: str, nodes: Path) -> None:
-    """Register every ``client-K.pub`` of ``nodes`` with the SuperLink on this machine (once; idempotent)."""
+def register_nodes(port: int, ca: str, nodes: Path, known: set[bytes], ready: Path) -> None:
+    """Register the ``client-K.pub`` keys of ``nodes`` not ``known`` to the SuperLink on this machine, then write
+    ``ready`` (its Fleet API then takes SuperNodes: :mod:`fedllm.flower.superlink`)."""
+    from fedllm.flower.node_keys import register
+
     with flwr_home(f"127.0.0.1:{port}", ca) as env:
-        for pub in sorted(nodes.glob("client-*.pub")):
-            out = subprocess.run([processes.tool("flwr"), "supernode", "register", str(pub), "fedllm"],
-                                 capture_output=True, text=True, env=env)
-            text = out.stdout + out.stderr
-            if out.returncode != 0 and "already in use" not in text.lower():
-                raise RuntimeError(f"registering {pub} with the SuperLink failed: {text[-1000:]}")
-            print(f"fedllm flower superlink: node key {pub.name} registered", file=sys.stderr, flush=True)
+        register(nodes, env, processes.tool("flwr"), known,
+                 lambda line: print(f"fedllm flower superlink: {line}", file=sys.stderr, flush=True))
+    ready.touch()
+    print("fedllm flower superlink: ready: SuperNodes may join", file=sys.stderr, flush=True)
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -283,6 +285,12 @@ def _superlink(args: argparse.Namespace) -> int:
         secret = write_secret(Path(private) / "superexec.secret")
         cmd = superlink_command(args, secret)
         nodes = node_keys_dir(args)
+        ready = Path(private) / "ready"
+        if nodes is not None:  # its Fleet API answers 503 until the node keys are registered
+            from fedllm.flower.node_keys import registered
+
+            known = registered(args.database)  # before the SuperLink opens the database
+            cmd += ["--fedllm-ready-file", str(ready)]
         ca = str(Path(args.certificates, "ca.crt").resolve()) if args.certificates else None
         runner = [sys.executable, "-m", "fedllm.flower.runtime", "serverapps",
                   "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret)]
@@ -301,7 +309,7 @@ def _superlink(args: argparse.Namespace) -> int:
 
         def ready(link: subprocess.Popen) -> None:
             if nodes is not None and wait_for_port(args.port, link):
-                register_nodes(args.port, ca, nodes)
+                register_nodes(args.port, ca, nodes, known, ready)
 
         return processes.supervise(lambda: processes.start(cmd), {"ServerApp runner": lambda: processes.start(runner)},
                                    after_start=ready)
@@ -321,7 +329,21 @@ def _supernode(args: argparse.Namespace) -> int:
                   "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret),
                   "--journal", str(state / f".worker-{args.client}.inflight"), "--warm-runs", str(args.warm_runs)]
         helpers["node worker"] = lambda: processes.start(worker)
-    return serve_node(cmd, helpers, state, args.client)
+
+    def superlink_ready() -> bool:
+        from fedllm.flower.reach import wait_for_superlink
+
+        return wait_for_superlink(args.superlink, args.root_certificates, args.wait_superlink,
+                                  lambda line: print(f"fedllm flower supernode: {line}", file=sys.stderr, flush=True))
+
+    def refused_why() -> str:
+        from fedllm.flower.node_keys import public_bytes
+        from fedllm.flower.reach import key_status, refusal_cause
+
+        key = public_bytes(Path(args.auth_key).expanduser()) if args.auth_key else b""
+        return refusal_cause(key_status(args.superlink, args.root_certificates, key) if key else "")
+
+    return serve_node(cmd, helpers, state, args.client, superlink_ready, refused_why)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -471,6 +493,9 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-nodes", action="store_true", help="connect without a node key (TLS only)")
     p.add_argument("--peer-keys", help="directory of every client's node public key (client-K.pub): SecAgg+ keys of "
                    "other clients are verified against them; default: the directory of --auth-key when it has them")
+    p.add_argument("--wait-superlink", type=float, default=600,
+                   help="seconds to wait for the SuperLink to take nodes (not started yet, or registering the node "
+                        "keys), saying what it waits for, before giving up (exit 1)")
     p.add_argument("--warm-runs", type=int, default=2,
                    help="how many runs' federations (model, data) the worker keeps in memory at once")
     p.add_argument("--no-worker", action="store_true",

@@ -179,7 +179,7 @@ def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[
 
 
 PRIVATE_PREFIX = "fedllm-superlink-"
-PRIVATE_FILES = {"superexec.secret", "owner.pid", "nonces"}
+PRIVATE_FILES = {"superexec.secret", "owner.pid", "nonces", "ready"}
 """What ``fedllm flower superlink`` keeps in its private temporary directory (and nothing else)."""
 
 
