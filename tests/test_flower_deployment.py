@@ -20,7 +20,9 @@ import os
 import signal
 
 import pytest
+import yaml
 from flower_cluster import (  # noqa: F401
+    Run,
     assert_matches,
     children,
     cmdline,
@@ -30,10 +32,12 @@ from flower_cluster import (  # noqa: F401
     launch,
     logged,
     port_open,
+    run_status,
     start,
     stop,
     wait_until,
     worker_pid,
+    write_flwr_home,
     zombies,
 )
 from safetensors.torch import load_file
@@ -71,6 +75,9 @@ def runs(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa: F
         if "test_stopping_flower_run_stops_the_run_on_the_superlink" in launch.wanted:
             raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 1})
             launch.items["stopped"] = deployment.submit("stopped", raw, where, "--wait-nodes", "300")
+        if "test_kill_9_of_flower_run_stops_its_run_on_the_superlink" in launch.wanted:
+            raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 1})
+            launch.items["killed"] = deployment.submit("killed", raw, where, "--wait-nodes", "300")
         if "test_flower_run_exits_2_when_the_server_app_refuses_its_input" in launch.wanted:
             taken = where / "flower-taken"  # output_dir holds something that is not a fedllm run
             taken.mkdir()
@@ -139,6 +146,24 @@ def test_stopping_flower_run_stops_the_run_on_the_superlink(runs, deployment):  
     assert finished_status(deployment.env, run_id, 300, stopped.log)["status"] == "finished:stopped"
 
 
+@pytest.mark.slow
+def test_kill_9_of_flower_run_stops_its_run_on_the_superlink(runs, deployment):  # noqa: F811
+    """``kill -9`` of ``fedllm flower run`` (the command alone): its guard child, told by Linux that its parent died,
+    stops the run on the SuperLink (before: the run went on with no word of it) and removes the command's private
+    FLWR_HOME."""
+    killed = runs["killed"]
+    wait_until(lambda: logged(killed.log, "waiting"), 240, "the server waiting for nodes", killed.log)
+    run_id = killed.run_id()
+    streams = [p for p in children(killed.proc.pid) if " log " in cmdline(p)]
+    assert streams, "no flwr log child"
+    home = next(v.split("=", 1)[1] for v in open(f"/proc/{streams[0]}/environ", "rb").read().decode().split("\0")
+                if v.startswith("FLWR_HOME="))
+    os.kill(killed.proc.pid, signal.SIGKILL)
+    killed.wait(60)
+    assert finished_status(deployment.env, run_id, 300, killed.log)["status"] == "finished:stopped"
+    wait_until(lambda: not os.path.exists(home), 120, f"the private FLWR_HOME {home} removed")
+
+
 def test_flower_run_exits_2_when_the_server_app_refuses_its_input(runs):
     """A ServerApp that raises on bad input (here: output_dir exists, is not empty and is not a fedllm run) gives
     exit code 2, as ``fedllm train`` does, and nothing in that directory is touched."""
@@ -182,19 +207,24 @@ def test_kill_9_of_flower_supernode_leaves_no_process_behind_and_it_restarts_on_
             stop(again)
 
 
-def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin(tmp_path):
+def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin(tmp_path, tiny_recipe):
     """``kill PID`` (SIGTERM to the command alone) of ``fedllm flower superlink`` stops Flower's SuperLink and
-    fedllm's ServerApp runner with it: no process survives, and a new SuperLink starts on the same port (before,
-    the orphans kept the port and the restart failed with "address already in use"). A SuperNode connected to the
-    first one survives the restart: Flower's SuperNode exits (the new SuperLink does not know its session) and
-    ``fedllm flower supernode`` starts it again until it joins the new SuperLink."""
+    fedllm's ServerApp runner with it: no process survives, and a new one starts on the same port and database
+    (before, the orphans kept the port and the restart failed with "address already in use"). A SuperNode connected to
+    the first one survives the restart: Flower's SuperNode exits (the new SuperLink does not know its session) and
+    ``fedllm flower supernode`` starts it again until it joins the new SuperLink. The run the first SuperLink was
+    running (waiting for a second node) lost its ServerApp: the restarted SuperLink stops it as it starts, instead of
+    listing it as running with nothing behind it (a node pulling its message would wait minutes)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr")}
-    node = None
+    write_flwr_home(tmp_path / "flwr", f"127.0.0.1:{port}")
+    recipe = tmp_path / "two.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(federation={"num_clients": 2, "clients_per_round": 2, "rounds": 1})))
+    node = submitted = run_id = None
     try:
         for attempt in ("first", "restart"):
-            link = start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port)],
-                         tmp_path / f"{attempt}.log", env)
+            link = start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--database",
+                          str(tmp_path / "link.db"), "--runs-dir", str(tmp_path)], tmp_path / f"{attempt}.log", env)
             try:
                 wait_until(lambda: port_open(port) and any("fedllm.flower.runtime serverapps" in cmdline(p)
                                                           for p in children(link.pid)), 120,  # noqa: B023
@@ -208,7 +238,15 @@ def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin
                 if attempt == "restart":
                     assert "node left the federation: Flower's SuperNode ended with code" in \
                         (tmp_path / "node.log").read_text()
+                    wait_until(lambda: logged(tmp_path / "restart.log", f"stopped run {run_id}:"), 240,
+                               "the orphaned run stopped", tmp_path / "restart.log")
+                    assert run_status(env, run_id)["status"] == "finished:stopped"
                     break
+                submitted = start(["flower", "run", str(recipe), "--superlink", f"127.0.0.1:{port}", "--insecure",
+                             "--wait-nodes", "600"], tmp_path / "run.log", env)
+                wait_until(lambda: logged(tmp_path / "run.log", "waiting"), 240, "the run waiting for its 2nd node",
+                           tmp_path / "run.log")
+                run_id = Run(submitted, tmp_path / "run.log", tmp_path, {}).run_id()
                 family = children(link.pid)
                 os.kill(link.pid, signal.SIGTERM)  # the command alone, not its process group
                 link.wait(timeout=300)  # a guard (as every wait here): seconds when idle
@@ -218,5 +256,6 @@ def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin
             finally:
                 stop(link)
     finally:
-        if node is not None:
-            stop(node)
+        for proc in (node, submitted):
+            if proc is not None:
+                stop(proc)

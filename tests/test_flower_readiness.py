@@ -174,3 +174,20 @@ def test_a_node_refused_after_it_joined_says_the_cause_the_superlink_tells(tmp_p
     assert f"client 2's node left the federation: {reach.refusal_cause('unknown')}; rejoining" in err
     assert "still counts" not in err
     assert rejoin.serve_node(cmd, {}, tmp_path / "state", 2, superlink_ready=lambda: False) == 1  # gave up waiting
+
+
+def test_a_restarted_superlink_stops_only_the_runs_its_predecessor_left_running():
+    from datetime import datetime, timezone
+
+    from fedllm.flower.restart import orphaned_runs
+
+    began = datetime(2026, 12, 2, 1, 0, tzinfo=timezone.utc)
+    runs = [{"run-id": "1", "status": "running", "starting-at": "2026-12-02T00:50:00", "running-at":
+             "2026-12-02T00:50:02+00:00"},  # its ServerApp died with the previous SuperLink
+            {"run-id": "2", "status": "starting", "starting-at": "2026-12-02T00:59:59.5", "running-at": "N/A"},
+            {"run-id": "3", "status": "running", "starting-at": "2026-12-02T01:00:01", "running-at":
+             "2026-12-02T01:00:02"},  # claimed by this SuperLink's runner: alive
+            {"run-id": "4", "status": "finished:completed", "starting-at": "2026-12-02T00:10:00"},
+            {"run-id": "5", "status": "pending", "starting-at": "N/A"},  # this runner will start it
+            {"run-id": "6", "status": "running", "starting-at": "N/A", "running-at": "N/A"}]  # unreadable: left alone
+    assert orphaned_runs(runs, began) == ["1", "2"]

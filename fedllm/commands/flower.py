@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 from fedllm.common.errors import InputError
@@ -274,14 +275,12 @@ def operator_public_key(args: argparse.Namespace) -> Path | None:
 
 
 def _superlink(args: argparse.Namespace) -> int:
-    import os
-
     from fedllm.flower.runtime import write_secret
 
     for stale in processes.remove_stale_private_dirs():
         print(f"fedllm flower superlink: removed {stale}, left by a SuperLink that was killed", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix=processes.PRIVATE_PREFIX) as private:
-        (Path(private) / "owner.pid").write_text(f"{os.getpid()}\n")
+        (Path(private) / "owner.pid").write_text(processes.owner_line())
         secret = write_secret(Path(private) / "superexec.secret")
         cmd = superlink_command(args, secret)
         nodes = node_keys_dir(args)
@@ -307,12 +306,34 @@ def _superlink(args: argparse.Namespace) -> int:
         used = Path(args.database + ".fedllm-nonces") if not args.database.startswith(":") else Path(private) / "nonces"
         runner += ["--runs-dir", str(Path(args.runs_dir).resolve()), "--used-nonces", str(used)]
 
-        def ready(link: subprocess.Popen) -> None:
-            if nodes is not None and wait_for_port(args.port, link):
-                register_nodes(args.port, ca, nodes, known, ready)
+        restarted = not args.database.startswith(":") and Path(args.database).is_file()
+        began = datetime.now(timezone.utc)
+
+        def after_start(link: subprocess.Popen) -> None:
+            if (nodes is not None or restarted) and wait_for_port(args.port, link):
+                if restarted:
+                    stop_orphaned_runs(args.port, ca, began)
+                if nodes is not None:
+                    register_nodes(args.port, ca, nodes, known, ready)
 
         return processes.supervise(lambda: processes.start(cmd), {"ServerApp runner": lambda: processes.start(runner)},
-                                   after_start=ready)
+                                   after_start=after_start)
+
+
+def stop_orphaned_runs(port: int, ca: str | None, began: datetime) -> None:
+    """Stop the runs a SuperLink restarted on its database still lists as running: their ServerApp died with the
+    previous SuperLink, so nothing will finish them, and a node pulling one of their messages would wait minutes for
+    objects nobody pushes. Stopped, their nodes give up at once (:func:`fedllm.flower.restart.orphaned_runs`)."""
+    from fedllm.flower.restart import orphaned_runs
+
+    with flwr_home(f"127.0.0.1:{port}", ca) as env:
+        flwr = processes.tool("flwr")
+        listed = _json(subprocess.run([flwr, "ls", "fedllm", "--format", "json"], capture_output=True, text=True,
+                                      env=env))
+        for run_id in orphaned_runs(listed.get("runs") or [], began):
+            subprocess.run([flwr, "stop", run_id, "fedllm"], env=env, capture_output=True, timeout=120)
+            print(f"fedllm flower superlink: stopped run {run_id}: its ServerApp died with the previous SuperLink; "
+                  "continue it with fedllm flower run ... --resume", file=sys.stderr, flush=True)
 
 
 def _supernode(args: argparse.Namespace) -> int:
@@ -374,11 +395,32 @@ def _run(args: argparse.Namespace) -> int:
             print(f"fedllm flower run: stopping run {run_id} on the SuperLink", file=sys.stderr, flush=True)
             subprocess.run([flwr, "stop", run_id, "fedllm"], env=env, capture_output=True, timeout=60)
 
+        guard = {"run guard": lambda: processes.Forked(lambda: guard_run(stop_run, env["FLWR_HOME"]))}
         rc = processes.supervise(lambda: processes.start([flwr, "log", run_id, "fedllm", "--stream"], env=env),
-                                 on_stop=stop_run)  # until the run ends, or this command is stopped
+                                 guard, on_stop=stop_run)  # until the run ends, or this command is stopped
         if rc >= 128:
             return rc
         return _outcome(flwr, run_id, env, args)
+
+
+def guard_run(stop_run, home: str) -> int:
+    """The child of ``fedllm flower run`` that stops its run when the command is killed (``kill -9``, a crash): it
+    gets SIGTERM when its parent dies (:mod:`fedllm.flower.processes`) and, its parent gone, stops the run on the
+    SuperLink and removes the command's private FLWR_HOME ``home``, as the command would have. A SIGTERM from the
+    living command (the run ended, or was stopped by it) ends it with nothing else done."""
+    import os
+    import shutil
+    import signal
+
+    parent = os.getppid()
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the command, which stops the run itself
+    if os.getppid() == parent:
+        signal.pause()
+    if os.getppid() != parent:
+        stop_run()
+        shutil.rmtree(home, ignore_errors=True)
+    return 0
 
 
 def _json(proc: subprocess.CompletedProcess) -> dict:

@@ -164,15 +164,19 @@ def test_a_killed_superlinks_private_directory_is_removed_at_the_next_start(tmp_
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no longer runs
     dirs = {}
-    for name, pid, extra in (("stale", gone.pid, None), ("live", os.getpid(), None), ("foreign", gone.pid, "notes.txt")):
+    from fedllm.flower.processes import owner_line
+
+    reused = f"{os.getpid()} 1\n"  # this pid, but a process that started at another time: the owner is gone
+    for name, line, extra in (("stale", f"{gone.pid}\n", None), ("live", owner_line(), None),
+                              ("foreign", f"{gone.pid}\n", "notes.txt"), ("reused", reused, "ready")):
         d = dirs[name] = tmp_path / f"fedllm-superlink-{name}"
         d.mkdir()
-        (d / "owner.pid").write_text(f"{pid}\n")
+        (d / "owner.pid").write_text(line)
         (d / "superexec.secret").write_bytes(b"x" * 32)
         if extra:
             (d / extra).write_text("not fedllm's")
     (tmp_path / "fedllm-superlink-nopid").mkdir()
-    assert remove_stale_private_dirs(tmp_path) == [dirs["stale"]]
+    assert sorted(remove_stale_private_dirs(tmp_path)) == [dirs["reused"], dirs["stale"]]
     assert not dirs["stale"].exists() and dirs["live"].is_dir() and dirs["foreign"].is_dir()
     assert (tmp_path / "fedllm-superlink-nopid").is_dir()
 
