@@ -139,7 +139,8 @@ def test_the_node_keys_already_in_a_superlink_database_are_not_registered_again(
     fake_flwr.chmod(0o755)
     node_keys.register(tmp_path / "nodes", {}, str(fake_flwr), known, ran.append)
     assert Path(tmp_path / "ran").read_text() == str(tmp_path / "nodes" / "client-0.pub")
-    assert ran[0] == "node key client-0.pub registered" and "kept in" in ran[1]
+    assert ran == ["node key client-1.pub registered (kept in the SuperLink's database since an earlier start)",
+                   "node key client-0.pub registered"]
 
 
 FAKE_SUPERNODE = """
