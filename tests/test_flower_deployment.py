@@ -18,6 +18,7 @@ node's restart.) Bounded: every process has a deadline and is stopped with its p
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import yaml
@@ -156,8 +157,8 @@ def test_kill_9_of_flower_run_stops_its_run_on_the_superlink(runs, deployment): 
     run_id = killed.run_id()
     streams = [p for p in children(killed.proc.pid) if " log " in cmdline(p)]
     assert streams, "no flwr log child"
-    home = next(v.split("=", 1)[1] for v in open(f"/proc/{streams[0]}/environ", "rb").read().decode().split("\0")
-                if v.startswith("FLWR_HOME="))
+    environ = Path(f"/proc/{streams[0]}/environ").read_bytes().decode().split("\0")
+    home = next(v.split("=", 1)[1] for v in environ if v.startswith("FLWR_HOME="))
     os.kill(killed.proc.pid, signal.SIGKILL)
     killed.wait(60)
     assert finished_status(deployment.env, run_id, 300, killed.log)["status"] == "finished:stopped"
@@ -191,8 +192,8 @@ def test_kill_9_of_flower_supernode_leaves_no_process_behind_and_it_restarts_on_
                 cmdline, children(proc.pid))), 120, "SuperNode and worker", log)
 
         running(node, tmp_path / "node.log")
-        wait_until(lambda: any(f":{int(port):04X} " in line and line.split()[3] in ("01", "06") for line in open(
-            "/proc/net/tcp").read().splitlines()[1:]), 120, "the worker connected to its SuperNode's port")
+        wait_until(lambda: any(f":{int(port):04X} " in line and line.split()[3] in ("01", "06") for line in Path(
+            "/proc/net/tcp").read_text().splitlines()[1:]), 120, "the worker connected to its SuperNode's port")
         family = children(node.pid)
         os.kill(node.pid, signal.SIGKILL)  # the command alone, not its process group
         node.wait()
@@ -209,44 +210,54 @@ def test_kill_9_of_flower_supernode_leaves_no_process_behind_and_it_restarts_on_
 
 def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin(tmp_path, tiny_recipe):
     """``kill PID`` (SIGTERM to the command alone) of ``fedllm flower superlink`` stops Flower's SuperLink and
-    fedllm's ServerApp runner with it: no process survives, and a new one starts on the same port and database
-    (before, the orphans kept the port and the restart failed with "address already in use"). A SuperNode connected to
-    the first one survives the restart: Flower's SuperNode exits (the new SuperLink does not know its session) and
-    ``fedllm flower supernode`` starts it again until it joins the new SuperLink. The run the first SuperLink was
-    running (waiting for a second node) lost its ServerApp: the restarted SuperLink stops it as it starts, instead of
-    listing it as running with nothing behind it (a node pulling its message would wait minutes)."""
+    fedllm's ServerApp runner with it: no process survives, and a new one starts on the same port (before, the orphans
+    kept the port and the restart failed with "address already in use"). Three SuperLinks one after the other:
+
+    - restarted on its ``--database``: the run the first one was running (waiting for a second node) lost its
+      ServerApp; the new SuperLink stops it as it starts (before, it was listed running with nothing behind it, and a
+      node pulling its message waited minutes), and the node, whose session the database keeps, carries on;
+    - restarted without a database: the node's session is unknown there; Flower's SuperNode exits and ``fedllm flower
+      supernode`` starts it again until it joins the new SuperLink."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr")}
     write_flwr_home(tmp_path / "flwr", f"127.0.0.1:{port}")
     recipe = tmp_path / "two.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe(federation={"num_clients": 2, "clients_per_round": 2, "rounds": 1})))
+    database = ["--database", str(tmp_path / "link.db")]
     node = submitted = run_id = None
     try:
-        for attempt in ("first", "restart"):
-            link = start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--database",
-                          str(tmp_path / "link.db"), "--runs-dir", str(tmp_path)], tmp_path / f"{attempt}.log", env)
+        for attempt, options in (("first", database), ("restart", database), ("fresh", [])):
+            link = start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                          "--runs-dir", str(tmp_path), *options], tmp_path / f"{attempt}.log", env)
+            log = tmp_path / f"{attempt}.log"
             try:
                 wait_until(lambda: port_open(port) and any("fedllm.flower.runtime serverapps" in cmdline(p)
                                                           for p in children(link.pid)), 120,  # noqa: B023
-                           f"{attempt} SuperLink and its ServerApp runner", tmp_path / f"{attempt}.log")
-                if node is None:
+                           f"{attempt} SuperLink and its ServerApp runner", log)
+                if attempt == "first":
                     node = start(["flower", "supernode", "--superlink", f"127.0.0.1:{port}", "--client", "0",
                                   "--insecure", "--state-dir", str(tmp_path / "state")], tmp_path / "node.log", env)
-                joined = attempt == "first" and 1 or 2
-                wait_until(lambda: (tmp_path / "node.log").read_text().count("SuperNode ID: ") >= joined,  # noqa: B023
-                           240, f"the SuperNode joined the {attempt} SuperLink", tmp_path / "node.log")
-                if attempt == "restart":
+                    wait_until(lambda: logged(tmp_path / "node.log", "SuperNode ID: "), 240, "the SuperNode joined",
+                               tmp_path / "node.log")
+                    submitted = start(["flower", "run", str(recipe), "--superlink", f"127.0.0.1:{port}", "--insecure",
+                                       "--wait-nodes", "600"], tmp_path / "run.log", env)
+                    wait_until(lambda: logged(tmp_path / "run.log", "waiting"), 240, "the run waiting for its 2nd "
+                               "node", tmp_path / "run.log")
+                    run_id = Run(submitted, tmp_path / "run.log", tmp_path, {}).run_id()
+                elif attempt == "restart":
+                    wait_until(lambda: logged(log, f"stopped run {run_id}: its ServerApp died"), 240,  # noqa: B023
+                               "the orphaned run stopped", log)
+                    assert run_status(env, run_id)["status"] == "finished:stopped"
+                    wait_until(lambda: logged(log, "POST /v1/fleet/"), 240, "the node talking to the restarted "  # noqa: B023
+                               "SuperLink", log)
+                    assert (tmp_path / "node.log").read_text().count("SuperNode ID: ") == 1  # its session kept
+                else:
+                    wait_until(lambda: (tmp_path / "node.log").read_text().count("SuperNode ID: ") >= 2, 240,
+                               "the SuperNode joined the fresh SuperLink", tmp_path / "node.log")
                     assert "node left the federation: Flower's SuperNode ended with code" in \
                         (tmp_path / "node.log").read_text()
-                    wait_until(lambda: logged(tmp_path / "restart.log", f"stopped run {run_id}:"), 240,
-                               "the orphaned run stopped", tmp_path / "restart.log")
-                    assert run_status(env, run_id)["status"] == "finished:stopped"
+                    assert not logged(log, "stopped run")  # no database: nothing of the earlier runs
                     break
-                submitted = start(["flower", "run", str(recipe), "--superlink", f"127.0.0.1:{port}", "--insecure",
-                             "--wait-nodes", "600"], tmp_path / "run.log", env)
-                wait_until(lambda: logged(tmp_path / "run.log", "waiting"), 240, "the run waiting for its 2nd node",
-                           tmp_path / "run.log")
-                run_id = Run(submitted, tmp_path / "run.log", tmp_path, {}).run_id()
                 family = children(link.pid)
                 os.kill(link.pid, signal.SIGTERM)  # the command alone, not its process group
                 link.wait(timeout=300)  # a guard (as every wait here): seconds when idle

@@ -178,11 +178,11 @@ def test_a_node_refused_after_it_joined_says_the_cause_the_superlink_tells(tmp_p
 
 
 def test_a_restarted_superlink_stops_only_the_runs_its_predecessor_left_running():
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
     from fedllm.flower.restart import orphaned_runs
 
-    began = datetime(2026, 12, 2, 1, 0, tzinfo=timezone.utc)
+    began = datetime(2026, 12, 2, 1, 0, tzinfo=UTC)
     runs = [{"run-id": "1", "status": "running", "starting-at": "2026-12-02T00:50:00", "running-at":
              "2026-12-02T00:50:02+00:00"},  # its ServerApp died with the previous SuperLink
             {"run-id": "2", "status": "starting", "starting-at": "2026-12-02T00:59:59.5", "running-at": "N/A"},

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from flower_cluster import assert_matches, env_for, free_port, logged, port_open, start, stop, wait_until
+from flower_cluster import assert_matches, env_for, free_port, logged, start, stop, wait_until
 
 pytest.importorskip("flwr")
 

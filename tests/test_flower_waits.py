@@ -139,9 +139,9 @@ def test_the_nodes_train_with_the_runs_thread_count(tiny_recipe, monkeypatch, re
     assert recipe.train.threads == recipe_threads  # the server's own recipe (its run directory's) is unchanged
     if expected is None:
         return
-    from fedllm.flower.node import Node
-
     import os
+
+    from fedllm.flower.node import Node
 
     previous = torch.get_num_threads()
     saved = ({v: os.environ.get(v) for v in threads.THREAD_VARS + threads.WAIT_VARS}, threads._chosen,

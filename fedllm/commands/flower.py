@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from fedllm.common.errors import InputError
@@ -307,14 +307,14 @@ def _superlink(args: argparse.Namespace) -> int:
         runner += ["--runs-dir", str(Path(args.runs_dir).resolve()), "--used-nonces", str(used)]
 
         restarted = not args.database.startswith(":") and Path(args.database).is_file()
-        began = datetime.now(timezone.utc)
+        began = datetime.now(UTC)
 
         def after_start(link: subprocess.Popen) -> None:
             if (nodes is not None or restarted) and wait_for_port(args.port, link):
+                if nodes is not None:  # first: the nodes pulling an orphaned run's message then hear of its end at once
+                    register_nodes(args.port, ca, nodes, known, ready)
                 if restarted:
                     stop_orphaned_runs(args.port, ca, began)
-                if nodes is not None:
-                    register_nodes(args.port, ca, nodes, known, ready)
 
         return processes.supervise(lambda: processes.start(cmd), {"ServerApp runner": lambda: processes.start(runner)},
                                    after_start=after_start)
@@ -329,9 +329,9 @@ def stop_orphaned_runs(port: int, ca: str | None, began: datetime) -> None:
     with flwr_home(f"127.0.0.1:{port}", ca) as env:
         flwr = processes.tool("flwr")
         listed = _json(subprocess.run([flwr, "ls", "fedllm", "--format", "json"], capture_output=True, text=True,
-                                      env=env))
+                                      env=env, check=False))
         for run_id in orphaned_runs(listed.get("runs") or [], began):
-            subprocess.run([flwr, "stop", run_id, "fedllm"], env=env, capture_output=True, timeout=120)
+            subprocess.run([flwr, "stop", run_id, "fedllm"], env=env, capture_output=True, timeout=120, check=False)
             print(f"fedllm flower superlink: stopped run {run_id}: its ServerApp died with the previous SuperLink; "
                   "continue it with fedllm flower run ... --resume", file=sys.stderr, flush=True)
 

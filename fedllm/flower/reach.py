@@ -81,9 +81,11 @@ def wait_for_superlink(address: str, root_certificates: str | None, wait_s: floa
         sleep(min(every_s, left))
 
 
+PREVIOUS_SESSION = ("the SuperLink still counts this key's previous session online (a node killed without signing "
+                    "off?) until its heartbeats time out (Flower: 2 x 30 s)")
 REFUSALS = {
-    "online": "the SuperLink still counts this key's previous session online (a node killed without signing off?) "
-              "until its heartbeats time out (Flower: 2 x 30 s)",
+    "online": PREVIOUS_SESSION,
+    "offline": PREVIOUS_SESSION,  # offline by the time it was asked: its heartbeats have just timed out
     "unknown": "the SuperLink does not know this node's key (unregistered with flwr supernode unregister, or a "
                "SuperLink restarted without its --database: fedllm flower superlink registers DIR/nodes/client-K.pub "
                "as it starts)",

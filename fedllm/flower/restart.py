@@ -11,7 +11,7 @@ refuses objects of a finished run) and the node takes the next run's messages.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 ORPHAN_STATUSES = ("starting", "running")
 
@@ -29,7 +29,7 @@ def orphaned_runs(runs: list[dict], began: datetime) -> list[str]:
             at = datetime.fromisoformat(stamp)
         except ValueError:
             continue
-        at = at if at.tzinfo else at.replace(tzinfo=timezone.utc)
+        at = at if at.tzinfo else at.replace(tzinfo=UTC)
         if status in ORPHAN_STATUSES and at < began:
             out.append(str(run.get("run-id")))
     return out
