@@ -248,8 +248,8 @@ def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin
                     wait_until(lambda: logged(log, f"stopped run {run_id}: its ServerApp died"), 240,  # noqa: B023
                                "the orphaned run stopped", log)
                     assert run_status(env, run_id)["status"] == "finished:stopped"
-                    wait_until(lambda: logged(log, "POST /v1/fleet/"), 240, "the node talking to the restarted "  # noqa: B023
-                               "SuperLink", log)
+                    wait_until(lambda: logged(tmp_path / "node.log", "Connection successful after"), 240,
+                               "the node reconnected to the restarted SuperLink (Flower's retry)", tmp_path / "node.log")
                     assert (tmp_path / "node.log").read_text().count("SuperNode ID: ") == 1  # its session kept
                 else:
                     wait_until(lambda: (tmp_path / "node.log").read_text().count("SuperNode ID: ") >= 2, 240,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -395,7 +396,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"fedllm flower run: stopping run {run_id} on the SuperLink", file=sys.stderr, flush=True)
             subprocess.run([flwr, "stop", run_id, "fedllm"], env=env, capture_output=True, timeout=60)
 
-        guard = {"run guard": lambda: processes.Forked(lambda: guard_run(stop_run, env["FLWR_HOME"]))}
+        me = os.getpid()
+        guard = {"run guard": lambda: processes.Forked(lambda: guard_run(stop_run, env["FLWR_HOME"], me))}
         rc = processes.supervise(lambda: processes.start([flwr, "log", run_id, "fedllm", "--stream"], env=env),
                                  guard, on_stop=stop_run)  # until the run ends, or this command is stopped
         if rc >= 128:
@@ -403,20 +405,19 @@ def _run(args: argparse.Namespace) -> int:
         return _outcome(flwr, run_id, env, args)
 
 
-def guard_run(stop_run, home: str) -> int:
-    """The child of ``fedllm flower run`` that stops its run when the command is killed (``kill -9``, a crash): it
-    gets SIGTERM when its parent dies (:mod:`fedllm.flower.processes`) and, its parent gone, stops the run on the
-    SuperLink and removes the command's private FLWR_HOME ``home``, as the command would have. A SIGTERM from the
-    living command (the run ended, or was stopped by it) ends it with nothing else done."""
-    import os
+def guard_run(stop_run, home: str, parent: int) -> int:
+    """The child of ``fedllm flower run`` (pid ``parent``) that stops its run when the command is killed (``kill -9``,
+    a crash): it gets SIGTERM when its parent dies (:mod:`fedllm.flower.processes`) and, its parent gone, stops the
+    run on the SuperLink and removes the command's private FLWR_HOME ``home``, as the command would have. A SIGTERM
+    from the living command (the run ended, or was stopped by it) ends it with nothing else done."""
     import shutil
     import signal
 
-    parent = os.getppid()
-    signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the command, which stops the run itself
-    if os.getppid() == parent:
-        signal.pause()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # kept pending until asked for: no lost wake-up
+    while os.getppid() == parent:
+        if signal.sigtimedwait([signal.SIGTERM], 60) is not None:
+            break
     if os.getppid() != parent:
         stop_run()
         shutil.rmtree(home, ignore_errors=True)
