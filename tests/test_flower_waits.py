@@ -128,7 +128,7 @@ def test_the_nodes_train_with_the_runs_thread_count(tiny_recipe, monkeypatch, re
     import yaml
 
     from fedllm.common import threads
-    from fedllm.flower.executor import recipe_for_nodes
+    from fedllm.flower.adapter import recipe_for_nodes
     from fedllm.recipe.checks import parse_recipe
 
     policy = None if server_threads is None else threads.ThreadPolicy(server_threads, "auto", {}, "user", 2, 1)

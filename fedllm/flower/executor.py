@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedllm.flower import FEDERATION_INCOMPLETE
-from fedllm.flower.adapter import ClientFailed, FedllmStrategy
+from fedllm.flower.adapter import ClientFailed, FedllmStrategy, recipe_for_nodes
 from fedllm.models.state import StateDict
 
 log = logging.getLogger("fedllm")
@@ -88,6 +88,7 @@ class FlowerExecutor:
             self.adapter.origin = self.origin
             self.num_clients = loop.recipe.federation.num_clients
             self.recipe_yaml = recipe_for_nodes(loop.recipe)  # sent with the query: node workers build the model then
+            self.adapter.recipe_yaml = self.recipe_yaml  # and with every message: the same text, one build per run
             self.adapter.nodes = self.discover(loop.recipe.federation.num_clients)
         return self.adapter
 
@@ -338,23 +339,6 @@ class FlowerExecutor:
             self.synced = {int(c): int(r) for c, r in state.get("synced", {}).items()}
             self.steps = {int(c): int(r) for c, r in state.get("steps", {}).items()}
             self.checkpointed = dict(self.synced)
-
-
-def recipe_for_nodes(recipe: Any) -> str:
-    """The recipe the nodes build their federation from (YAML), with the run's CPU thread count: the recipe's
-    ``train.threads``, else this ServerApp's (:mod:`fedllm.common.threads`: what ``fedllm train`` of the recipe uses on
-    this machine). The count fixes a run's floating-point results (a matrix product sums in another order on another
-    count, and bf16 training carries the difference on), so every node trains with it and the run equals the
-    one-process run bit for bit (a node's ``FEDLLM_THREADS`` still wins: faster, equal up to summation order)."""
-    import dataclasses
-
-    from fedllm.common import threads
-    from fedllm.recipe.schema import dump_recipe
-
-    chosen = threads.chosen()
-    if recipe.train.threads is None and chosen is not None:
-        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, threads=chosen.threads))
-    return dump_recipe(recipe)
 
 
 def _same_key(key: bytes, registered: bytes | None) -> bool | None:

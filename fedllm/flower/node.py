@@ -97,7 +97,7 @@ class Node:
 
     def use_threads(self) -> None:
         """Train with the run's CPU thread count (``train.threads``: the recipe's, else the ServerApp's, which it
-        writes into the recipe it sends: :func:`fedllm.flower.executor.recipe_for_nodes`), set again for each message
+        writes into the recipe it sends: :func:`fedllm.flower.adapter.recipe_for_nodes`), set again for each message
         (a worker serves several runs); this machine's ``FEDLLM_THREADS`` wins, said once."""
         import os
 
