@@ -18,9 +18,12 @@ node's restart.) Bounded: every process has a deadline and is stopped with its p
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
+import yaml
 from flower_cluster import (  # noqa: F401
+    Run,
     assert_matches,
     children,
     cmdline,
@@ -30,10 +33,12 @@ from flower_cluster import (  # noqa: F401
     launch,
     logged,
     port_open,
+    run_status,
     start,
     stop,
     wait_until,
     worker_pid,
+    write_flwr_home,
     zombies,
 )
 from safetensors.torch import load_file
@@ -72,6 +77,9 @@ def runs(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa: F
         if "test_stopping_flower_run_stops_the_run_on_the_superlink" in launch.wanted:
             raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 1})
             launch.items["stopped"] = deployment.submit("stopped", raw, where, "--wait-nodes", "300")
+        if "test_kill_9_of_flower_run_stops_its_run_on_the_superlink" in launch.wanted:
+            raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 2, "rounds": 1})
+            launch.items["killed"] = deployment.submit("killed", raw, where, "--wait-nodes", "300")
         if "test_flower_run_exits_2_when_the_server_app_refuses_its_input" in launch.wanted:
             taken = where / "flower-taken"  # output_dir holds something that is not a fedllm run
             taken.mkdir()
@@ -160,6 +168,24 @@ def test_stopping_flower_run_stops_the_run_on_the_superlink(runs, deployment):  
     assert finished_status(deployment.env, run_id, 300, stopped.log)["status"] == "finished:stopped"
 
 
+@pytest.mark.slow
+def test_kill_9_of_flower_run_stops_its_run_on_the_superlink(runs, deployment):  # noqa: F811
+    """``kill -9`` of ``fedllm flower run`` (the command alone): its guard child, told by Linux that its parent died,
+    stops the run on the SuperLink (before: the run went on with no word of it) and removes the command's private
+    FLWR_HOME."""
+    killed = runs["killed"]
+    wait_until(lambda: logged(killed.log, "waiting"), 240, "the server waiting for nodes", killed.log)
+    run_id = killed.run_id()
+    streams = [p for p in children(killed.proc.pid) if " log " in cmdline(p)]
+    assert streams, "no flwr log child"
+    environ = Path(f"/proc/{streams[0]}/environ").read_bytes().decode().split("\0")
+    home = next(v.split("=", 1)[1] for v in environ if v.startswith("FLWR_HOME="))
+    os.kill(killed.proc.pid, signal.SIGKILL)
+    killed.wait(60)
+    assert finished_status(deployment.env, run_id, 300, killed.log)["status"] == "finished:stopped"
+    wait_until(lambda: not os.path.exists(home), 120, f"the private FLWR_HOME {home} removed")
+
+
 def test_flower_run_exits_2_when_the_server_app_refuses_its_input(runs):
     """A ServerApp that raises on bad input (here: output_dir exists, is not empty and is not a fedllm run) gives
     exit code 2, as ``fedllm train`` does, and nothing in that directory is touched."""
@@ -172,48 +198,86 @@ def test_flower_run_exits_2_when_the_server_app_refuses_its_input(runs):
     assert (taken.out / "metrics.jsonl").read_text() == '{"round": 1}\n'
 
 
-def test_kill_9_of_flower_supernode_leaves_no_process_behind(deployment, tmp_path):  # noqa: F811
-    node = start(["flower", "supernode", "--superlink", deployment.address, "--client", "7", "--insecure",
-                  "--state-dir", str(tmp_path / "state"), "--port", str(free_port())], tmp_path / "node.log",
-                 deployment.env)
+def test_kill_9_of_flower_supernode_leaves_no_process_behind_and_it_restarts_on_its_port(deployment, tmp_path):  # noqa: F811
+    """``kill -9`` of ``fedllm flower supernode``: its SuperNode and worker die with it, and the same command starts
+    again at once on the same ``--port``, whose connections from the worker wait in TIME-WAIT for about 60 s (before:
+    ``--port=N: already in use``, exit 2)."""
+    port = str(free_port())
+    argv = ["flower", "supernode", "--superlink", deployment.address, "--client", "7", "--insecure", "--state-dir",
+            str(tmp_path / "state"), "--port", port]
+    node = start(argv, tmp_path / "node.log", deployment.env)
+    again = None
     try:
-        wait_until(lambda: worker_pid(node) is not None and any("fedllm.flower.supernode" in c for c in map(
-            cmdline, children(node.pid))), 120, "SuperNode and worker", tmp_path / "node.log")
+        def running(proc, log):
+            wait_until(lambda: worker_pid(proc) is not None and any("fedllm.flower.supernode" in c for c in map(
+                cmdline, children(proc.pid))), 120, "SuperNode and worker", log)
+
+        running(node, tmp_path / "node.log")
+        wait_until(lambda: any(f":{int(port):04X} " in line and line.split()[3] in ("01", "06") for line in Path(
+            "/proc/net/tcp").read_text().splitlines()[1:]), 120, "the worker connected to its SuperNode's port")
         family = children(node.pid)
         os.kill(node.pid, signal.SIGKILL)  # the command alone, not its process group
         node.wait()
         wait_until(lambda: not [p for p in family if os.path.exists(f"/proc/{p}")], 240,
                    f"every child of fedllm flower supernode gone ({family})")
+        again = start(argv, tmp_path / "again.log", deployment.env)
+        running(again, tmp_path / "again.log")
+        assert again.poll() is None and "already in use" not in (tmp_path / "again.log").read_text()
     finally:
         stop(node)
+        if again is not None:
+            stop(again)
 
 
-def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin(tmp_path):
+def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin(tmp_path, tiny_recipe):
     """``kill PID`` (SIGTERM to the command alone) of ``fedllm flower superlink`` stops Flower's SuperLink and
-    fedllm's ServerApp runner with it: no process survives, and a new SuperLink starts on the same port (before,
-    the orphans kept the port and the restart failed with "address already in use"). A SuperNode connected to the
-    first one survives the restart: Flower's SuperNode exits (the new SuperLink does not know its session) and
-    ``fedllm flower supernode`` starts it again until it joins the new SuperLink."""
+    fedllm's ServerApp runner with it: no process survives, and a new one starts on the same port (before, the orphans
+    kept the port and the restart failed with "address already in use"). Three SuperLinks one after the other:
+
+    - restarted on its ``--database``: the run the first one was running (waiting for a second node) lost its
+      ServerApp; the new SuperLink stops it as it starts (before, it was listed running with nothing behind it, and a
+      node pulling its message waited minutes), and the node, whose session the database keeps, carries on;
+    - restarted without a database: the node's session is unknown there; Flower's SuperNode exits and ``fedllm flower
+      supernode`` starts it again until it joins the new SuperLink."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr")}
-    node = None
+    write_flwr_home(tmp_path / "flwr", f"127.0.0.1:{port}")
+    recipe = tmp_path / "two.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(federation={"num_clients": 2, "clients_per_round": 2, "rounds": 1})))
+    database = ["--database", str(tmp_path / "link.db")]
+    node = submitted = run_id = None
     try:
-        for attempt in ("first", "restart"):
-            link = start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port)],
-                         tmp_path / f"{attempt}.log", env)
+        for attempt, options in (("first", database), ("restart", database), ("fresh", [])):
+            link = start(["flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                          "--runs-dir", str(tmp_path), *options], tmp_path / f"{attempt}.log", env)
+            log = tmp_path / f"{attempt}.log"
             try:
                 wait_until(lambda: port_open(port) and any("fedllm.flower.runtime serverapps" in cmdline(p)
                                                           for p in children(link.pid)), 120,  # noqa: B023
-                           f"{attempt} SuperLink and its ServerApp runner", tmp_path / f"{attempt}.log")
-                if node is None:
+                           f"{attempt} SuperLink and its ServerApp runner", log)
+                if attempt == "first":
                     node = start(["flower", "supernode", "--superlink", f"127.0.0.1:{port}", "--client", "0",
                                   "--insecure", "--state-dir", str(tmp_path / "state")], tmp_path / "node.log", env)
-                joined = attempt == "first" and 1 or 2
-                wait_until(lambda: (tmp_path / "node.log").read_text().count("SuperNode ID: ") >= joined,  # noqa: B023
-                           240, f"the SuperNode joined the {attempt} SuperLink", tmp_path / "node.log")
-                if attempt == "restart":
+                    wait_until(lambda: logged(tmp_path / "node.log", "SuperNode ID: "), 240, "the SuperNode joined",
+                               tmp_path / "node.log")
+                    submitted = start(["flower", "run", str(recipe), "--superlink", f"127.0.0.1:{port}", "--insecure",
+                                       "--wait-nodes", "600"], tmp_path / "run.log", env)
+                    wait_until(lambda: logged(tmp_path / "run.log", "waiting"), 240, "the run waiting for its 2nd "
+                               "node", tmp_path / "run.log")
+                    run_id = Run(submitted, tmp_path / "run.log", tmp_path, {}).run_id()
+                elif attempt == "restart":
+                    wait_until(lambda: logged(log, f"stopped run {run_id}: its ServerApp died"), 240,  # noqa: B023
+                               "the orphaned run stopped", log)
+                    assert run_status(env, run_id)["status"] == "finished:stopped"
+                    wait_until(lambda: logged(tmp_path / "node.log", "Connection successful after"), 240,
+                               "the node reconnected to the restarted SuperLink (Flower's retry)", tmp_path / "node.log")
+                    assert (tmp_path / "node.log").read_text().count("SuperNode ID: ") == 1  # its session kept
+                else:
+                    wait_until(lambda: (tmp_path / "node.log").read_text().count("SuperNode ID: ") >= 2, 240,
+                               "the SuperNode joined the fresh SuperLink", tmp_path / "node.log")
                     assert "node left the federation: Flower's SuperNode ended with code" in \
                         (tmp_path / "node.log").read_text()
+                    assert not logged(log, "stopped run")  # no database: nothing of the earlier runs
                     break
                 family = children(link.pid)
                 os.kill(link.pid, signal.SIGTERM)  # the command alone, not its process group
@@ -224,5 +288,6 @@ def test_kill_of_flower_superlink_frees_its_ports_for_a_restart_and_nodes_rejoin
             finally:
                 stop(link)
     finally:
-        if node is not None:
-            stop(node)
+        for proc in (node, submitted):
+            if proc is not None:
+                stop(proc)

@@ -112,3 +112,49 @@ def runtime_cache():
     from fedllm.flower.worker_cache import NodeCache
 
     return NodeCache()
+
+
+GUARDED = """
+import os, sys, time
+from pathlib import Path
+from fedllm.commands.flower import guard_run
+from fedllm.flower import processes
+marker, home = Path(sys.argv[1]), sys.argv[2]
+me = os.getpid()
+guard = processes.Forked(lambda: guard_run(lambda: marker.write_text("stopped"), home, me))
+Path(sys.argv[3]).write_text(str(guard.pid))
+if sys.argv[4] == "ends":  # the run ended: the command stops its guard, alive
+    time.sleep(1)
+    processes.stop(guard)
+    sys.exit(0)
+time.sleep(600)  # killed with kill -9 meanwhile
+"""
+
+
+def test_the_run_guard_stops_the_run_only_when_its_command_is_killed(tmp_path):
+    """``fedllm flower run``'s guard child: ``kill -9`` of the command makes it stop the run and remove the command's
+    private FLWR_HOME; a command that ends normally stops its guard, which then does nothing."""
+    for how in ("ends", "kill -9"):
+        marker, home, pid_file = tmp_path / f"{how}.stopped", tmp_path / f"{how}-home", tmp_path / f"{how}.pid"
+        home.mkdir()
+        command = subprocess.Popen([sys.executable, "-c", GUARDED, str(marker), str(home), str(pid_file), how],
+                                   start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not pid_file.is_file() or not pid_file.read_text():
+                assert command.poll() is None or how == "ends", f"the command exited with {command.returncode}"
+                assert time.monotonic() < deadline, "no guard within 120 s"
+                time.sleep(0.1)
+            guard = int(pid_file.read_text())
+            if how == "kill -9":
+                os.kill(command.pid, signal.SIGKILL)
+            command.wait(timeout=120)
+            deadline = time.monotonic() + 60
+            while state(guard) not in (None, "Z"):
+                assert time.monotonic() < deadline, "the guard outlived its command"
+                time.sleep(0.1)
+            assert marker.exists() == (how == "kill -9") and home.exists() == (how == "ends")
+        finally:
+            if command.poll() is None:
+                os.killpg(command.pid, signal.SIGKILL)
+                command.wait()

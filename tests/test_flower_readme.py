@@ -3,7 +3,9 @@ to bottom from its own text on one machine.
 
 The commands are read from README.md (nothing here restates them): the certificate step, the SuperLink, one
 SuperNode per client, the run; and the section's one-process run of the same recipe, whose final model the Flower
-run must equal bit for bit (every process on one CPU thread). Only README's placeholders are filled in:
+run must equal bit for bit, in the environment a user has (no thread count set: each process picks its own, and
+the nodes train with the run's). The SuperNodes are started first, the SuperLink only once every node said it is
+waiting for it, as typed at human speed on a slow machine. Only README's placeholders are filled in:
 ``SERVER`` is 127.0.0.1, README's port 9092 becomes a free port (``--port`` added to the SuperLink's command),
 ``K`` is each client, ``/var/lib/fedllm`` a directory per client, the optional ``[--data my.jsonl]`` and the
 ``--resume`` line (tested in tests/test_flower_deployment.py) are left out. They run in a scratch directory that
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from flower_cluster import assert_matches, env_for, free_port, logged, port_open, start, stop, wait_until
+from flower_cluster import assert_matches, env_for, free_port, logged, start, stop, wait_until
 
 pytest.importorskip("flwr")
 
@@ -76,6 +78,8 @@ def test_flower_readme_section_runs_as_written_and_equals_one_process(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     env = {**env_for(tmp_path / "flwr-home"), "PYTHONPATH": str(ROOT)}
+    for chosen in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "FEDLLM_THREADS"):  # a user's environment: none set
+        env.pop(chosen, None)
 
     def run_step(argv: list[str]) -> None:
         done = subprocess.run([sys.executable, "-m", "fedllm", *argv], cwd=tmp_path, env=env, capture_output=True,
@@ -88,17 +92,20 @@ def test_flower_readme_section_runs_as_written_and_equals_one_process(tmp_path):
     assert clients == ["0", "1", "2", "3"]  # README's --clients 4, the recipe's num_clients
     procs = []
     try:
-        link_log = tmp_path / "superlink.log"
-        procs.append(start(filled(steps["superlink"][0], port) + ["--port", str(port)], link_log, env, tmp_path))
-        wait_until(lambda: port_open(port) and logged(link_log, "client-3.pub registered"), 300,
-                   "the SuperLink, with the node keys registered", link_log)
-        for cid in clients:
+        for cid in clients:  # the nodes first: each waits for the SuperLink, saying so
             procs.append(start(filled(steps["supernode"][0], port, cid), tmp_path / f"node{cid}.log", env,
                                tmp_path))
-        for cid in clients:  # every node connected before the run starts: its --wait-nodes is no race on a busy machine
-            wait_until(lambda c=cid: logged(tmp_path / f"node{c}.log", "SuperNode ID"), 600, f"SuperNode {cid} joined",
-                       tmp_path / f"node{cid}.log")
-        run_step(filled(steps["run"][0], port))  # returns when the run has finished on the SuperLink
+        for cid in clients:
+            wait_until(lambda c=cid: logged(tmp_path / f"node{c}.log", "waiting for the SuperLink at "), 300,
+                       f"SuperNode {cid} waiting for the SuperLink", tmp_path / f"node{cid}.log")
+        link_log = tmp_path / "superlink.log"
+        procs.append(start(filled(steps["superlink"][0], port) + ["--port", str(port)], link_log, env, tmp_path))
+        wait_until(lambda: logged(link_log, "ready: SuperNodes may join"), 300, "the SuperLink, with the node keys "
+                   "registered", link_log)
+        run_step(filled(steps["run"][0], port))  # at once, as a user would: it waits --wait-nodes for the nodes
+        for cid in clients:
+            text = (tmp_path / f"node{cid}.log").read_text()
+            assert "Failed to activate SuperNode" not in text and "takes nodes now" in text, text[-2000:]
     finally:
         for proc in reversed(procs):
             stop(proc)

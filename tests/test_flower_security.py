@@ -39,7 +39,7 @@ from flower_cluster import (  # noqa: F401
 pytest.importorskip("flwr")
 
 from fedllm.engine.server import run  # noqa: E402
-from fedllm.flower import APP_DIR  # noqa: E402
+from fedllm.flower import APP_DIR, reach  # noqa: E402
 from fedllm.flower.certs import write_certificates, write_node_keys  # noqa: E402
 from fedllm.recipe.checks import parse_recipe  # noqa: E402
 
@@ -185,6 +185,7 @@ def test_flower_security_unregistered_or_untrusting_node_is_refused(started):
         log = where / f"{name}.log"
         wait_until(lambda node=started[name]: node.poll() is not None, 120, f"{name} SuperNode refused", log)
         assert logged(log, why) and not logged(log, "SuperNode ID"), log.read_text()[-2000:]
+    assert logged(where / "stranger.log", reach.REFUSALS["unknown"])  # the cause, as the SuperLink tells it
 
 
 def disrupted(started, deployment, tmp_path):  # noqa: F811
@@ -250,7 +251,7 @@ def test_flower_security_second_claim_refused_and_restarted_node_rejoins(started
     history = history_of(run_)
     assert [h["clients"] for h in history] == [[0, 1, 2]] * 3 and all("dropped" not in h for h in history)
     assert logged(deployment.logs[1], "SuperNode ID")  # the restarted node
-    assert logged(deployment.logs[1], "its previous session (killed without signing off?) still counts as online")
+    assert logged(deployment.logs[1], reach.PREVIOUS_SESSION)  # the cause, as the SuperLink tells it
     assert_matches(sim, run_.out, ["adapter"], "scaffold with a restarted node")
 
 

@@ -117,3 +117,47 @@ def test_workers_share_the_cores_unless_the_user_chose_a_thread_count(monkeypatc
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("recipe_threads,server_threads,expected", [(None, 3, 3), (2, 3, 2), (None, None, None)])
+def test_the_nodes_train_with_the_runs_thread_count(tiny_recipe, monkeypatch, recipe_threads, server_threads, expected):
+    """The recipe the ServerApp sends its nodes carries the run's CPU thread count (the recipe's, else the
+    ServerApp's: what ``fedllm train`` uses on its machine), which fixes the run's floating-point results; a node
+    built from it trains with that count whatever its own default."""
+    import torch
+    import yaml
+
+    from fedllm.common import threads
+    from fedllm.flower.adapter import recipe_for_nodes
+    from fedllm.recipe.checks import parse_recipe
+
+    policy = None if server_threads is None else threads.ThreadPolicy(server_threads, "auto", {}, "user", 2, 1)
+    monkeypatch.setattr(threads, "chosen", lambda: policy)
+    recipe = parse_recipe(tiny_recipe(train={"local_steps": 1, "threads": recipe_threads}))
+    sent = yaml.safe_load(recipe_for_nodes(recipe))
+    assert sent["train"]["threads"] == expected
+    assert recipe.train.threads == recipe_threads  # the server's own recipe (its run directory's) is unchanged
+    if expected is None:
+        return
+    import os
+
+    from fedllm.flower.node import Node
+
+    previous = torch.get_num_threads()
+    saved = ({v: os.environ.get(v) for v in threads.THREAD_VARS + threads.WAIT_VARS}, threads._chosen,
+             dict(threads._set_by_us))  # threads.apply sets them for this process: put back for the tests after
+    try:
+        torch.set_num_threads(1)
+        node = Node.__new__(Node)
+        node.recipe = parse_recipe(sent)
+        monkeypatch.delenv(threads.ENV_THREADS, raising=False)
+        node.use_threads()
+        assert torch.get_num_threads() == expected
+        monkeypatch.setenv(threads.ENV_THREADS, "1")  # this machine's own choice wins, said once
+        node.use_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)
+        for var, value in saved[0].items():
+            os.environ.pop(var, None) if value is None else os.environ.__setitem__(var, value)
+        threads._chosen, threads._set_by_us = saved[1], saved[2]

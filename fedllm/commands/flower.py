@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 from fedllm.common.errors import InputError
@@ -94,8 +96,11 @@ def _existing_file(given: str | None, option: str, written_as: str) -> None:
 
 
 def local_port(port: int | None) -> int:
-    """``--port`` of a SuperNode's local runtime API: a free one when not given; a taken one is refused."""
+    """``--port`` of a SuperNode's local runtime API: a free one when not given; one a live process listens on is
+    refused. The probe binds as the SuperNode's own server does (``SO_REUSEADDR``), so the connections a killed
+    SuperNode left in TIME-WAIT on its port (about 60 s after ``kill -9``) do not refuse its restart."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port or 0))
         except OSError:
@@ -109,6 +114,8 @@ def supernode_command(args: argparse.Namespace, secret: Path | None) -> list[str
     ``args.port`` to a free port when none was given."""
     if args.client < 0:
         raise InputError(f"--client={args.client}: expected an integer >= 0 (the client id)")
+    if getattr(args, "wait_superlink", 0) < 0:
+        raise InputError(f"--wait-superlink={args.wait_superlink:g}: expected seconds >= 0")
     _existing_file(args.root_certificates, "--root-certificates", "DIR/ca.crt")
     _existing_file(args.auth_key, "--auth-key", f"DIR/nodes/client-{args.client}.key (with --clients N)")
     args.port = local_port(args.port)
@@ -220,16 +227,16 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -
     return False
 
 
-def register_nodes(port: int, ca: str, nodes: Path) -> None:
-    """Register every ``client-K.pub`` of ``nodes`` with the SuperLink on this machine (once; idempotent)."""
+def register_nodes(port: int, ca: str, nodes: Path, known: set[bytes], ready: Path) -> None:
+    """Register the ``client-K.pub`` keys of ``nodes`` not ``known`` to the SuperLink on this machine, then write
+    ``ready`` (its Fleet API then takes SuperNodes: :mod:`fedllm.flower.superlink`)."""
+    from fedllm.flower.node_keys import register
+
     with flwr_home(f"127.0.0.1:{port}", ca) as env:
-        for pub in sorted(nodes.glob("client-*.pub")):
-            out = subprocess.run([processes.tool("flwr"), "supernode", "register", str(pub), "fedllm"],
-                                 capture_output=True, text=True, env=env)
-            text = out.stdout + out.stderr
-            if out.returncode != 0 and "already in use" not in text.lower():
-                raise RuntimeError(f"registering {pub} with the SuperLink failed: {text[-1000:]}")
-            print(f"fedllm flower superlink: node key {pub.name} registered", file=sys.stderr, flush=True)
+        register(nodes, env, processes.tool("flwr"), known,
+                 lambda line: print(f"fedllm flower superlink: {line}", file=sys.stderr, flush=True))
+    ready.touch()
+    print("fedllm flower superlink: ready: SuperNodes may join", file=sys.stderr, flush=True)
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -269,17 +276,21 @@ def operator_public_key(args: argparse.Namespace) -> Path | None:
 
 
 def _superlink(args: argparse.Namespace) -> int:
-    import os
-
     from fedllm.flower.runtime import write_secret
 
     for stale in processes.remove_stale_private_dirs():
         print(f"fedllm flower superlink: removed {stale}, left by a SuperLink that was killed", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix=processes.PRIVATE_PREFIX) as private:
-        (Path(private) / "owner.pid").write_text(f"{os.getpid()}\n")
+        (Path(private) / "owner.pid").write_text(processes.owner_line())
         secret = write_secret(Path(private) / "superexec.secret")
         cmd = superlink_command(args, secret)
         nodes = node_keys_dir(args)
+        ready = Path(private) / "ready"
+        if nodes is not None:  # its Fleet API answers 503 until the node keys are registered
+            from fedllm.flower.node_keys import registered
+
+            known = registered(args.database)  # before the SuperLink opens the database
+            cmd += ["--fedllm-ready-file", str(ready)]
         ca = str(Path(args.certificates, "ca.crt").resolve()) if args.certificates else None
         runner = [sys.executable, "-m", "fedllm.flower.runtime", "serverapps",
                   "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret)]
@@ -296,12 +307,34 @@ def _superlink(args: argparse.Namespace) -> int:
         used = Path(args.database + ".fedllm-nonces") if not args.database.startswith(":") else Path(private) / "nonces"
         runner += ["--runs-dir", str(Path(args.runs_dir).resolve()), "--used-nonces", str(used)]
 
-        def ready(link: subprocess.Popen) -> None:
-            if nodes is not None and wait_for_port(args.port, link):
-                register_nodes(args.port, ca, nodes)
+        restarted = not args.database.startswith(":") and Path(args.database).is_file()
+        began = datetime.now(UTC)
+
+        def after_start(link: subprocess.Popen) -> None:
+            if (nodes is not None or restarted) and wait_for_port(args.port, link):
+                if nodes is not None:  # first: the nodes pulling an orphaned run's message then hear of its end at once
+                    register_nodes(args.port, ca, nodes, known, ready)
+                if restarted:
+                    stop_orphaned_runs(args.port, ca, began)
 
         return processes.supervise(lambda: processes.start(cmd), {"ServerApp runner": lambda: processes.start(runner)},
-                                   after_start=ready)
+                                   after_start=after_start)
+
+
+def stop_orphaned_runs(port: int, ca: str | None, began: datetime) -> None:
+    """Stop the runs a SuperLink restarted on its database still lists as running: their ServerApp died with the
+    previous SuperLink, so nothing will finish them, and a node pulling one of their messages would wait minutes for
+    objects nobody pushes. Stopped, their nodes give up at once (:func:`fedllm.flower.restart.orphaned_runs`)."""
+    from fedllm.flower.restart import orphaned_runs
+
+    with flwr_home(f"127.0.0.1:{port}", ca) as env:
+        flwr = processes.tool("flwr")
+        listed = _json(subprocess.run([flwr, "ls", "fedllm", "--format", "json"], capture_output=True, text=True,
+                                      env=env, check=False))
+        for run_id in orphaned_runs(listed.get("runs") or [], began):
+            subprocess.run([flwr, "stop", run_id, "fedllm"], env=env, capture_output=True, timeout=120, check=False)
+            print(f"fedllm flower superlink: stopped run {run_id}: its ServerApp died with the previous SuperLink; "
+                  "continue it with fedllm flower run ... --resume", file=sys.stderr, flush=True)
 
 
 def _supernode(args: argparse.Namespace) -> int:
@@ -318,7 +351,21 @@ def _supernode(args: argparse.Namespace) -> int:
                   "--runtime-api-address", f"127.0.0.1:{args.port}", "--secret-file", str(secret),
                   "--journal", str(state / f".worker-{args.client}.inflight"), "--warm-runs", str(args.warm_runs)]
         helpers["node worker"] = lambda: processes.start(worker)
-    return serve_node(cmd, helpers, state, args.client)
+
+    def superlink_ready() -> bool:
+        from fedllm.flower.reach import wait_for_superlink
+
+        return wait_for_superlink(args.superlink, args.root_certificates, args.wait_superlink,
+                                  lambda line: print(f"fedllm flower supernode: {line}", file=sys.stderr, flush=True))
+
+    def refused_why() -> str:
+        from fedllm.flower.node_keys import public_bytes
+        from fedllm.flower.reach import key_status, refusal_cause
+
+        key = public_bytes(Path(args.auth_key).expanduser()) if args.auth_key else b""
+        return refusal_cause(key_status(args.superlink, args.root_certificates, key) if key else "")
+
+    return serve_node(cmd, helpers, state, args.client, superlink_ready, refused_why)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -349,11 +396,32 @@ def _run(args: argparse.Namespace) -> int:
             print(f"fedllm flower run: stopping run {run_id} on the SuperLink", file=sys.stderr, flush=True)
             subprocess.run([flwr, "stop", run_id, "fedllm"], env=env, capture_output=True, timeout=60)
 
+        me = os.getpid()
+        guard = {"run guard": lambda: processes.Forked(lambda: guard_run(stop_run, env["FLWR_HOME"], me))}
         rc = processes.supervise(lambda: processes.start([flwr, "log", run_id, "fedllm", "--stream"], env=env),
-                                 on_stop=stop_run)  # until the run ends, or this command is stopped
+                                 guard, on_stop=stop_run)  # until the run ends, or this command is stopped
         if rc >= 128:
             return rc
         return _outcome(flwr, run_id, env, args)
+
+
+def guard_run(stop_run, home: str, parent: int) -> int:
+    """The child of ``fedllm flower run`` (pid ``parent``) that stops its run when the command is killed (``kill -9``,
+    a crash): it gets SIGTERM when its parent dies (:mod:`fedllm.flower.processes`) and, its parent gone, stops the
+    run on the SuperLink and removes the command's private FLWR_HOME ``home``, as the command would have. A SIGTERM
+    from the living command (the run ended, or was stopped by it) ends it with nothing else done."""
+    import shutil
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the command, which stops the run itself
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # kept pending until asked for: no lost wake-up
+    while os.getppid() == parent:
+        if signal.sigtimedwait([signal.SIGTERM], 60) is not None:
+            break
+    if os.getppid() != parent:
+        stop_run()
+        shutil.rmtree(home, ignore_errors=True)
+    return 0
 
 
 def _json(proc: subprocess.CompletedProcess) -> dict:
@@ -499,6 +567,9 @@ def add_flower_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-nodes", action="store_true", help="connect without a node key (TLS only)")
     p.add_argument("--peer-keys", help="directory of every client's node public key (client-K.pub): SecAgg+ keys of "
                    "other clients are verified against them; default: the directory of --auth-key when it has them")
+    p.add_argument("--wait-superlink", type=float, default=600,
+                   help="seconds to wait for the SuperLink to take nodes (not started yet, or registering the node "
+                        "keys), saying what it waits for, before giving up (exit 1)")
     p.add_argument("--warm-runs", type=int, default=2,
                    help="how many runs' federations (model, data) the worker keeps in memory at once")
     p.add_argument("--no-worker", action="store_true",

@@ -108,9 +108,9 @@ class FedllmStrategy(FlowerStrategy):
         return out, sum(records.record_bytes(r) for r in out.values())
 
     def header(self, cid: int, rnd: int, **extra: Any) -> ConfigRecord:
-        from fedllm.recipe.schema import dump_recipe
-
-        return ConfigRecord({"recipe": dump_recipe(self.loop.recipe), "token": self.token, "round": rnd,
+        if getattr(self, "recipe_yaml", None) is None:
+            self.recipe_yaml = recipe_for_nodes(self.loop.recipe)  # the same text as the query's: one build per run
+        return ConfigRecord({"recipe": self.recipe_yaml, "token": self.token, "round": rnd,
                              "client_id": cid, "synced_from": self.synced.get(cid, 0),
                              "step_from": self.steps.get(cid, 0), **extra})
 
@@ -264,3 +264,20 @@ class FedllmStrategy(FlowerStrategy):
     def summary(self) -> None:
         log.info("fedllm strategy %s over Flower (%d clients)", self.strategy.name,
                  self.loop.recipe.federation.num_clients)
+
+
+def recipe_for_nodes(recipe: Any) -> str:
+    """The recipe the nodes build their federation from (YAML), with the run's CPU thread count: the recipe's
+    ``train.threads``, else this ServerApp's (:mod:`fedllm.common.threads`: what ``fedllm train`` of the recipe uses on
+    this machine). The count fixes a run's floating-point results (a matrix product sums in another order on another
+    count, and bf16 training carries the difference on), so every node trains with it and the run equals the
+    one-process run bit for bit (a node's ``FEDLLM_THREADS`` still wins: faster, equal up to summation order)."""
+    import dataclasses
+
+    from fedllm.common import threads
+    from fedllm.recipe.schema import dump_recipe
+
+    chosen = threads.chosen()
+    if recipe.train.threads is None and chosen is not None:
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, threads=chosen.threads))
+    return dump_recipe(recipe)

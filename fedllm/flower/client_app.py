@@ -49,6 +49,7 @@ def _open_node(msg: Message, context: Context):
 
     cfg = msg.content.config_records["fedllm"]
     node = open_node(NodeConfig.parse(dict(context.node_config)), str(cfg["recipe"]), str(cfg["token"]))
+    node.use_threads()
     node.load(before=int(cfg["round"]), expected_step=int(cfg.get("step_from", 0)))
     rounds = {int(name.split(".", 1)[1]): records.decode(rec)
               for name, rec in msg.content.array_records.items() if name.startswith("sync.")}

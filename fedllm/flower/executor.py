@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedllm.flower import FEDERATION_INCOMPLETE
-from fedllm.flower.adapter import ClientFailed, FedllmStrategy
+from fedllm.flower.adapter import ClientFailed, FedllmStrategy, recipe_for_nodes
 from fedllm.models.state import StateDict
 
 log = logging.getLogger("fedllm")
@@ -87,9 +87,8 @@ class FlowerExecutor:
             self.adapter.steps = dict(self.steps)
             self.adapter.origin = self.origin
             self.num_clients = loop.recipe.federation.num_clients
-            from fedllm.recipe.schema import dump_recipe
-
-            self.recipe_yaml = dump_recipe(loop.recipe)  # sent with the query: node workers build the model then
+            self.recipe_yaml = recipe_for_nodes(loop.recipe)  # sent with the query: node workers build the model then
+            self.adapter.recipe_yaml = self.recipe_yaml  # and with every message: the same text, one build per run
             self.adapter.nodes = self.discover(loop.recipe.federation.num_clients)
             self.record_nodes(loop)
         return self.adapter

@@ -24,6 +24,8 @@ replays with the server's exact arithmetic. Either way a catch-up carries factor
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,15 +88,34 @@ class Node:
                          "federation.fraction=null", "federation.min_clients_per_round=1",
                          "federation.partition.method=iid"]
         recipe = parse_recipe(read_yaml(recipe_yaml), "<recipe from the server>", overrides)
-        if recipe.train.threads is not None:  # as fedllm train: the recipe's count beats the process's default
-            from fedllm.common import threads
-
-            threads.apply(recipe.train.threads)
-        self.fed = build_federation(recipe)
         self.recipe = recipe
+        self.use_threads()
+        self.fed = build_federation(recipe)
         self.indices = self.fed.data.clients[0 if config.data_path else config.client_id]
         self.dir = config.state_dir / token / f"client-{config.client_id}"
         self.synced = 0
+
+    def use_threads(self) -> None:
+        """Train with the run's CPU thread count (``train.threads``: the recipe's, else the ServerApp's, which it
+        writes into the recipe it sends: :func:`fedllm.flower.adapter.recipe_for_nodes`), set again for each message
+        (a worker serves several runs); this machine's ``FEDLLM_THREADS`` wins, said once."""
+        import os
+
+        from fedllm.common import threads
+
+        run_threads = self.recipe.train.threads
+        if run_threads is None:
+            return
+        mine = os.environ.get(threads.ENV_THREADS, "").strip()
+        wanted = int(mine) if mine.isdigit() and int(mine) > 0 else run_threads
+        torch = sys.modules.get("torch")
+        if torch is None or torch.get_num_threads() != wanted or threads.chosen() is None:
+            policy = threads.apply(run_threads)
+            if policy.threads != run_threads and not getattr(self, "_told", False):
+                self._told = True
+                logging.getLogger("fedllm").warning(
+                    "CPU threads %d (%s on this node), the run's %d: this client's results equal the one-process run's "
+                    "up to floating-point summation order, not bit for bit", policy.threads, policy.source, run_threads)
 
     def steps(self) -> list[Path]:
         """Saved states of this client, oldest first."""

@@ -179,8 +179,31 @@ def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[
 
 
 PRIVATE_PREFIX = "fedllm-superlink-"
-PRIVATE_FILES = {"superexec.secret", "owner.pid", "nonces"}
+PRIVATE_FILES = {"superexec.secret", "owner.pid", "nonces", "ready"}
 """What ``fedllm flower superlink`` keeps in its private temporary directory (and nothing else)."""
+
+
+def started_at(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat``), None when it does not run: with the
+    pid it tells a process from a later one that got the same pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owner_line(pid: int | None = None) -> str:
+    """What ``owner.pid`` holds: the pid of the command and when it started."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid} {started_at(pid) or ''}".strip() + "\n"
+
+
+def owner_alive(line: str) -> bool:
+    """Whether the process :func:`owner_line` wrote ``line`` for still runs (the same process, not a new one with its
+    pid)."""
+    pid, *start = line.split()
+    now = started_at(int(pid))
+    return now is not None and (not start or start[0] == now)
 
 
 def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
@@ -196,10 +219,10 @@ def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
             if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
                 continue
             names = {p.name for p in path.iterdir()}
-            pid = int((path / "owner.pid").read_text().strip())
+            alive = owner_alive((path / "owner.pid").read_text())
         except (OSError, ValueError):
             continue  # not one of ours, or still being written
-        if names <= PRIVATE_FILES and not Path(f"/proc/{pid}").exists():
+        if names <= PRIVATE_FILES and not alive:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -7,11 +7,12 @@ heartbeats (Flower: 2 x 30 s) have passed ("Failed to activate SuperNode", exit 
 answers its heartbeat with 401, and Flower's SuperNode exits "gracefully" (code 0). Either way :func:`serve_node`
 starts it again after 2, 4, 8, then every 15 s, for up to :data:`REJOIN_S` in all.
 
-A node that never joined (the marker file below never written) and whose activation was refused may have asked
-before the SuperLink knew its key: ``fedllm flower superlink`` registers the node keys one by one once its port is
-open (a ``flwr supernode register`` each, seconds apart), so a SuperNode started with it, as README's commands are, can
-come too early. It is retried the same way for up to :data:`REGISTER_S`, after which the refusal is final (a key the
-SuperLink was not given).
+Before each start the command waits until the SuperLink takes nodes (:mod:`fedllm.flower.reach`: fedllm's SuperLink
+holds its Fleet API back until it has registered the node keys, a ``flwr supernode register`` each, seconds apart),
+so a node started before the SuperLink, or while it registers the keys, waits instead of being refused. A node that
+never joined (the marker file below never written) and whose activation was refused all the same (a SuperLink that
+is not fedllm's) is retried the same way for up to :data:`REGISTER_S`, after which the refusal is final (a key the
+SuperLink was not given). Each refusal is told with its cause, asked of the SuperLink (the key's status there).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedllm.flower import processes
+from fedllm.flower.reach import refusal_cause
 
 ACTIVATED = "SuperNode ID: "
 """What ``flower-supernode`` prints once the SuperLink has activated it."""
@@ -83,13 +85,19 @@ def rejoin_delays(total_s: float = REJOIN_S, first_s: float = 2.0, cap_s: float 
         delay = min(2 * delay, cap_s)
 
 
-def serve_node(cmd: list[str], helpers: dict[str, Callable[[], subprocess.Popen]], state: Path, client: int) -> int:
+def serve_node(cmd: list[str], helpers: dict[str, Callable[[], subprocess.Popen]], state: Path, client: int,
+               superlink_ready: Callable[[], bool] = lambda: True,
+               refused_why: Callable[[], str] = lambda: refusal_cause("")) -> int:
     """Supervise Flower's SuperNode ``cmd`` (and ``helpers``: the node worker) until this command is stopped, starting
-    it again when it leaves the federation by itself after having joined (see the module). Returns the exit code."""
+    it again when it leaves the federation by itself after having joined (see the module). Each start waits for
+    ``superlink_ready()`` (:func:`fedllm.flower.reach.wait_for_superlink`; False: exit 1); ``refused_why()`` says why
+    the SuperLink refused to activate the node (:func:`fedllm.flower.reach.refusal_cause`). Returns the exit code."""
     state.mkdir(parents=True, exist_ok=True)
     watch = ActivationWatch(state / f".node-{client}.activated")
     delays, first = rejoin_delays(), rejoin_delays(REGISTER_S)
     while True:
+        if not superlink_ready():
+            return 1
         rc = processes.supervise(lambda: watch.start(cmd), helpers)
         if rc >= 128:  # stopped by a signal to this command
             return rc
@@ -98,9 +106,8 @@ def serve_node(cmd: list[str], helpers: dict[str, Callable[[], subprocess.Popen]
             delay = next(first, None) if watch.refused else None
             if delay is None:
                 return rc
-            print(f"fedllm flower supernode: the SuperLink refused to activate client {client}'s node: it does not know "
-                  f"its key (yet: a starting SuperLink registers the node keys one by one); retrying in {delay:.0f} s "
-                  f"(for up to {REGISTER_S:.0f} s)", file=sys.stderr, flush=True)
+            print(f"fedllm flower supernode: the SuperLink refused to activate client {client}'s node: {refused_why()}; "
+                  f"retrying in {delay:.0f} s (for up to {REGISTER_S:.0f} s)", file=sys.stderr, flush=True)
             time.sleep(delay)
             continue
         # Flower's SuperNode ended by itself: refused activation (exit 1), or told by the SuperLink that its session
@@ -112,8 +119,7 @@ def serve_node(cmd: list[str], helpers: dict[str, Callable[[], subprocess.Popen]
             print(f"fedllm flower supernode: client {client}'s node could not rejoin the SuperLink within "
                   f"{REJOIN_S:.0f} s; giving up", file=sys.stderr, flush=True)
             return rc
-        why = ("the SuperLink refused to activate it: its previous session (killed without signing off?) still counts "
-               "as online until its heartbeats time out (Flower: 2 x 30 s)" if watch.refused else
+        why = (refused_why() if watch.refused else
                f"Flower's SuperNode ended with code {rc} (the SuperLink restarted, or is unreachable)")
         print(f"fedllm flower supernode: client {client}'s node left the federation: {why}; rejoining in "
               f"{delay:.0f} s (retrying for up to {REJOIN_S:.0f} s)", file=sys.stderr, flush=True)

@@ -482,7 +482,9 @@ def run_client_task(address: str, token: str, cache, journal: Path | None = None
 
 
 def share_cores() -> None:
-    """With fedllm's automatic thread count, share the usable cores among the node workers of this machine
+    """For a run that carries no thread count (a ServerApp of an older fedllm; fedllm's own sends the run's count,
+    which the node then trains with: :meth:`fedllm.flower.node.Node.use_threads`), and with fedllm's automatic
+    thread count: share the usable cores among the node workers of this machine
     (:func:`fedllm.flower.wake.local_workers`), as ``fedllm train`` shares them among the processes of a torchrun
     launch: two workers training at once with every core each oversubscribe the cores, and each one's OpenMP
     threads then wait at every barrier for a thread the other process holds off the core (measured: 25 % of the

@@ -17,7 +17,12 @@ register or unregister any node. ``python -m fedllm.flower.superlink ARGS`` runs
   keys, run configs, logs and live task tokens) and every other file it creates are readable by its owner only,
   from their creation;
 - a running task (the ServerApp's) kept through 3 minutes without a heartbeat, not 60 s
-  (:mod:`fedllm.flower.task_patience`).
+  (:mod:`fedllm.flower.task_patience`);
+- :class:`OperatorOnly` also holds the Fleet API back (503, which Flower's SuperNode retries) until ``fedllm flower
+  superlink`` has registered the node keys (``--fedllm-ready-file FILE``: it writes FILE then), and answers
+  ``GET`` :data:`READY_PATH` for any peer (200 once ready, 503 with what it waits for before): a SuperNode started
+  before the SuperLink, or while it registers the keys, waits instead of being refused ("Failed to activate
+  SuperNode") for a key the SuperLink is about to know.
 """
 
 from __future__ import annotations
@@ -33,6 +38,20 @@ from fedllm.flower.task_patience import tolerate_stalls
 
 PUBLIC_PATHS = ("/v1/fleet/", "/health")
 """Path prefixes any peer may reach: the Fleet API (SuperNodes) and the health check."""
+READY_PATH = "/fedllm/ready"
+"""Any peer may ask it whether the SuperLink takes SuperNodes yet (:func:`is_ready`)."""
+WAITING = "registering the node keys (fedllm flower superlink)"
+"""What a SuperLink that is not ready yet waits for."""
+READY_FILE: str | None = None
+"""Written by ``fedllm flower superlink`` once the node keys are registered; None: ready from the start."""
+_seen_ready = False
+
+
+def is_ready() -> bool:
+    """True once :data:`READY_FILE` exists (or when there is none); stays True."""
+    global _seen_ready
+    _seen_ready = _seen_ready or READY_FILE is None or os.path.exists(READY_FILE)
+    return _seen_ready
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -64,16 +83,47 @@ class OperatorOnly:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not allowed(scope.get("path", ""), scope.get("client")):
-            body = json.dumps({"detail": "fedllm: the Control and Runtime APIs of this SuperLink answer only its own "
-                                         "machine (127.0.0.1); use flwr on the SuperLink's machine or through an "
-                                         "SSH tunnel to it"}).encode()
-            await send({"type": "http.response.start", "status": 403,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == READY_PATH:
+            ready = is_ready()
+            content = {"ready": ready, "waiting": "" if ready else WAITING}
+            if ready and scope.get("query_string"):
+                content["key"] = key_status(scope)
+            await answer(send, 200 if ready else 503, content)
+        elif scope["type"] == "http" and not allowed(path, scope.get("client")):
+            await answer(send, 403, {"detail": "fedllm: the Control and Runtime APIs of this SuperLink answer only its "
+                                               "own machine (127.0.0.1); use flwr on the SuperLink's machine or "
+                                               "through an SSH tunnel to it"})
+        elif path.startswith("/v1/fleet/") and not is_ready():  # Flower's SuperNode retries a 503
+            await answer(send, 503, {"detail": f"fedllm: this SuperLink is {WAITING}; ask again"})
+        else:
+            await self.app(scope, receive, send)
+
+
+def key_status(scope: Scope) -> str:
+    """The status of the node key ``?key=HEX`` (its bytes as ``flwr supernode register`` sends them) in this
+    SuperLink: ``unknown`` (never registered, or unregistered), else Flower's node status (``online``: a session
+    holds it; ``offline``, ``registered``); empty when it cannot be read. It tells a refused SuperNode why."""
+    from urllib.parse import parse_qs
+
+    try:
+        key = bytes.fromhex(parse_qs(scope["query_string"].decode())["key"][0])
+        state = scope["app"].state.linkstate_factory.state()
+        node_id = state.get_node_id_by_public_key(key)
+        if node_id is None:
+            return "unknown"
+        infos = state.get_node_info(node_ids=[node_id])
+        return str(infos[0].status) if infos else "unknown"
+    except Exception:  # noqa: BLE001 — no key asked, or a state this Flower keeps otherwise
+        return ""
+
+
+async def answer(send: Send, status: int, content: dict) -> None:
+    """Send ``content`` as a JSON response with ``status``."""
+    body = json.dumps(content).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def install_guard() -> None:
@@ -86,7 +136,14 @@ def install_guard() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``flower-superlink`` with :class:`OperatorOnly` and umask 077 (``argv``: its arguments)."""
+    """``flower-superlink`` with :class:`OperatorOnly` and umask 077 (``argv``: its arguments, and fedllm's own
+    ``--fedllm-ready-file FILE``)."""
+    global READY_FILE
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--fedllm-ready-file" in args:
+        at = args.index("--fedllm-ready-file")
+        READY_FILE = args[at + 1]
+        del args[at:at + 2]
     os.umask(0o077)
     for internal in ("FLWR_INTERNAL_GRPC_CONTROL_API", "FLWR_INTERNAL_GRPC_FLEET_API"):  # gRPC servers: unguarded
         os.environ.pop(internal, None)
@@ -94,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     tolerate_stalls()
     from flwr.superlink.cli import flower_superlink
 
-    sys.argv = ["flower-superlink", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = ["flower-superlink", *args]
     sys.exit(flower_superlink())
 
 

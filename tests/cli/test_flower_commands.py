@@ -50,6 +50,26 @@ def test_a_supernode_takes_a_free_local_port_and_refuses_a_taken_one():
             supernode_command(args, None)
 
 
+def test_a_supernode_restarted_on_its_port_is_not_refused_for_connections_in_time_wait():
+    """``kill -9`` of a SuperNode leaves the connections its worker had to its port in TIME-WAIT for about 60 s: the
+    port check binds as the SuperNode's server will (SO_REUSEADDR) and accepts the port; a live listener is still
+    refused."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the server's side closes first, as a killed SuperNode's does: TIME-WAIT on its port
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):  # what the check did before: refused for ~60 s
+        plain.bind(("127.0.0.1", port))
+    args = parse("supernode", "--superlink", "127.0.0.1:9092", "--client", "1", "--insecure", "--port", str(port))
+    cmd = supernode_command(args, None)
+    assert cmd[cmd.index("--port") + 1] == str(port)
+
+
 def test_the_flower_runtime_filters_third_party_noise_as_the_cli_does():
     """``fedllm flower run`` streams the ServerApp runner's output: transformers' own deprecations stay out of it
     (the CLI's quiet mode), fedllm's warnings stay in."""
@@ -144,15 +164,19 @@ def test_a_killed_superlinks_private_directory_is_removed_at_the_next_start(tmp_
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no longer runs
     dirs = {}
-    for name, pid, extra in (("stale", gone.pid, None), ("live", os.getpid(), None), ("foreign", gone.pid, "notes.txt")):
+    from fedllm.flower.processes import owner_line
+
+    reused = f"{os.getpid()} 1\n"  # this pid, but a process that started at another time: the owner is gone
+    for name, line, extra in (("stale", f"{gone.pid}\n", None), ("live", owner_line(), None),
+                              ("foreign", f"{gone.pid}\n", "notes.txt"), ("reused", reused, "ready")):
         d = dirs[name] = tmp_path / f"fedllm-superlink-{name}"
         d.mkdir()
-        (d / "owner.pid").write_text(f"{pid}\n")
+        (d / "owner.pid").write_text(line)
         (d / "superexec.secret").write_bytes(b"x" * 32)
         if extra:
             (d / extra).write_text("not fedllm's")
     (tmp_path / "fedllm-superlink-nopid").mkdir()
-    assert remove_stale_private_dirs(tmp_path) == [dirs["stale"]]
+    assert sorted(remove_stale_private_dirs(tmp_path)) == [dirs["reused"], dirs["stale"]]
     assert not dirs["stale"].exists() and dirs["live"].is_dir() and dirs["foreign"].is_dir()
     assert (tmp_path / "fedllm-superlink-nopid").is_dir()
 
