@@ -1,11 +1,11 @@
 """The Flower tutorial's "M machines" section (docs/tutorials/flower-federation.md, README's before it moved), run top
 to bottom from its own text on one machine.
 
-The commands are read from README.md (nothing here restates them): the certificate step, the SuperLink, one
+The commands are read from that page (nothing here restates them): the certificate step, the SuperLink, one
 SuperNode per client, the run; and the section's one-process run of the same recipe, whose final model the Flower
 run must equal bit for bit, in the environment a user has (no thread count set: each process picks its own, and
 the nodes train with the run's). The SuperNodes are started first, the SuperLink only once every node said it is
-waiting for it, as typed at human speed on a slow machine. Only README's placeholders are filled in:
+waiting for it, as typed at human speed on a slow machine. Only the page's placeholders are filled in:
 ``SERVER`` is 127.0.0.1, README's port 9092 becomes a free port (``--port`` added to the SuperLink's command),
 ``K`` is each client, ``/var/lib/fedllm`` a directory per client, the optional ``[--data my.jsonl]`` and the
 ``--resume`` line (tested in tests/test_flower_deployment.py) are left out. They run in a scratch directory that
