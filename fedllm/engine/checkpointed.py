@@ -62,22 +62,24 @@ def checkpointable(model: torch.nn.Module) -> str | None:
 _RECORDERS: list = []
 
 
-@contextlib.contextmanager
-def _recompute() -> Iterator[None]:
-    """Around a layer's recompute: no opacus module records inputs (each recorded them in the forward pass)."""
-    before = [(m, m.hooks_enabled) for m in _RECORDERS]
-    for m, _ in before:
-        m.hooks_enabled = False
-    try:
-        yield
-    finally:
-        for m, enabled in before:
+class _Recompute:
+    """Around a layer's recompute: no opacus module records inputs (each recorded them in the forward pass). A class,
+    not a generator: a graph kept for a second backward pass (opacus's ghost clipping) recomputes the layer again
+    with the same context."""
+
+    def __enter__(self) -> None:
+        self.before = [(m, m.hooks_enabled) for m in _RECORDERS]
+        for m, _ in self.before:
+            m.hooks_enabled = False
+
+    def __exit__(self, *exc) -> None:
+        for m, enabled in self.before:
             m.hooks_enabled = enabled
 
 
 def _contexts() -> tuple:
-    """checkpoint's ``context_fn``: nothing around the forward pass; :func:`_recompute` around the recompute."""
-    return contextlib.nullcontext(), _recompute()
+    """checkpoint's ``context_fn``: nothing around the forward pass; :class:`_Recompute` around the recompute."""
+    return contextlib.nullcontext(), _Recompute()
 
 
 @contextlib.contextmanager
@@ -112,7 +114,10 @@ def checkpointed_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[
         yield
         return
     had_input_hook = getattr(base, "_require_grads_hook", None) is not None
-    base.activation_checkpointing_enable({"use_reentrant": False, "context_fn": _contexts}, every_n_layers=every)
+    kwargs: dict = {"use_reentrant": False}
+    if not cfg.compile:  # opacus's pause (DP-SGD, refused with train.compile); inductor takes only dispatch modes here
+        kwargs["context_fn"] = _contexts
+    base.activation_checkpointing_enable(kwargs, every_n_layers=every)
     try:
         yield
     finally:
