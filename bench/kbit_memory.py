@@ -37,15 +37,22 @@ def rss_mib(field: str = "VmRSS") -> float:
 
 
 def saved(preset: str) -> str:
-    """A directory holding the tiny preset's weights and tokenizer (written once), which bitsandbytes can load."""
+    """A directory holding the preset's bf16 weights and tokenizer (written once), which bitsandbytes can load (a
+    preset built in code is never quantised, and transformers quantises no GGUF file)."""
+    from safetensors.torch import save_model
+
     from fedllm.models.loading import load_base_model, load_tokenizer
     from fedllm.recipe.schema import ModelConfig
 
     directory = Path(f"/tmp/fedllm_kbit_{preset}")
     if not (directory / "config.json").is_file():
-        cfg = ModelConfig(name=preset)
+        cfg = ModelConfig(name=preset, dtype="bf16")
         tok = load_tokenizer(cfg)
-        load_base_model(cfg, tok).save_pretrained(directory)
+        model = load_base_model(cfg, tok)
+        directory.mkdir(parents=True, exist_ok=True)
+        model.config.__dict__.pop("quantization_config", None)  # GGUF's: the saved weights are plain bf16
+        model.config.save_pretrained(directory)  # as fedllm.models.gguf_cache keeps a converted GGUF
+        save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(directory)
     return str(directory)
 
@@ -61,8 +68,7 @@ def one(model_name: str, bits: str, checkpointing: bool, batch: int, length: int
     from fedllm.recipe.schema import LoraConfig, ModelConfig, TrainConfig
 
     torch.set_num_threads(int(os.environ.get("FEDLLM_THREADS", "2")))
-    if model_name.startswith("tiny-"):  # a preset built in code is never quantised: load it from a saved copy
-        model_name = saved(model_name)
+    model_name = saved(model_name)  # bitsandbytes quantises what from_pretrained reads: a saved copy
     import bitsandbytes  # noqa: F401  (imported before the baseline in every configuration: its code is no weight)
 
     idle = rss_mib()
