@@ -6,7 +6,8 @@ Each configuration runs in a fresh process: its idle baseline is the RSS after t
 (``/proc/self/clear_refs``, 5), takes one forward + backward of the client's loss (``train.dtype: bf16`` autocast,
 every position supervised) on a batch of random ids, and reports:
 
-- ``load``: RSS after loading minus the idle baseline (the weights as kept);
+- ``load``: RSS after loading (every weight touched, the freed heap trimmed) minus the idle baseline: the weights as
+  kept; ``load peak``: the load's own peak (bitsandbytes quantises from the bf16 weights it reads);
 - ``step``: the step's peak RSS minus the RSS before it (activations, gradients, the recompute's working set);
 - ``total``: the step's peak minus the idle baseline (what the step needs in all);
 - the dtype of the embedding, the head and the decoder's hidden states after the load.
@@ -18,6 +19,8 @@ every position supervised) on a batch of random ids, and reports:
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import subprocess
@@ -26,7 +29,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-CONFIGS = [(bits, ckpt) for ckpt in (False, True) for bits in ("none", "8bit", "4bit")]
 
 
 def rss_mib(field: str = "VmRSS") -> float:
@@ -76,7 +78,13 @@ def one(model_name: str, bits: str, checkpointing: bool, batch: int, length: int
                         LoraConfig(r=r, alpha=2 * r, target_modules=["q_proj", "v_proj"]))
     model = loaded.model
     base = base_of(model)
+    with torch.no_grad():  # every weight resident (safetensors maps the file: untouched pages are not in RSS yet)
+        for p in model.parameters():
+            p.sum()
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the load freed (bf16 copies bitsandbytes quantised) goes back
     after_load = rss_mib()
+    load_peak = rss_mib("VmHWM")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, len(loaded.tokenizer), (batch, length), generator=gen)
     hidden: dict[str, str] = {}
@@ -96,7 +104,7 @@ def one(model_name: str, bits: str, checkpointing: bool, batch: int, length: int
     handle.remove()
     head = base.get_output_embeddings().weight
     return {"bits": bits, "checkpointing": checkpointing, "batch": batch, "length": length,
-            "load_mib": round(after_load - idle, 1), "step_mib": round(peak - before, 1),
+            "load_mib": round(after_load - idle, 1), "load_peak_mib": round(load_peak - idle, 1), "step_mib": round(peak - before, 1),
             "total_mib": round(peak - idle, 1), "embedding": str(base.get_input_embeddings().weight.dtype),
             "head": str(head.dtype), "hidden": hidden.get("dtype"), "loss": round(float(loss), 4)}
 
@@ -109,6 +117,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int)
     ap.add_argument("--length", type=int)
     ap.add_argument("--r", type=int, default=16)
+    ap.add_argument("--configs", default="none:off,8bit:off,4bit:off,none:on,8bit:on,4bit:on")
     args = ap.parse_args()
     if args.bits:  # one configuration (the child process)
         print(json.dumps(one(args.model, args.bits, args.checkpointing, args.batch, args.length, args.r)))
@@ -117,16 +126,17 @@ def main() -> None:
     if args.model:
         shapes = [(args.model, args.batch or 8, args.length or 256)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    print("| model | b x s | base | checkpointing | weights kept (MiB) | step peak (MiB) | total (MiB) | embedding / head "
-          "/ hidden | loss |")
-    print("|---|---|---|---|---:|---:|---:|---|---:|")
+    configs = [(bits, ckpt == "on") for bits, ckpt in (c.split(":") for c in args.configs.split(","))]
+    print("| model | b x s | base | checkpointing | weights kept (MiB) | load peak (MiB) | step peak (MiB) | total "
+          "(MiB) | embedding / head / hidden | loss |")
+    print("|---|---|---|---|---:|---:|---:|---:|---|---:|")
     for model_name, batch, length in shapes:
-        for bits, ckpt in CONFIGS:
+        for bits, ckpt in configs:
             cmd = [sys.executable, __file__, "--model", model_name, "--bits", bits, "--batch", str(batch),
                    "--length", str(length), "--r", str(args.r)] + (["--checkpointing"] if ckpt else [])
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
             x = json.loads(out.strip().splitlines()[-1])
-            print(f"| {model_name} | {batch} x {length} | {bits} | {'on' if ckpt else 'off'} | {x['load_mib']} | "
+            print(f"| {model_name} | {batch} x {length} | {bits} | {'on' if ckpt else 'off'} | {x['load_mib']} | {x['load_peak_mib']} | "
                   f"{x['step_mib']} | {x['total_mib']} | {x['embedding'][6:]} / {x['head'][6:]} / "
                   f"{x['hidden'][6:]} | {x['loss']} |", flush=True)
 
