@@ -226,6 +226,6 @@ def test_a_bad_value_is_refused_at_recipe_load(given, tiny_recipe, tmp_path):
 
 def test_a_model_that_cannot_checkpoint_is_refused_naming_the_key():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="train.gradient_checkpointing: Sequential does not support"):
-        with checkpointed.checkpointed_training(model, TrainConfig(gradient_checkpointing=True)):
-            pass
+    with pytest.raises(ValueError, match="train.gradient_checkpointing: Sequential does not support"), \
+            checkpointed.checkpointed_training(model, TrainConfig(gradient_checkpointing=True)):
+        pass
