@@ -86,6 +86,11 @@ STATEFUL = {
        for name, args in (("hetlora", {"client_ranks": [4, 1, 2, 4], "gamma": 0.5, "prune_lambda": 5.0}),
                           ("rolora", {}), ("fedsvd", {}), ("fed_sb", {}))},
 }
+# activation checkpointing on every rank: FRLoRA's residual hooks recomputed, opacus's recording paused in it
+STATEFUL["frlora-moments-checkpointing"] = ("frlora", {}, {"train": {"optimizer_state": "per_client",
+                                                                     "gradient_checkpointing": True}})
+STATEFUL["fedavg-dp-sgd-checkpointing"] = ("fedavg", {}, {**STATEFUL["fedavg-dp-sgd"][2],
+                                                          "train": {"gradient_checkpointing": True}})
 RESUMED = ["frlora-moments", "scaffold"]  # checkpointed by 1 process and resumed by 2, and the reverse
 
 

@@ -125,6 +125,8 @@ CASES = {
     # train.compile on the nodes (dynamo's eager backend here): compiled layers, loss chunk and FRLoRA's residual
     # hooks as in one process; each node's model compiles its own graphs (this loopback builds one per message)
     "frlora-compile": ("frlora", {}, {"train": {"compile": True}}),
+    # activation checkpointing on the nodes: FRLoRA's residual hooks run again in each layer's recompute
+    "frlora-checkpointing": ("frlora", {}, {"train": {"gradient_checkpointing": True}}),
 }
 
 

@@ -273,10 +273,29 @@ def load_base_model(cfg: ModelConfig, tokenizer: Any, num_labels: int = 2, seed:
     if cfg.device_map is not None and getattr(model, "hf_device_map", None) is None:  # a preset built here
         model = place(model, cfg.device_map)
     if cfg.quantization != "none":
+        model = prepare_kbit_base(model, cfg)
+    kept_bases.remember(cfg, num_labels, seed, model)
+    return model
+
+
+def prepare_kbit_base(model: Any, cfg: ModelConfig) -> Any:
+    """A 4/8-bit base ready for LoRA training: every base parameter frozen.
+
+    ``4bit`` and ``8bit``: the parameters bitsandbytes did not quantise (the embedding, the LM head, tied or not,
+    the norms, the biases) keep ``model.dtype``, so the residual stream and the activations the backward keeps are
+    in that dtype, as in the unquantised run (the norms compute their variance in fp32 inside, as there). PEFT's
+    ``prepare_model_for_kbit_training`` casts every one of them to fp32 instead: a norm's fp32 weight makes its
+    output fp32, bitsandbytes' layers return their input's dtype, so from the first norm on the whole residual
+    stream was fp32, and with the embedding/head doubled a 4-bit SmolLM2 (whose quantised layers hold 79 % of its
+    weights) trained in more memory than bf16 (docs/performance.md, 4-bit and 8-bit memory).
+    ``4bit-flowertune`` keeps PEFT's function, as FlowerTune's templates call it (fp32 compute there anyway).
+    """
+    if cfg.quantization == "4bit-flowertune":
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    kept_bases.remember(cfg, num_labels, seed, model)
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for param in model.parameters():
+        param.requires_grad_(False)
     return model
 
 

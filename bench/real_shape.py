@@ -1,0 +1,126 @@
+"""The FRLoRA paper recipe at its real shape on this machine: LLaMA-2-7B from the shipped config with seeded random
+bf16 weights (no download), one round of one client x 2 steps at batch 1 x 256 with activation checkpointing, then
+a merged export. Not a test: it needs ~15 GB of RAM (and ~14 GB of disk for the random weights, written once).
+
+It prints seconds per step, MFU against fedllm's probe of the host's matmul peak (``fedllm.models.hardware``, as
+``bench/bf16_step.py``), the process's peak RSS above its idle baseline against the dry run's estimate of the same
+recipe, and the time of FRLoRA's SVD initialisation.
+
+    free -g                                   # run only with >= 18 GB available
+    python bench/real_shape.py                # LLaMA-2-7B (meta-llama--Llama-2-7b-hf)
+    python bench/real_shape.py --config smollm2-135m-instruct --out /tmp/real_shape_small   # the same path, small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RECIPE = ROOT / "recipes/frlora/llama2-7b-metamathqa-frlora.yaml"
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def random_model(config_name: str, directory: Path) -> Path:
+    """The shipped config's model with seeded random bf16 weights and fedllm's tiny tokenizer, saved once."""
+    if (directory / "config.json").is_file():
+        return directory
+    import torch
+    import transformers
+
+    from fedllm.models.loading import tiny_tokenizer
+
+    config = transformers.AutoConfig.from_pretrained(str(ROOT / "fedllm/assets/configs" / config_name))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    del model
+    tok = tiny_tokenizer()
+    tok.save_pretrained(directory)
+    return directory
+
+
+def overrides(model_dir: Path, data: Path, out: Path) -> list[str]:
+    """The paper recipe, cut to one round of one client x 2 steps at 1 x 256, checkpointing on, bf16 base."""
+    return [f"model.name={model_dir}", "model.quantization=none", "model.dtype=bf16", f"data.path={data}",
+            "data.fields.instruction=question", "data.fields.output=answer", "data.max_examples=null",
+            "federation.num_clients=1", "federation.clients_per_round=1", "federation.rounds=1",
+            "train.local_steps=2", "train.batch_size=1", "train.max_length=256", "train.gradient_checkpointing=true",
+            "eval.tasks=[]", "checkpoint.every=0", f"output_dir={out / 'run'}", "logging.progress=false"]
+
+
+def dry_run_estimate(extra: list[str]) -> str:
+    out = subprocess.run([sys.executable, "-m", "fedllm", "train", str(RECIPE), *extra, "--dry-run"],
+                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    found = re.search(r"peak memory estimate[^:]*: ([0-9.,]+ [GM]B)", out)
+    return found.group(1) if found else "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="meta-llama--Llama-2-7b-hf", help="a directory of fedllm/assets/configs")
+    ap.add_argument("--out", default="/tmp/fedllm_real_shape")
+    ap.add_argument("--make-model", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.make_model:
+        random_model(args.config, out / "model")
+        return
+    from tests.conftest import arith_records, write_jsonl
+
+    model_dir = out / "model"
+    if not (model_dir / "config.json").is_file():  # in a child process: its peak is not this process's
+        subprocess.run([sys.executable, __file__, "--config", args.config, "--out", args.out, "--make-model"],
+                       check=True)
+    records = [{**r, "question": " ".join([r["question"]] * 40)} for r in arith_records(8)]  # past 256 tokens
+    data = write_jsonl(out.parent / f"{out.name}-arith.jsonl", records)
+    extra = overrides(model_dir, data, out)
+    estimate = dry_run_estimate(extra)
+
+    from fedllm.engine.server import run
+    from fedllm.export import export
+    from fedllm.recipe.checks import load_recipe
+    from fedllm.strategies.frlora import FRLoRA
+
+    idle = rss_mib()
+    svd: dict[str, float] = {}
+    setup = FRLoRA.setup
+
+    def timed_setup(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return setup(self, *a, **k)
+        finally:
+            svd["seconds"] = time.perf_counter() - t0
+
+    FRLoRA.setup = timed_setup
+    t0 = time.perf_counter()
+    result = run(load_recipe(str(RECIPE), extra))
+    train_s = time.perf_counter() - t0
+    peak = rss_mib() - idle
+    t1 = time.perf_counter()
+    export(result.run_dir, "merged", out / "merged")
+    export_s = time.perf_counter() - t1
+    last = result.history[-1]
+    tp, steps = last["throughput"], sum(last["client_steps"].values())
+    print(json.dumps({"config": args.config, "positions_per_step": tp["positions"] / steps,
+                      "seconds_per_step": round(tp["train_seconds"] / steps, 2),
+                      "cpu_seconds_per_step": round(tp["train_cpu_seconds"] / steps, 2),
+                      "mfu": tp.get("mfu"), "mfu_per_cpu_second": tp.get("mfu_cpu"),
+                      "peak_rss_above_idle_gib": round(peak / 1024, 2), "dry_run_estimate": estimate,
+                      "svd_init_seconds": round(svd.get("seconds", float("nan")), 1),
+                      "train_wall_seconds": round(train_s, 1), "merged_export_seconds": round(export_s, 1)}, indent=1))
+
+if __name__ == "__main__":
+    main()
