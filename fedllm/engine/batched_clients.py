@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from fedllm.data.tokens import IGNORE_INDEX
+from fedllm.engine.checkpointed import checkpointed_training
 from fedllm.engine.client import (
     OPTIMIZERS,
     ClientResult,
@@ -225,7 +226,8 @@ def train_clients(model: torch.nn.Module, plans: list[ClientPlan], strategy: Str
     was_training = model.training
     model.train()
     try:
-        with factors.patched(), lora_input_casts_skipped(model, cfg), training_attention(model, cfg):
+        with factors.patched(), lora_input_casts_skipped(model, cfg), training_attention(model, cfg), \
+                checkpointed_training(model, cfg):
             for _ in range(num_steps):
                 opt.zero_grad(set_to_none=True)
                 for _ in range(cfg.grad_accum):

@@ -23,6 +23,7 @@ import torch
 from fedllm.data.collate import is_pair_batch
 from fedllm.data.length_grouping import LengthGroupedStream, padded_positions
 from fedllm.data.packing import PACKING_MODEL_TYPES, pack_batch
+from fedllm.engine.checkpointed import checkpointed_training, opacus_recording_paused
 from fedllm.engine.compiled import compiled_training, pad_multiple, padded_to_multiple
 from fedllm.engine.compressed_rounds import compress_upload
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
@@ -333,6 +334,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     original_flags = {name: p.requires_grad for name, p in params.items()}
     model.train()
     restore = contextlib.ExitStack()
+    restore.enter_context(checkpointed_training(model, cfg))  # train.gradient_checkpointing
     restore.enter_context(compiled_training(model, cfg))  # train.compile: the decoder layers compiled
     restore.enter_context(lora_input_casts_skipped(model, cfg))
     row_length = None
@@ -353,7 +355,8 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
             if optimizer_state:
                 _load_optimizer_state(opt, names, optimizer_state)
             dp_phase = private.phase(model, opt) if private else contextlib.nullcontext(opt)
-            with dp_phase as stepper:  # the optimizer that steps (DP-SGD: opacus's DPOptimizer)
+            with dp_phase as stepper, (opacus_recording_paused(private.wrapped) if private
+                                       else contextlib.nullcontext()):  # stepper: DP-SGD's DPOptimizer
                 for _ in range(phase.steps if phase.steps is not None else default_steps):
                     stepper.zero_grad(set_to_none=True)
                     for _ in range(cfg.grad_accum):

@@ -120,6 +120,7 @@ def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool 
     if tr.clients_per_pass > 1:
         p.extend(_client_batching_problems(r, with_strategy=ask_strategy and (not p or "torch" in sys.modules)))
     from fedllm.privacy.recipe_checks import privacy_problems
+    from fedllm.recipe.checkpointing_checks import checkpointing_problems
     from fedllm.recipe.compile_checks import compile_problems
     from fedllm.recipe.compression_checks import compression_problems, dora_problems
     from fedllm.recipe.packing_checks import packing_problems
@@ -128,6 +129,7 @@ def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool 
     p.extend(privacy_problems(r))
     p.extend(x for x in preference_problems(r) if x not in p)
     p.extend(compression_problems(r) + dora_problems(r) + packing_problems(r) + compile_problems(r))
+    p.extend(checkpointing_problems(r))
     return p
 
 

@@ -173,6 +173,7 @@ class TrainConfig:
     packing: bool = doc(False, "padding-free: each micro-batch's examples end to end in one row, per-sequence position ids, no token attending across sequences (same examples and loss as padded; causal LMs, sft)")
     clients_per_pass: int = doc(1, "train this many sampled clients of a process together in one batched pass")
     compile: Literal[False, True, "cudagraphs"] = doc(False, "torch.compile the decoder layers while a client trains (evaluation, generation and export stay eager): false; true (inductor; on a CPU one graph for every width, the head's loss compiled too, grouped-query attention, fused AdamW: a bf16 step 1.2x less CPU); cudagraphs (inductor + CUDA graphs, mode reduce-overhead; one GPU: model.device_map cuda). Compiling costs ~30 CPU-s once, ~6 from inductor's cache (docs/performance.md, docs/gpu.md)")
+    gradient_checkpointing: Union[bool, int] = doc(False, "activation checkpointing of the decoder layers while a client trains: false; true (keep each decoder layer's input hidden state, recompute one layer at a time in the backward: activations ~ layers x batch x length x hidden, ~1/3 more compute); an integer k >= 2 checkpoints every k-th layer only (layers 0, k, 2k, ...: less recompute, more memory). Gradients equal those without it (docs/performance.md)")
     pad_to_multiple_of: Optional[int] = doc(None, "right-pad each micro-batch's width up to a multiple of this (masked: the loss is unchanged), at most to train.max_length, so a compiled run sees few widths; default: 64 with train.compile on a GPU (a graph per width), else 1 (no padding)")
     threads: Optional[int] = doc(None, "CPU threads of this process; default: usable cores / local processes "
                                        "(env FEDLLM_THREADS overrides; see fedllm.common.threads)")
@@ -369,7 +370,7 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " or null"
+        return " or ".join(_type_name(a) for a in args) + (" or null" if type(None) in typing.get_args(tp) else "")
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
     if origin is dict:
@@ -398,6 +399,13 @@ def _coerce(value: Any, tp: Any, key: str, problems: list) -> Any:
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             return _coerce(value, inner[0], key, problems)
+        for option in inner:  # Union[bool, int]: the first of the types that takes the value, in order
+            scratch: list = []
+            coerced = _coerce(value, option, key, scratch)
+            if not scratch:
+                return coerced
+        problems.append((key, value, _type_name(tp)))
+        return value
     if origin is Literal:
         if value in typing.get_args(tp):
             return value

@@ -25,6 +25,7 @@ SAFE_SECTIONS = ("eval", "logging", "checkpoint")
 SAFE_KEYS = frozenset({
     "federation.rounds",  # the run is extended or shortened (the lr schedule follows the new total)
     "train.threads", "data.cache", "data.cache_dir",  # where and how fast, not what
+    "train.gradient_checkpointing",  # memory for compute: the same gradients (tests/training/test_gradient_checkpointing.py)
     # fault policy: changes nothing in a round without faults (e.g. resume a run stopped by
     # on_client_error=fail with skip)
     "federation.on_client_error", "federation.min_clients_per_round", "federation.round_retries",
