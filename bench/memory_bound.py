@@ -40,19 +40,19 @@ if str(ROOT) not in sys.path:
 #: (model, dtype, checkpointing, max_length, objective, batch): the table's rows (1,024 positions a micro-batch:
 #: the CPU time of a row stays small; the estimate's errors do not depend on the batch more than on the length).
 SMOLLM2 = [("smollm2-135m-instruct", dt, False, 256, "sft", 4) for dt in ("fp32", "bf16", "4bit", "8bit")] + [
+    ("smollm2-135m-instruct", "bf16", False, 1024, "sft", 1),
+    *[("smollm2-135m-instruct", dt, True, 512, "sft", 2) for dt in ("fp32", "bf16", "4bit")],
+    ("smollm2-135m-instruct", "bf16", False, 256, "dpo", 2),
     ("smollm2-135m-instruct", "bf16", False, 128, "sft", 8),
     ("smollm2-135m-instruct", "bf16", False, 512, "sft", 2),
-    ("smollm2-135m-instruct", "bf16", False, 1024, "sft", 1),
     ("smollm2-135m-instruct", "fp32", False, 1024, "sft", 1),
-    *[("smollm2-135m-instruct", dt, True, 512, "sft", 2) for dt in ("fp32", "bf16", "4bit", "8bit")],
-    ("smollm2-135m-instruct", "bf16", True, 1024, "sft", 1),
+    ("smollm2-135m-instruct", "8bit", True, 512, "sft", 2),
     ("smollm2-135m-instruct", "fp32", False, 256, "dpo", 2),
-    ("smollm2-135m-instruct", "bf16", False, 256, "dpo", 2),
     ("smollm2-135m-instruct", "bf16", True, 256, "dpo", 2),
 ]
-GEMMA = [("gemma3-270m", dt, False, 256, "sft", 4) for dt in ("fp32", "bf16", "4bit", "8bit")] + [
-    ("gemma3-270m", "bf16", False, 1024, "sft", 1),
+GEMMA = [("gemma3-270m", dt, False, 256, "sft", 4) for dt in ("bf16", "4bit", "fp32", "8bit")] + [
     ("gemma3-270m", "bf16", True, 512, "sft", 2),
+    ("gemma3-270m", "bf16", False, 1024, "sft", 1),
     ("gemma3-270m", "4bit", True, 512, "sft", 2),
     ("gemma3-270m", "bf16", False, 256, "dpo", 2),
 ]

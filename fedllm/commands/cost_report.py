@@ -267,9 +267,11 @@ def sequences_per_batch(recipe: Any) -> int:
     return recipe.train.batch_size * (2 if recipe.data.format == "preference" else 1)
 
 
-def checkpointing(recipe: Any) -> bool:
-    """``train.gradient_checkpointing`` (False where the schema has no such key)."""
-    return bool(getattr(recipe.train, "gradient_checkpointing", False))
+def checkpointing(recipe: Any) -> int | None:
+    """Every how many decoder layers ``train.gradient_checkpointing`` checkpoints one (None: off)."""
+    from fedllm.engine.checkpointed import every_n_layers
+
+    return every_n_layers(recipe.train)
 
 
 def head_bytes(shapes: Shapes, tokens: int, dtype_bytes: int, head_rows: int | None) -> int:
@@ -414,8 +416,11 @@ class CostReport:
         layer = self.layer(device, r)
         if layer is None:  # the formula (an architecture the trace could not run)
             return {"activations": activation_bytes(self.shapes, rows, length, compute, self.head_rows)}
-        trunk = activation_peak(layer, self.shapes.layers, checkpointing(r))
-        layers = 1 if checkpointing(r) else self.shapes.layers
+        from fedllm.engine.activation_memory import checkpointed_layers
+
+        every = checkpointing(r)
+        trunk = activation_peak(layer, self.shapes.layers, every)
+        layers = self.shapes.layers - checkpointed_layers(self.shapes.layers, every) + (1 if every else 0)
         return {**trunk, "head": head_bytes(self.shapes, rows * length, compute, self.head_rows),
                 "residual casts": residual_casts(r, self.residuals) * layers // self.shapes.layers,
                 "dequantised weight": self.dequantised if r.model.quantization == self.recipe.model.quantization
@@ -423,6 +428,8 @@ class CostReport:
 
     def activation_lines(self) -> list[str]:
         """How the activations were estimated: the traced layer, or the formula."""
+        from fedllm.engine.activation_memory import checkpointed_layers
+
         r, s = self.recipe, self.shapes
         rows = sequences_per_batch(r)
         pairs = " (2 x batch_size: a preference batch holds each pair's chosen and rejected answer)" \
@@ -435,9 +442,13 @@ class CostReport:
                     f"s={r.train.max_length}, L={s.layers}, p={_dtype_bytes(r.train.dtype)}, h={s.hidden}, "
                     f"d_q={s.q_dim}, d_kv={s.kv_dim}, i={s.mlp}, V={s.vocab} (every sequence at max_length; "
                     "fused attention; no checkpointing; the model's layer could not be traced)"]
-        kept = (f"checkpointed: each of the {s.layers} layers keeps its input ({_mb(layer.boundary)}), one layer's "
-                f"{_mb(layer.saved)} is recomputed at a time" if checkpointing(r) else
-                f"{s.layers} layers x {_mb(layer.saved)}, no checkpointing (train.gradient_checkpointing)")
+        every = checkpointing(r)
+        kept = (f"{s.layers} layers x {_mb(layer.saved)}, no checkpointing (train.gradient_checkpointing)" if not every
+                else f"checkpointed: each of the {s.layers} layers keeps only its input ({_mb(layer.boundary)}), one "
+                     f"layer's {_mb(layer.saved)} is recomputed at a time" if every == 1
+                else f"checkpointed: {checkpointed_layers(s.layers, every)} of the {s.layers} layers (every {every}th) "
+                     f"keep only their input ({_mb(layer.boundary)}), the others {_mb(layer.saved)}; one layer is "
+                     "recomputed at a time")
         head = "the full logits" if self.head_rows is None else f"the head fused with its loss, chunks of " \
                                                                 f"{self.head_rows} rows"
         return [f"    activations: what autograd saves in one traced layer ({self.device}, {layer.attention} attention, "

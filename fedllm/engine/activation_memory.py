@@ -16,8 +16,9 @@ uninitialised storage (``to_empty``: nothing is written), its parameters in the 
 with the model's LoRA. A quantised linear layer is traced as a plain one in the compute dtype: bitsandbytes saves
 the same input for backward and dequantises its weight one layer at a time (:func:`dequantised_layer_bytes`).
 
-With ``train.gradient_checkpointing`` (non-reentrant, per decoder layer) a layer keeps only its input hidden state
-until backward recomputes it; one layer's activations exist at a time (:func:`activation_peak`).
+With ``train.gradient_checkpointing`` (non-reentrant, per decoder layer: :mod:`fedllm.engine.checkpointed`) a
+checkpointed layer keeps only its input hidden state until backward recomputes it, one layer at a time
+(:func:`activation_peak`).
 """
 
 from __future__ import annotations
@@ -196,13 +197,20 @@ class _Dtype:
     dtype: str
 
 
-def activation_peak(layer: LayerActivations, layers: int, checkpointing: bool) -> dict[str, int]:
-    """The trunk's share of the peak: every layer's saved tensors (or, checkpointed, every layer's input and one
-    layer's saved tensors, recomputed during backward), and the backward of one layer (its gradients: taken as its
-    saved tensors again)."""
-    if checkpointing:
-        return {"activations": layers * layer.boundary + layer.saved, "backward": layer.saved}
-    return {"activations": layers * layer.saved, "backward": layer.saved}
+def checkpointed_layers(layers: int, every: int | None) -> int:
+    """How many of ``layers`` decoder layers ``train.gradient_checkpointing`` checkpoints: layers 0, k, 2k, ... for
+    every ``k``-th (:func:`fedllm.engine.checkpointed.every_n_layers`; None: none)."""
+    return 0 if not every else -(-layers // every)
+
+
+def activation_peak(layer: LayerActivations, layers: int, every: int | None) -> dict[str, int]:
+    """The trunk's share of the peak: every layer's saved tensors, a checkpointed layer's input only (``every``: every
+    how many layers one is checkpointed, None: none) and then one checkpointed layer's saved tensors, recomputed
+    during backward; and the backward of one layer (its gradients: taken as its saved tensors again)."""
+    kept = checkpointed_layers(layers, every)
+    recomputed = layer.saved if kept else 0
+    return {"activations": kept * layer.boundary + (layers - kept) * layer.saved + recomputed,
+            "backward": layer.saved}
 
 
 def dequantised_layer_bytes(shapes: list[tuple[int, int]], compute_bytes: int) -> int:
