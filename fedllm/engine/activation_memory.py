@@ -41,6 +41,7 @@ class LayerActivations:
     boundary: int  # its input hidden state (what a checkpointed layer keeps)
     attention: str  # the attention implementation traced
     stream_dtype: str  # dtype of the residual stream between layers
+    shared: int = 0  # inputs every layer saves and shares (the attention mask, the rotary cos/sin): counted once
 
 
 def decoder_layers(model: Any) -> Optional[Any]:
@@ -132,15 +133,15 @@ def layer_activations(model: Any, train: Any, rows: int, length: int, device_typ
     compute = DTYPES[train.dtype] if train.dtype in ("bf16", "fp16") else torch.float32
     dtypes = _dtype_like(model, quantized, compute)
     stream = _stream_dtype(model, quantized, compute)
-    traced = _trace(type(base), _one_layer_config(config, attention), model.peft_config.get("default"),
+    traced, shared = _trace(type(base), _one_layer_config(config, attention), model.peft_config.get("default"),
                     tuple(sorted((n, str(d)) for n, d in dtypes.items())), str(stream), rows, length,
                     train.dtype, device_type)
     return LayerActivations(traced, rows * length * _text_config(config).hidden_size * stream.itemsize, attention,
-                            str(stream).removeprefix("torch."))
+                            str(stream).removeprefix("torch."), shared)
 
 
 def _trace(cls: Any, config: Any, lora: Any, dtypes: tuple, stream: str, rows: int, length: int, dtype: str,
-           device_type: str) -> int:
+           device_type: str) -> tuple[int, int]:
     import torch
     from peft import get_peft_model
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -162,18 +163,27 @@ def _trace(cls: Any, config: Any, lora: Any, dtypes: tuple, stream: str, rows: i
         if target is not None and str(p.dtype) != target:
             p.data = torch.empty(p.shape, dtype=getattr(torch, target.removeprefix("torch.")))
     one.train()
-    saved: dict[int, int] = {}
+    saved: dict[int, tuple[Any, int]] = {}  # id of the tensor owning the storage -> (it, its bytes)
+    shared: dict[int, tuple[Any, int]] = {}  # the same for the layer's inputs every layer shares (mask, rotary)
+    inputs: set[int] = set()
     counting = [False]
 
     def pack(t: Any) -> Any:
         if counting[0]:
-            st = t.untyped_storage()
-            key = st._cdata
-            if key not in params:
-                saved[key] = st.nbytes()
+            owner = t._base if t._base is not None else t  # (a fake tensor's storage handle is not stable: its base is)
+            if owner.untyped_storage()._cdata not in params and id(owner) not in params_ids:
+                (shared if id(owner) in inputs else saved)[id(owner)] = (owner, owner.untyped_storage().nbytes())
         return t
 
-    layer.register_forward_pre_hook(lambda *_: counting.__setitem__(0, True))
+    def enter(module: Any, args: tuple, kwargs: dict) -> None:
+        counting[0] = True
+        rest = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states" or not args]
+        for v in rest:
+            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    inputs.add(id(t._base if t._base is not None else t))
+
+    layer.register_forward_pre_hook(enter, with_kwargs=True)
     layer.register_forward_hook(lambda *_: counting.__setitem__(0, False))
     stream_dtype = getattr(torch, stream.removeprefix("torch."))
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -182,6 +192,7 @@ def _trace(cls: Any, config: Any, lora: Any, dtypes: tuple, stream: str, rows: i
         for t, (n, real) in zip(fakes.values(), named):
             t.requires_grad_(real.requires_grad)
         params = {t.untyped_storage()._cdata for t in fakes.values()}
+        params_ids = {id(t) for t in fakes.values()} | {id(t._base) for t in fakes.values() if t._base is not None}
         mask = torch.ones(rows, length, dtype=torch.long)
         embeds = torch.empty(rows, length, _text_config(config).hidden_size, dtype=stream_dtype, requires_grad=True)
         embeds = embeds * 1  # a non-leaf, as the hidden states between layers are
@@ -189,7 +200,7 @@ def _trace(cls: Any, config: Any, lora: Any, dtypes: tuple, stream: str, rows: i
                 train_autocast(torch.device("cpu"), dtype), lora_input_casts_skipped(one, _Dtype(dtype)):
             torch.func.functional_call(base_of(one), fakes, (), {"inputs_embeds": embeds, "attention_mask": mask,
                                                                  "use_cache": False}, strict=False, tie_weights=False)
-    return sum(saved.values())
+    return sum(n for _, n in saved.values()), sum(n for _, n in shared.values())
 
 
 @dataclass
@@ -209,7 +220,7 @@ def activation_peak(layer: LayerActivations, layers: int, every: int | None) -> 
     during backward; and the backward of one layer (its gradients: taken as its saved tensors again)."""
     kept = checkpointed_layers(layers, every)
     recomputed = layer.saved if kept else 0
-    return {"activations": kept * layer.boundary + (layers - kept) * layer.saved + recomputed,
+    return {"activations": kept * layer.boundary + (layers - kept) * layer.saved + recomputed + layer.shared,
             "backward": layer.saved}
 
 
