@@ -62,6 +62,26 @@ def test_checkpointing_keeps_each_layers_input_and_recomputes_one_layer():
     traced = layer_activations(load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=4)).model, TrainConfig(), 2,
                                32, "cpu")
     plain, every, third = (activation_peak(traced, 30, k) for k in (None, 1, 3))
-    assert plain == {"activations": 30 * traced.saved, "backward": traced.saved}
-    assert every["activations"] == 30 * traced.boundary + traced.saved
-    assert checkpointed_layers(30, 3) == 10 and third["activations"] == 10 * traced.boundary + 21 * traced.saved
+    shared = traced.shared  # the mask and the rotary cos/sin, once for every layer
+    assert plain == {"activations": 30 * traced.saved + shared, "backward": traced.saved}
+    assert every["activations"] == 30 * traced.boundary + traced.saved + shared
+    assert checkpointed_layers(30, 3) == 10 and third["activations"] == 10 * traced.boundary + 21 * traced.saved + shared
+
+
+def test_fits_line_of_the_llama2_7b_metamathqa_recipe(meta_costs):
+    """Issue #48's acceptance: the paper's batch and length (16 x 512, 8-bit base, FRLoRA's fp32 residuals) fit a
+    24 GB GPU once gradient checkpointing is on; without it the line says no and names the options that fit."""
+    from fedllm.commands.memory_fit import fits_lines, gpu_bytes
+
+    recipe = "recipes/frlora/llama2-7b-metamathqa-frlora.yaml"
+    on = meta_costs(recipe, "train.gradient_checkpointing=true")
+    assert sum(on.memory().values()) <= 24e9 and gpu_bytes(on) <= 24 * 2**30
+    assert fits_lines(on)[0].startswith("  fits: 24 GB / 40 GB / 80 GB GPU: yes / yes / yes")
+    off = meta_costs(recipe, "train.gradient_checkpointing=false")
+    lines = fits_lines(off)
+    assert lines[0].startswith("  fits: 24 GB / 40 GB / 80 GB GPU: no / no / yes")
+    assert "train.gradient_checkpointing: true" in lines[1] and "train.batch_size: 2 with grad_accum: 8" in lines[1]
+    # checkpointing keeps 32 layers' fp32 inputs (the 8-bit base's fp32 stream) instead of 32 layers' activations
+    layer = off.layer(off.device)
+    assert off.memory()["activations"] - on.memory()["activations"] == 31 * layer.saved - 32 * layer.boundary
+    assert layer.boundary == 16 * 512 * 4096 * 4
