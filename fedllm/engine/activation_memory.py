@@ -14,7 +14,8 @@ and length, under the step's autocast and attention, and adds up the bytes of ev
 once, as weights). The layer is built from the model's config with one layer and a vocabulary of 8, on
 uninitialised storage (``to_empty``: nothing is written), its parameters in the dtypes of the model's first layer,
 with the model's LoRA. A quantised linear layer is traced as a plain one in the compute dtype: bitsandbytes saves
-the same input for backward and dequantises its weight one layer at a time (:func:`dequantised_layer_bytes`).
+the same input for backward and dequantises its weight one layer at a time (the cost report adds the largest:
+:func:`fedllm.commands.cost_report.dequantised_bytes`).
 
 With ``train.gradient_checkpointing`` (non-reentrant, per decoder layer: :mod:`fedllm.engine.checkpointed`) a
 checkpointed layer keeps only its input hidden state until backward recomputes it, one layer at a time
@@ -24,7 +25,6 @@ checkpointed layer keeps only its input hidden state until backward recomputes i
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -114,11 +114,8 @@ def layer_activations(model: Any, train: Any, rows: int, length: int, device_typ
             callers fall back to the formula.
     """
     import torch
-    import transformers
-    from peft import get_peft_model
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fedllm.engine.client import train_autocast, training_attention_choice
+    from fedllm.engine.client import training_attention_choice
     from fedllm.models.state import DTYPES
     from fedllm.models.supervised_loss import base_of
 
@@ -222,8 +219,3 @@ def activation_peak(layer: LayerActivations, layers: int, every: int | None) -> 
     recomputed = layer.saved if kept else 0
     return {"activations": kept * layer.boundary + (layers - kept) * layer.saved + recomputed + layer.shared,
             "backward": layer.saved}
-
-
-def dequantised_layer_bytes(shapes: list[tuple[int, int]], compute_bytes: int) -> int:
-    """bitsandbytes dequantises a quantised weight for its matmul (forward and backward): the largest one at a time."""
-    return max((o * i for o, i in shapes), default=0) * compute_bytes
