@@ -41,8 +41,12 @@ from fedllm.recipe.schema import Recipe
 QUANT_BYTES = {"8bit": 1.0, "4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "4bit-flowertune": 0.5 + 4 / 64}
 #: Modules bitsandbytes leaves unquantised (transformers skips the output head).
 UNQUANTISED_HEADS = ("lm_head", "score", "classifier")
+#: A CPU training process's memory beside the tensors: the tokenizer, the data, Python's objects (measured: 53 MiB
+#: after SmolLM2-135M's federation was built, above its weights; docs/memory.md). A GPU's is the CUDA context
+#: (:data:`fedllm.commands.memory_fit.CUDA_RUNTIME_BYTES`).
+CPU_RUNTIME_BYTES = 53 * 2**20
 #: Terms of the peak-memory estimate printed only when not zero.
-OPTIONAL_TERMS = ("base changes", "residual casts", "dequantised weight")
+OPTIONAL_TERMS = ("base changes", "residual casts", "dequantised weight", "runtime")
 LORA_PARTS = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.[^.]+")
 SUFFIXES = (".base_layer", ".modules_to_save.default", ".original_module")
 
@@ -390,6 +394,7 @@ class CostReport:
             "strategy state": self.state.server,
             "base changes": self.state.base_changes,  # beside the weights: fp32 residuals, kept factors
             **self.activation_terms(device or self.device, DTYPES[r.train.dtype].itemsize, r),
+            "runtime": CPU_RUNTIME_BYTES if (device or self.device) == "cpu" else 0,
         }
 
     def layer(self, device: str, recipe: Optional[Recipe] = None) -> Any:
