@@ -62,12 +62,23 @@ from transformers import AttentionInterface  # noqa: E402
 
 EAGER_MAX_LENGTH = 256  # fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH as shipped
 ADAMW_KERNEL = client.adamw_kernel  # as shipped
+ATTENTION_CHOICE = client.training_attention_choice  # as shipped
 VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors", "fp32-unfused",
-            "bf16-unfused", "bf16-compiled", "bf16-compiled-repeat-kv", "bf16-compiled-foreach")
+            "bf16-unfused", "bf16-compiled", "bf16-compiled-repeat-kv", "bf16-compiled-foreach", "bf16-blocked")
 
 
-def build(threads: int):
-    """The quickstart federation in fp32 (weights as loaded), its first client's plan and the collate function."""
+def blocked_beyond_eager(current, device, dtype, positions, packed=False, compiled=False):
+    """``bf16-blocked``: fedllm's choice, with :func:`fedllm.models.grouped_attention.blocked_causal_attention` where
+    it keeps SDPA on a CPU in bf16/fp16 (past :data:`fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH` positions)."""
+    choice = ATTENTION_CHOICE(current, device, dtype, positions, packed, compiled)
+    if choice is None and current == "sdpa" and device.type == "cpu" and dtype in ("bf16", "fp16") and not packed:
+        return grouped_attention.register_blocked()
+    return choice
+
+
+def build(threads: int, max_length: int = 96, batch: int = 4, long: bool = False):
+    """The quickstart federation in fp32 (weights as loaded), its first client's plan and the collate function;
+    ``long``: answers longer than any ``max_length`` (every row filled), ``batch`` x ``max_length`` micro-batches."""
     from fedllm.data.collate import collate
     from fedllm.data.synthetic import arith_splits
     from fedllm.engine.server import build_federation
@@ -76,6 +87,10 @@ def build(threads: int):
     torch.set_num_threads(threads)
     work = Path(tempfile.mkdtemp(prefix="bf16_step-"))
     train, _ = arith_splits(400, 10, 0)
+    if long:
+        words = "one two three four five six seven eight nine ten eleven twelve".split()
+        train = [{"question": f"Count ({i}).", "answer": " ".join(words[(i + j) % 12] for j in range(1400))}
+                 for i in range(40)]
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     recipe = parse_recipe({
         "seed": 0, "output_dir": str(work / "run"), "model": {"name": "smollm2-135m-instruct"},
@@ -83,7 +98,7 @@ def build(threads: int):
         "data": {"path": str(work / "train.jsonl"), "format": "instruction",
                  "fields": {"instruction": "question", "output": "answer"}},
         "federation": {"num_clients": 10, "clients_per_round": 2, "rounds": 4, "partition": {"method": "iid"}},
-        "train": {"local_steps": 6, "batch_size": 4, "lr": 1e-3, "max_length": 96, "dtype": "fp32"},
+        "train": {"local_steps": 6, "batch_size": batch, "lr": 1e-3, "max_length": max_length, "dtype": "fp32"},
         "logging": {"progress": False, "quiet": True}})
     fed = build_federation(recipe)
     coll = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
@@ -95,7 +110,7 @@ def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     variant = variant.removesuffix("-unfused")
     if variant in ("fp32", "bf16-autocast"):
         return model
-    if variant in ("bf16-peft-casts", "bf16-flash") or variant.startswith("bf16-compiled"):
+    if variant in ("bf16-peft-casts", "bf16-flash", "bf16-blocked") or variant.startswith("bf16-compiled"):
         variant = "bf16"
     m = copy.deepcopy(model).to(torch.bfloat16)
     if variant == "bf16":
@@ -129,6 +144,7 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
     AttentionInterface.register(grouped_attention.NAME, transformers_eager if variant == "bf16-compiled-repeat-kv"
                                 else grouped_attention.grouped_eager_attention)
     client.adamw_kernel = (lambda params, c: {"foreach": True}) if variant == "bf16-compiled-foreach" else ADAMW_KERNEL
+    client.training_attention_choice = blocked_beyond_eager if variant == "bf16-blocked" else ATTENTION_CHOICE
     strategy = fed.strategy
     plan = strategy.configure_client(1, 0, state)
     plan.lr = cfg.lr
@@ -203,6 +219,57 @@ def loss_memory(args) -> int:
     return 0
 
 
+def lengths_mode(args) -> int:
+    """``--lengths``: the bf16 step at each length (``--tokens`` positions a micro-batch: batch = tokens / length),
+    fedllm's attention (``bf16``: eager up to 256 positions, SDPA past it) against ``bf16-blocked`` (blocked causal
+    attention past 256), interleaved; MFU per CPU-second against the bf16 probe of the same trials, and its ratio to
+    the shortest length's ``bf16`` step."""
+    from fedllm.engine.throughput import Throughput
+    from fedllm.models import hardware
+    from fedllm.models.loading import read_state
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    runs = {}
+    for length in lengths:
+        recipe, fed, coll = build(args.threads, length, max(1, args.tokens // length), long=True)
+        base = fed.loaded.model
+        variants = ["bf16"] + (["bf16-blocked"] if length > EAGER_MAX_LENGTH or args.blocked_everywhere else [])
+        runs[length] = (recipe, fed, coll, read_state(base, fed.global_keys),
+                        {v: variant_model(base, v) for v in variants},
+                        Throughput(recipe, base, fed.loaded.task, measure_peak=False).shapes)
+    first = runs[lengths[0]]
+    rows: dict[tuple[int, str], list[dict]] = {}
+    peaks = []
+    for trial in range(args.trials):
+        rate, per_cpu = hardware.probe(list(first[5].weights), args.tokens, "bf16", seconds=0.3)
+        peaks.append(per_cpu)
+        for length, (recipe, fed, coll, initial, models, shapes) in runs.items():
+            for v, model in models.items():
+                work, loss = one_trial(model, v, recipe, fed, coll, args.steps, 1000 + trial, initial)
+                flops = work.flops(shapes)
+                rows.setdefault((length, v), []).append({"cpu_s_per_step": work.cpu_seconds / args.steps,
+                                                         "flops_per_cpu_s": flops / work.cpu_seconds, "loss": loss})
+                print(f"trial {trial} S={length:<5} {v:<13} {work.cpu_seconds / args.steps:6.2f} CPU-s/step "
+                      f"{flops / work.cpu_seconds / 1e9:6.1f} GFLOP/CPU-s loss {loss:.4f} load {os.getloadavg()[0]:.1f}",
+                      flush=True)
+    peak = max(peaks)
+    load = os.getloadavg()
+    print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.threads} threads; {args.tokens} positions a "
+          f"micro-batch; bf16 probe peak {peak / 1e9:.1f} GFLOP per CPU-second")
+    base_mfu = max(r["flops_per_cpu_s"] for r in rows[(lengths[0], "bf16")]) / peak
+    print(f"{'length':>6} {'variant':<13} {'CPU-s/step':>10} {'GFLOP/CPU-s':>11} {'MFU/CPU-s':>9} {'vs ' + str(lengths[0]):>7}")
+    for (length, v), found in rows.items():
+        best = max(found, key=lambda r: r["flops_per_cpu_s"])
+        mfu = best["flops_per_cpu_s"] / peak
+        print(f"{length:>6} {v:<13} {best['cpu_s_per_step']:>10.2f} {best['flops_per_cpu_s'] / 1e9:>11.1f} "
+              f"{100 * mfu:>8.1f}% {mfu / base_mfu:>7.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": {f"{k[0]} {k[1]}": r for k, r in rows.items()}, "peaks": peaks,
+                                               "load": load, "threads": args.threads, "tokens": args.tokens,
+                                               "date": time.strftime("%F %T %Z")}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     from fedllm.engine.throughput import Throughput
     from fedllm.models import hardware
@@ -219,7 +286,12 @@ def main(argv=None) -> int:
     p.add_argument("--positions", type=int, default=2048, help="--loss-memory: supervised positions")
     p.add_argument("--hidden", type=int, default=64, help="--loss-memory: hidden width")
     p.add_argument("--vocab", type=int, default=151936, help="--loss-memory: vocabulary (Qwen2's)")
+    p.add_argument("--lengths", default=None, help="e.g. 256,512,1024: the long-sequence comparison (lengths_mode)")
+    p.add_argument("--tokens", type=int, default=1024, help="--lengths: positions a micro-batch")
+    p.add_argument("--blocked-everywhere", action="store_true", help="--lengths: bf16-blocked at the shortest too")
     args = p.parse_args(argv)
+    if args.lengths:
+        return lengths_mode(args)
     if args.loss_memory_case:
         fused, dt = args.loss_memory_case.split(",")
         print(json.dumps(loss_memory_case(fused == "1", dt, args.positions, args.hidden, args.vocab, args.threads)))

@@ -41,6 +41,12 @@ from fedllm.recipe.schema import Recipe
 QUANT_BYTES = {"8bit": 1.0, "4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "4bit-flowertune": 0.5 + 4 / 64}
 #: Modules bitsandbytes leaves unquantised (transformers skips the output head).
 UNQUANTISED_HEADS = ("lm_head", "score", "classifier")
+#: A CPU training process's memory beside the tensors: the tokenizer, the data, Python's objects (measured: 53 MiB
+#: after SmolLM2-135M's federation was built, above its weights; docs/memory.md). A GPU's is the CUDA context
+#: (:data:`fedllm.commands.memory_fit.CUDA_RUNTIME_BYTES`).
+CPU_RUNTIME_BYTES = 53 * 2**20
+#: Terms of the peak-memory estimate printed only when not zero.
+OPTIONAL_TERMS = ("base changes", "residual casts", "dequantised weight", "runtime")
 LORA_PARTS = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.[^.]+")
 SUFFIXES = (".base_layer", ".modules_to_save.default", ".original_module")
 
@@ -108,6 +114,11 @@ def parameter_rows(model: Any, quantization: str = "none", on_meta: bool = False
         row.frozen += n
         if on_meta and _quantised(mod_name, module, quantization) and p.dim() == 2:
             row.frozen_bytes += n * QUANT_BYTES[quantization] + (4 * p.shape[0] if quantization == "8bit" else 0)
+        elif on_meta and quantization != "none" and p.is_floating_point():  # cast by prepare_model_for_kbit_training
+            from fedllm.engine.activation_memory import KBIT_UNQUANTISED_DTYPE
+            from fedllm.models.state import DTYPES
+
+            row.frozen_bytes += p.numel() * max(p.element_size(), DTYPES[KBIT_UNQUANTISED_DTYPE].itemsize)
         else:
             row.frozen_bytes += p.numel() * p.element_size()
     for kind, row in rows.items():
@@ -260,6 +271,23 @@ def sequences_per_batch(recipe: Any) -> int:
     return recipe.train.batch_size * (2 if recipe.data.format == "preference" else 1)
 
 
+def checkpointing(recipe: Any) -> int | None:
+    """Every how many decoder layers ``train.gradient_checkpointing`` checkpoints one (None: off)."""
+    from fedllm.engine.checkpointed import every_n_layers
+
+    return every_n_layers(recipe.train)
+
+
+def head_bytes(shapes: Shapes, tokens: int, dtype_bytes: int, head_rows: int | None) -> int:
+    """The LM head's logits in the compute dtype, their fp32 copy and its gradient: ``b·s·V·(p + 8)``, or fused in
+    chunks of ``c`` rows ``min(b·s, c)·V·(p + 8) + b·s·h·p``; 0 without an LM head."""
+    if not shapes.vocab:
+        return 0
+    if head_rows is None:
+        return tokens * shapes.vocab * (dtype_bytes + 8)
+    return min(tokens, head_rows) * shapes.vocab * (dtype_bytes + 8) + tokens * shapes.hidden * dtype_bytes
+
+
 def activation_bytes(shapes: Shapes, batch: int, length: int, dtype_bytes: int, head_rows: int | None = None) -> int:
     """``b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + b·s·V·(p + 8)``, or with the head fused in chunks of ``head_rows``
     rows ``... + min(b·s, c)·V·(p + 8) + b·s·h·p`` (see the module docstring)."""
@@ -330,6 +358,13 @@ class CostReport:
     svd: Optional[SvdCost] = None
     notes: list[str] = field(default_factory=list)
     head_rows: int | None = None  # rows of a chunk of the fused head + cross-entropy (None: the full logits)
+    device: str = "cpu"  # where the model trains (the estimate's default device)
+    model: Any = field(default=None, repr=False)  # the model the activations are traced from (None: the formula)
+    residuals: list[tuple[int, int]] = field(default_factory=list)  # (out, in) of the strategy's fp32 residuals
+    dequantised: int = 0  # bitsandbytes' dequantised copy of the largest quantised weight
+
+    def __post_init__(self) -> None:
+        self._traces: dict[tuple, Any] = {}
 
     @property
     def trainable(self) -> int:
@@ -339,24 +374,91 @@ class CostReport:
     def frozen(self) -> int:
         return sum(r.frozen for r in self.rows)
 
-    def memory(self) -> dict[str, int]:
-        """The peak-memory estimate's terms (bytes)."""
+    def memory(self, device: Optional[str] = None, recipe: Optional[Recipe] = None) -> dict[str, int]:
+        """The peak-memory estimate's terms (bytes) for a step on ``device`` (``cpu`` or ``cuda``; default: where
+        this report's model trains), of ``recipe`` (default: the report's; another one changes only
+        ``train.batch_size``, ``train.gradient_checkpointing`` or ``model.quantization``: the fits line's options)."""
         from fedllm.models.state import DTYPES
 
-        r = self.recipe
-        compute = DTYPES[r.train.dtype].itemsize
+        r = recipe or self.recipe
         trainable = self.trainable * 4  # LoRA factors and heads train in fp32
         slots = {"adamw": 2, "sgd": 1 if r.train.momentum else 0}[r.train.optimizer]
+        quant = r.model.quantization
+        weights = sum(x.frozen_bytes for x in (self.rows if quant == self.recipe.model.quantization else
+                                               parameter_rows(self.model, quant, True)))
         return {
-            "weights": int(sum(x.frozen_bytes for x in self.rows)),
+            "weights": int(weights),
             "trainable": trainable,
             "gradients": trainable,
             "optimizer": slots * trainable,
             "strategy state": self.state.server,
             "base changes": self.state.base_changes,  # beside the weights: fp32 residuals, kept factors
-            "activations": activation_bytes(self.shapes, sequences_per_batch(r), r.train.max_length, compute,
-                                            self.head_rows),
+            **self.activation_terms(device or self.device, DTYPES[r.train.dtype].itemsize, r),
+            "runtime": CPU_RUNTIME_BYTES if (device or self.device) == "cpu" else 0,
         }
+
+    def layer(self, device: str, recipe: Optional[Recipe] = None) -> Any:
+        """One traced layer (:func:`fedllm.engine.activation_memory.layer_activations`) of ``recipe``'s step on
+        ``device``, cached; None where it cannot be traced."""
+        from fedllm.engine.activation_memory import layer_activations
+
+        r = recipe or self.recipe
+        key = (device, sequences_per_batch(r), r.model.quantization)
+        if key not in self._traces:
+            try:
+                self._traces[key] = None if self.model is None else layer_activations(
+                    self.model, r.train, key[1], r.train.max_length, device, quantized=key[2] != "none")
+            except Exception:  # noqa: BLE001 — an architecture fake tensors cannot run: the formula instead
+                self._traces[key] = None
+        return self._traces[key]
+
+    def activation_terms(self, device: str, compute: int, r: Recipe) -> dict[str, int]:
+        """The step's share: the trunk's saved tensors (traced, :mod:`fedllm.engine.activation_memory`), one
+        layer's backward, the head, casts of FRLoRA's residuals under autocast, a dequantised weight."""
+        from fedllm.engine.activation_memory import activation_peak
+
+        rows, length = sequences_per_batch(r), r.train.max_length
+        layer = self.layer(device, r)
+        if layer is None:  # the formula (an architecture the trace could not run)
+            return {"activations": activation_bytes(self.shapes, rows, length, compute, self.head_rows)}
+        from fedllm.engine.activation_memory import checkpointed_layers
+
+        every = checkpointing(r)
+        trunk = activation_peak(layer, self.shapes.layers, every)
+        layers = self.shapes.layers - checkpointed_layers(self.shapes.layers, every) + (1 if every else 0)
+        return {**trunk, "head": head_bytes(self.shapes, rows * length, compute, self.head_rows),
+                "residual casts": residual_casts(r, self.residuals) * layers // self.shapes.layers,
+                "dequantised weight": self.dequantised if r.model.quantization == self.recipe.model.quantization
+                else dequantised_bytes(r, self.model)}
+
+    def activation_lines(self) -> list[str]:
+        """How the activations were estimated: the traced layer, or the formula."""
+        from fedllm.engine.activation_memory import checkpointed_layers
+
+        r, s = self.recipe, self.shapes
+        rows = sequences_per_batch(r)
+        pairs = " (2 x batch_size: a preference batch holds each pair's chosen and rejected answer)" \
+            if rows != r.train.batch_size else ""
+        layer = self.layer(self.device)
+        if layer is None:
+            head = "b·s·V·(p + 8)" if self.head_rows is None else \
+                f"min(b·s, c)·V·(p + 8) + b·s·h·p (the head fused with its loss, chunks of c={self.head_rows} rows)"
+            return [f"    activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + {head} with b={rows}{pairs}, "
+                    f"s={r.train.max_length}, L={s.layers}, p={_dtype_bytes(r.train.dtype)}, h={s.hidden}, "
+                    f"d_q={s.q_dim}, d_kv={s.kv_dim}, i={s.mlp}, V={s.vocab} (every sequence at max_length; "
+                    "fused attention; no checkpointing; the model's layer could not be traced)"]
+        every = checkpointing(r)
+        kept = (f"{s.layers} layers x {_mb(layer.saved)}, no checkpointing (train.gradient_checkpointing)" if not every
+                else f"checkpointed: each of the {s.layers} layers keeps only its input ({_mb(layer.boundary)}), one "
+                     f"layer's {_mb(layer.saved)} is recomputed at a time" if every == 1
+                else f"checkpointed: {checkpointed_layers(s.layers, every)} of the {s.layers} layers (every {every}th) "
+                     f"keep only their input ({_mb(layer.boundary)}), the others {_mb(layer.saved)}; one layer is "
+                     "recomputed at a time")
+        head = "the full logits" if self.head_rows is None else f"the head fused with its loss, chunks of " \
+                                                                f"{self.head_rows} rows"
+        return [f"    activations: what autograd saves in one traced layer ({self.device}, {layer.attention} attention, "
+                f"{layer.stream_dtype} hidden states) at b={rows}{pairs} x s={r.train.max_length} (every sequence "
+                f"at max_length): {kept}; backward: one layer's gradients; head: {head}"]
 
     def lines(self) -> list[str]:
         r, c, st = self.recipe, self.comm, self.state
@@ -393,17 +495,8 @@ class CostReport:
         mem = self.memory()
         unit = (lambda n: f"{n / 1e9:.2f} GB") if sum(mem.values()) >= 1e8 else _mb
         out.append(f"  peak memory estimate (one training process): {unit(sum(mem.values()))} = "
-                   + " + ".join(f"{k} {unit(v)}" for k, v in mem.items() if v or k != "base changes"))
-        s = self.shapes
-        pairs = " (2 x batch_size: a preference batch holds each pair's chosen and rejected answer)" \
-            if sequences_per_batch(r) != r.train.batch_size else ""
-        head = "b·s·V·(p + 8)" if self.head_rows is None else \
-            f"min(b·s, c)·V·(p + 8) + b·s·h·p (the head fused with its loss, chunks of c={self.head_rows} rows)"
-        out.append(f"    activations = b·s·L·p·(4h + 3·d_q + 2·d_kv + 4i) + {head} with b={sequences_per_batch(r)}"
-                   f"{pairs}, "
-                   f"s={r.train.max_length}, L={s.layers}, p={_dtype_bytes(r.train.dtype)}, h={s.hidden}, "
-                   f"d_q={s.q_dim}, d_kv={s.kv_dim}, i={s.mlp}, V={s.vocab} (every sequence at max_length; "
-                   "fused attention; no checkpointing)")
+                   + " + ".join(f"{k} {unit(v)}" for k, v in mem.items() if v or k not in OPTIONAL_TERMS))
+        out += self.activation_lines()
         out.append(f"    weights as loaded ({r.model.dtype}{', ' + r.model.quantization if r.model.quantization != 'none' else ''}); "
                    f"trainable, gradients and {r.train.optimizer} moments in fp32")
         if self.svd is not None:
@@ -450,5 +543,52 @@ def cost_report(recipe: Recipe, model: Any, strategy: Any, task: str, source: st
 
         layer_shapes = [(m.out_features, m.in_features) for m in lora_layers(model).values()]
         svd = svd_cost(layer_shapes, recipe.lora.r, strategy.svd, strategy.niter, strategy.oversample)
+    device = training_device(model)
     return CostReport(recipe, source, rows, target_counts(model, recipe.lora), comm, state, shapes, steps, svd,
-                      list(notes or []), fused_head_rows(recipe, model, task, shapes.vocab))
+                      list(notes or []), fused_head_rows(recipe, model, task, shapes.vocab), device, model,
+                      fp32_residuals(strategy), dequantised_bytes(recipe, model))
+
+
+def training_device(model: Any) -> str:
+    """``cpu`` or ``cuda``: where the model's weights are; on the meta device, where this machine would train."""
+    import torch
+
+    kind = next(model.parameters()).device.type
+    if kind == "meta":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if kind == "cuda" else "cpu"
+
+
+def residual_casts(recipe: Recipe, shapes: list[tuple[int, int]]) -> int:
+    """Bytes autocast adds for a strategy's fp32 residual hooks (FRLoRA's ``residual: dense`` on a bf16/fp16 or
+    quantised base) of ``(out, in)`` ``shapes``: each hooked layer's ``F.linear(x.float(), R)`` saves a
+    compute-dtype copy of ``R`` and of ``x``."""
+    from fedllm.models.state import DTYPES
+
+    if recipe.train.dtype not in ("bf16", "fp16"):
+        return 0
+    tokens = sequences_per_batch(recipe) * recipe.train.max_length
+    return sum((out + tokens) * inp for out, inp in shapes) * DTYPES[recipe.train.dtype].itemsize
+
+
+def fp32_residuals(strategy: Any) -> list[tuple[int, int]]:
+    """``(out, in)`` of the strategy's fp32 residuals a forward hook adds (:meth:`Strategy.base_residuals`)."""
+    import torch
+
+    return [tuple(t.shape) for t in strategy.base_residuals().values() if t.dim() == 2 and t.dtype == torch.float32]
+
+
+def dequantised_bytes(recipe: Recipe, model: Any) -> int:
+    """bitsandbytes dequantises a quantised weight for each matmul, forward and backward: the largest, in the
+    compute dtype (bf16 unless ``model.dtype`` says otherwise)."""
+    from fedllm.models.state import DTYPES
+
+    q = recipe.model.quantization
+    if q == "none":
+        return 0
+    compute = DTYPES["bf16" if recipe.model.dtype in ("fp32", "auto") else recipe.model.dtype].itemsize
+    if q == "4bit-flowertune":
+        compute = 4
+    sizes = [logical_numel(m.weight) for n, m in model.named_modules()
+             if _quantised(n, m, q) and getattr(m, "weight", None) is not None]
+    return max(sizes, default=0) * compute

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from fedllm.commands.memory_fit import fits_lines
 from fedllm.recipe.schema import Recipe
 from fedllm.runs.comm_budget import projection_lines
 
@@ -102,7 +103,7 @@ class DryRunReport:
             f"({r.federation.comm_dtype})",
             *projection_lines(self.bytes_up, self.bytes_down, r.federation.rounds,
                               r.federation.communication_budget_mb),
-            *(self.costs.lines() if self.costs is not None else []),
+            *(self.costs.lines() + fits_lines(self.costs) if self.costs is not None else []),
             *deadline_lines(r),
             f"  nothing was written to {r.output_dir}",
         ])
@@ -125,6 +126,7 @@ class UntimedReport:
             f"({r.federation.strategy}) set up in {self.build_seconds:.1f} s; no step timed",
             *([f"  {self.flops}"] if self.flops else []),
             *self.costs.lines(),
+            *fits_lines(self.costs),
             *projection_lines(self.costs.comm.round_up, self.costs.comm.round_down, r.federation.rounds,
                               r.federation.communication_budget_mb),
             *deadline_lines(r),

@@ -60,6 +60,54 @@ def grouped_eager_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), weights.view(batch, heads, length, -1)
 
 
+#: The name of :func:`blocked_causal_attention` in transformers' attention interface.
+BLOCKED_NAME = "fedllm_blocked_causal"
+#: Queries per block of :func:`blocked_causal_attention`.
+QUERY_BLOCK = 128
+
+
+def blocked_causal_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                             **kwargs) -> tuple[torch.Tensor, None]:
+    """:func:`grouped_eager_attention` one block of :data:`QUERY_BLOCK` queries at a time, each against the keys up to
+    the block's last position only: the keys after it are masked for every query of the block (checked on the mask:
+    a block whose queries see a later key takes every key), so their scores, exponentials (exactly 0) and products
+    are never formed — about half of eager's work at long lengths, in ``S x block`` pieces that stay in cache. Same
+    signature as eager; returns no weights (as SDPA)."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or \
+            not hasattr(module, "num_key_value_groups"):
+        return _model_eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                    **kwargs)
+    if scaling is None:
+        scaling = module.head_dim**-0.5
+    batch, heads, length, dim = query.shape
+    kv_heads, groups = key.shape[1], module.num_key_value_groups
+    outs = []
+    for start in range(0, length, QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, length)
+        rows = stop - start
+        mask = None if attention_mask is None else attention_mask[:, :, start:stop]
+        keys = stop if mask is None or _masked_after(mask, stop) else key.shape[2]
+        stacked = query[:, :, start:stop].reshape(batch, kv_heads, groups * rows, dim)
+        weights = (torch.matmul(stacked, key[:, :, :keys].transpose(2, 3)) * scaling).view(
+            batch, kv_heads, groups, rows, keys)
+        if mask is not None:
+            mask = mask[..., :keys]
+            weights = weights + (mask[:, None] if mask.shape[1] == 1 else mask.view(batch, kv_heads, groups, rows, keys))
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        weights = F.dropout(weights, p=dropout, training=module.training)
+        outs.append(torch.matmul(weights.view(batch, kv_heads, groups * rows, keys), value[:, :, :keys]).view(
+            batch, heads, rows, dim))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _masked_after(mask: torch.Tensor, stop: int) -> bool:
+    """Whether every key from position ``stop`` on is masked (additive mask at its dtype's minimum) for these rows."""
+    later = mask[..., stop:]
+    return later.numel() == 0 or bool((later <= torch.finfo(mask.dtype).min / 2).all()) if mask.is_floating_point() \
+        else not bool(later.any())
+
+
 @functools.cache
 def register() -> str:
     """Register :func:`grouped_eager_attention` (with eager's mask) under :data:`NAME`, once per process (a packed
@@ -70,3 +118,14 @@ def register() -> str:
     AttentionInterface.register(NAME, grouped_eager_attention)
     AttentionMaskInterface.register(NAME, eager_mask)
     return NAME
+
+
+@functools.cache
+def register_blocked() -> str:
+    """Register :func:`blocked_causal_attention` (with eager's mask) under :data:`BLOCKED_NAME`, once per process."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(BLOCKED_NAME, blocked_causal_attention)
+    AttentionMaskInterface.register(BLOCKED_NAME, eager_mask)
+    return BLOCKED_NAME

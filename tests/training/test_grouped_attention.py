@@ -11,7 +11,8 @@ import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from fedllm.engine.client import training_attention_choice
-from fedllm.models.grouped_attention import NAME, grouped_eager_attention, register
+from fedllm.models.grouped_attention import (NAME, blocked_causal_attention, grouped_eager_attention, register,
+                                          register_blocked)
 from fedllm.models.loading import load_model
 from fedllm.recipe.schema import LoraConfig, ModelConfig
 
@@ -112,3 +113,72 @@ def test_compiled_bf16_training_on_a_cpu_takes_it_and_the_eager_default_keeps_tr
     assert training_attention_choice("sdpa", cpu, "fp32", 96, compiled=True) is None
     assert training_attention_choice("sdpa", cpu, "bf16", 300, compiled=True) is None  # past eager's length
     assert training_attention_choice("sdpa", gpu, "bf16", 96, compiled=True) is None
+
+
+def _run_blocked(module, q, k, v, mask, upstream):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, weights = blocked_causal_attention(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5)
+    assert weights is None  # (as SDPA: no S x S weights kept for the caller)
+    (out * upstream).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("per_head_mask", [False, True])
+@pytest.mark.parametrize("block", [4, 5, 64])  # blocks of 4 and 5 queries over 11 positions; one block of all
+def test_blocked_causal_attention_equals_transformers_eager(per_head_mask, block, monkeypatch):
+    from fedllm.models import grouped_attention
+
+    monkeypatch.setattr(grouped_attention, "QUERY_BLOCK", block)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        inputs = _inputs(dtype, per_head_mask)
+        ours = _run_blocked(*inputs)
+        out, _, *grads = _run(eager_attention_forward, *inputs)
+        for a, b in zip(ours, (out, *grads), strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert float((a - b).abs().max()) <= tol * float(b.abs().max())
+
+
+def test_blocked_attention_skips_only_keys_the_mask_hides(monkeypatch):
+    """A block whose queries see a later key (here: the padded queries of row 1, which the mask lets attend
+    everywhere) takes every key; a causal block takes the keys up to its last query."""
+    from fedllm.models import grouped_attention
+
+    monkeypatch.setattr(grouped_attention, "QUERY_BLOCK", 4)
+    module, q, k, v, mask, _ = _inputs(torch.float64)
+    widths = []
+    softmax = grouped_attention.F.softmax
+
+    def recording(weights, **kwargs):  # once per block: its scores against the keys it takes
+        widths.append(weights.shape[-1])
+        return softmax(weights, **kwargs)
+
+    monkeypatch.setattr(grouped_attention.F, "softmax", recording)
+    blocked_causal_attention(module, q, k, v, mask)
+    assert widths == [4, 11, 11]  # row 1's padded queries (7-10) see every key: their blocks take every key
+    widths.clear()
+    blocked_causal_attention(module, q, k, v, mask[:1].expand(2, -1, -1, -1).clone())  # causal only
+    assert widths == [4, 8, 11]
+    widths.clear()
+    blocked_causal_attention(module, q[..., :8, :], k[..., :8, :], v[..., :8, :], mask[:1, :, :8, :8])
+    assert widths == [4, 8]
+
+
+def test_blocked_causal_attention_through_a_tiny_model_equals_eager():
+    model = load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=4, init="gaussian")).model
+    config = model.get_base_model().config
+    ids = torch.randint(3, 100, (2, 150), generator=torch.Generator().manual_seed(0))  # two blocks of 128
+    mask = torch.ones_like(ids)
+    mask[1, 140:] = 0
+    results = []
+    for name in ("eager", register_blocked()):
+        config._attn_implementation = name
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        (logits[mask.bool()] ** 2).mean().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    config._attn_implementation = "sdpa"
+    (a, ga), (b, gb) = results
+    assert torch.allclose(a[mask.bool()], b[mask.bool()], rtol=0, atol=1e-5 * float(a.abs().max()))
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        assert float((ga[n] - gb[n]).norm()) <= 1e-5 * float(ga[n].norm()), n

@@ -1,0 +1,87 @@
+"""The dry run's activation memory (fedllm.engine.activation_memory) against what a real step saves, and its fits line.
+
+The trace runs one decoder layer on fake tensors; the reference is the same layer of a real model run forward on
+real tensors, counting the distinct storages autograd saves (``saved_tensors_hooks``, parameters left out) — the
+bytes backward will read. bench/memory_bound.py holds the whole estimate against measured peaks (docs/memory.md).
+"""
+
+import pytest
+import torch
+
+from fedllm.engine.activation_memory import activation_peak, checkpointed_layers, layer_activations
+from fedllm.engine.client import lora_input_casts_skipped, train_autocast, training_attention
+from fedllm.models.loading import load_model
+from fedllm.models.supervised_loss import base_of
+from fedllm.recipe.schema import LoraConfig, ModelConfig, TrainConfig
+
+
+def _saved_by_layer_one(model, cfg, ids):
+    """Bytes of the distinct non-parameter storages layer 1 (whose input requires a gradient, as every layer's but the first) saves for backward in a real forward under ``cfg``."""
+    layer = base_of(model).model.layers[1]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, shared, on = {}, set(), [False]
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if on[0] and ptr not in params | shared:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def enter(module, args, kwargs):  # the mask and the rotary cos/sin every layer shares: counted apart
+        on[0] = True
+        assert args  # the hidden states come first, the rest by name
+        for v in kwargs.values():
+            for t in v if isinstance(v, tuple) else (v,):
+                if isinstance(t, torch.Tensor):
+                    shared.add(t.untyped_storage().data_ptr())
+
+    layer.register_forward_pre_hook(enter, with_kwargs=True)
+    layer.register_forward_hook(lambda *_: on.__setitem__(0, False))
+    model.train()
+    mask = torch.ones_like(ids)
+    mask[-1, -3:] = 0  # a padded row: the attention takes a mask, as a padded batch's does
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), train_autocast(torch.device("cpu"), cfg.dtype), \
+            lora_input_casts_skipped(model, cfg), training_attention(model, cfg):
+        model(input_ids=ids, attention_mask=mask)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+@pytest.mark.parametrize("dtype,length", [("bf16", 40), ("fp32", 40), ("bf16", 300)])  # eager; SDPA; SDPA past 256
+def test_traced_layer_saves_the_bytes_a_real_forward_saves(family, dtype, length):
+    model = load_model(ModelConfig(name=f"tiny-{family}", dtype=dtype), LoraConfig(r=4, dropout=0.1)).model
+    cfg = TrainConfig(dtype=dtype, max_length=length)
+    ids = torch.randint(3, 100, (3, length), generator=torch.Generator().manual_seed(0))
+    traced = layer_activations(model, cfg, 3, length, "cpu")
+    assert traced.attention == ("eager" if dtype == "bf16" and length <= 256 else "sdpa")
+    assert traced.saved == _saved_by_layer_one(model, cfg, ids)
+    assert traced.boundary == 3 * length * 64 * (2 if dtype == "bf16" else 4)  # b x s x hidden, the stream's dtype
+
+
+def test_checkpointing_keeps_each_layers_input_and_recomputes_one_layer():
+    traced = layer_activations(load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=4)).model, TrainConfig(), 2,
+                               32, "cpu")
+    plain, every, third = (activation_peak(traced, 30, k) for k in (None, 1, 3))
+    shared = traced.shared  # the mask and the rotary cos/sin, once for every layer
+    assert plain == {"activations": 30 * traced.saved + shared, "backward": traced.saved}
+    assert every["activations"] == 30 * traced.boundary + traced.saved + shared
+    assert checkpointed_layers(30, 3) == 10 and third["activations"] == 10 * traced.boundary + 21 * traced.saved + shared
+
+
+def test_fits_line_of_the_llama2_7b_metamathqa_recipe(meta_costs):
+    """Issue #48's acceptance: the paper's batch and length (16 x 512, 8-bit base, FRLoRA's fp32 residuals) fit a
+    24 GB GPU once gradient checkpointing is on; without it the line says no and names the options that fit."""
+    from fedllm.commands.memory_fit import fits_lines, gpu_bytes
+
+    recipe = "recipes/frlora/llama2-7b-metamathqa-frlora.yaml"
+    on = meta_costs(recipe, "train.gradient_checkpointing=true")
+    assert sum(on.memory().values()) <= 24e9 and gpu_bytes(on) <= 24 * 2**30
+    assert fits_lines(on)[0].startswith("  fits: 24 GB / 40 GB / 80 GB GPU: yes / yes / yes")
+    off = meta_costs(recipe, "train.gradient_checkpointing=false")
+    lines = fits_lines(off)
+    assert lines[0].startswith("  fits: 24 GB / 40 GB / 80 GB GPU: no / no / yes")
+    assert "train.gradient_checkpointing: true" in lines[1] and "train.batch_size: 2 with grad_accum: 8" in lines[1]
+    # checkpointing keeps 32 layers' fp32 inputs (the 8-bit base's fp32 stream) instead of 32 layers' activations
+    layer = off.layer(off.device)
+    assert off.memory()["activations"] - on.memory()["activations"] == 31 * layer.saved - 32 * layer.boundary
+    assert layer.boundary == 16 * 512 * 4096 * 4
