@@ -33,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from fedllm.engine.activation_memory import unquantised_fp32
 from fedllm.recipe.schema import Recipe
 
 #: Bytes per parameter of a bitsandbytes-quantised linear weight: 8-bit (int8 + an fp32 scale per
@@ -114,11 +115,8 @@ def parameter_rows(model: Any, quantization: str = "none", on_meta: bool = False
         row.frozen += n
         if on_meta and _quantised(mod_name, module, quantization) and p.dim() == 2:
             row.frozen_bytes += n * QUANT_BYTES[quantization] + (4 * p.shape[0] if quantization == "8bit" else 0)
-        elif on_meta and quantization != "none" and p.is_floating_point():  # cast by prepare_model_for_kbit_training
-            from fedllm.engine.activation_memory import KBIT_UNQUANTISED_DTYPE
-            from fedllm.models.state import DTYPES
-
-            row.frozen_bytes += p.numel() * max(p.element_size(), DTYPES[KBIT_UNQUANTISED_DTYPE].itemsize)
+        elif on_meta and p.is_floating_point() and unquantised_fp32(quantization):  # prepare_model_for_kbit_training
+            row.frozen_bytes += p.numel() * max(p.element_size(), 4)
         else:
             row.frozen_bytes += p.numel() * p.element_size()
     for kind, row in rows.items():
@@ -407,7 +405,7 @@ class CostReport:
         if key not in self._traces:
             try:
                 self._traces[key] = None if self.model is None else layer_activations(
-                    self.model, r.train, key[1], r.train.max_length, device, quantized=key[2] != "none")
+                    self.model, r.train, key[1], r.train.max_length, device, quantized=key[2] if key[2] != "none" else "")
             except Exception:  # noqa: BLE001 — an architecture fake tensors cannot run: the formula instead
                 self._traces[key] = None
         return self._traces[key]

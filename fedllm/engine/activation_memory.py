@@ -4,8 +4,8 @@ The activations of a step are the tensors autograd saves for backward. Which one
 cannot follow: the attention a client step picks (eager's ``S x S`` weights in fp32 and the compute dtype, or
 SDPA's output and log-sum-exp: :func:`fedllm.engine.client.training_attention_choice`), an RMSNorm's fp32 copy of
 its input, Gemma's extra norms, LoRA's dropout (a dropped copy of each wrapped layer's input and its mask), autocast's
-casts, a ``prepare_model_for_kbit_training`` base whose norms and embedding are fp32 (then the residual stream is
-fp32 too).
+casts, a ``prepare_model_for_kbit_training`` base (``4bit-flowertune``) whose norms and embedding are fp32 (then the
+residual stream is fp32 too).
 
 :func:`layer_activations` therefore runs one decoder layer of the recipe's model forward on *fake* tensors
 (``torch._subclasses.FakeTensorMode``: shapes, dtypes and devices, no storage, no arithmetic) at the step's batch
@@ -28,9 +28,16 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
-#: The dtype ``peft.prepare_model_for_kbit_training`` (called by :func:`fedllm.models.loading.load_base_model` for
-#: a quantised base) gives every parameter bitsandbytes leaves unquantised: norms, the embedding, an untied head.
-KBIT_UNQUANTISED_DTYPE = "fp32"
+#: The quantisations whose base goes through ``peft.prepare_model_for_kbit_training``
+#: (:func:`fedllm.models.loading.prepare_kbit_base`), which casts every parameter bitsandbytes leaves unquantised —
+#: norms, the embedding, an untied head — to fp32 (and so the residual stream); ``4bit`` and ``8bit`` keep them in
+#: ``model.dtype``.
+KBIT_FP32_QUANTIZATIONS = ("4bit-flowertune",)
+
+
+def unquantised_fp32(quantization: str) -> bool:
+    """Whether a base loaded with ``quantization`` holds its unquantised parameters in fp32."""
+    return quantization in KBIT_FP32_QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ def _one_layer_config(config: Any, attention: str) -> Any:
     return cfg
 
 
-def _dtype_like(model: Any, quantized: bool, compute: Any) -> dict[str, Any]:
+def _dtype_like(model: Any, quantized: str, compute: Any) -> dict[str, Any]:
     """``{name in layer 0: dtype}`` of the parameters of the model's first decoder layer as a run trains them."""
     import torch
 
@@ -81,23 +88,24 @@ def _dtype_like(model: Any, quantized: bool, compute: Any) -> dict[str, Any]:
         if not dtype.is_floating_point:  # a bitsandbytes-packed weight: traced as a plain one in the compute dtype
             dtype = compute
         elif quantized and p.device.type == "meta" and "lora_" not in name:
-            dtype = compute if name.endswith("weight") and p.dim() == 2 else getattr(torch, "float32")
+            dtype = compute if name.endswith("weight") and p.dim() == 2 else (
+                torch.float32 if unquantised_fp32(quantized) else dtype)
         out[name] = dtype
     return out
 
 
-def _stream_dtype(model: Any, quantized: bool, compute: Any) -> Any:
+def _stream_dtype(model: Any, quantized: str, compute: Any) -> Any:
     """dtype of the hidden states entering the first layer: the input embedding's."""
     import torch
 
     emb = model.get_input_embeddings().weight
     if quantized and emb.device.type == "meta":
-        return torch.float32 if KBIT_UNQUANTISED_DTYPE == "fp32" else compute
+        return torch.float32 if unquantised_fp32(quantized) else compute
     return emb.dtype if emb.dtype.is_floating_point else compute
 
 
 def layer_activations(model: Any, train: Any, rows: int, length: int, device_type: str,
-                      quantized: bool = False, attention: Optional[str] = None) -> LayerActivations:
+                      quantized: str = "", attention: Optional[str] = None) -> LayerActivations:
     """Trace one decoder layer of ``model`` (PEFT-wrapped, real or on the meta device) at ``rows x length``.
 
     Args:
@@ -106,7 +114,8 @@ def layer_activations(model: Any, train: Any, rows: int, length: int, device_typ
         rows: Sequences in the micro-batch (twice ``batch_size`` for preference pairs).
         length: Positions per sequence.
         device_type: ``cpu`` or ``cuda``: where the step runs (it picks the attention).
-        quantized: The base is bitsandbytes-quantised (``model.quantization``).
+        quantized: ``model.quantization`` when the base is bitsandbytes-quantised, else "".
+            Only ``4bit-flowertune`` (PEFT's k-bit preparation) holds the unquantised parameters in fp32.
         attention: Force an attention implementation (default: the one a client step picks).
 
     Raises:
