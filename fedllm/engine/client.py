@@ -204,7 +204,9 @@ def training_attention_choice(current: str | None, device: torch.device, dtype: 
     SDPA, or None to keep it: flash-attention 2's variable-length kernel for a packed batch on a GPU in bf16/fp16
     where flash-attn is installed; eager on a CPU in bf16/fp16 up to :data:`EAGER_ATTENTION_MAX_LENGTH` positions
     (a packed row: :data:`EAGER_PACKED_ROW_MAX_LENGTH`) — under ``train.compile`` (``compiled``) fedllm's grouped
-    eager attention (:mod:`fedllm.models.grouped_attention`), which the eager default leaves for its exact bits."""
+    eager attention (:mod:`fedllm.models.grouped_attention`), which the eager default leaves for its exact bits — and
+    past that length (unpacked, eager) fedllm's blocked causal attention, which kept the bf16 step's MFU per CPU-second
+    at 512 and 1024 positions within 1 % and 12 % of 256's, where SDPA lost 16 % and 21 % (docs/performance.md)."""
     if current != "sdpa" or dtype not in ("bf16", "fp16"):
         return None
     if packed and device.type == "cuda":
@@ -212,8 +214,14 @@ def training_attention_choice(current: str | None, device: torch.device, dtype: 
 
         return "flash_attention_2" if is_flash_attn_2_available() else None
     limit = EAGER_PACKED_ROW_MAX_LENGTH if packed else EAGER_ATTENTION_MAX_LENGTH
-    if device.type != "cpu" or positions > limit:
+    if device.type != "cpu":
         return None
+    if positions > limit:  # past eager's length: blocked causal attention (half the work of eager, no S x S at once)
+        if packed or compiled:
+            return None
+        from fedllm.models.grouped_attention import register_blocked
+
+        return register_blocked()
     if compiled:
         from fedllm.models.grouped_attention import register
 

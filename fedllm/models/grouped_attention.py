@@ -102,7 +102,14 @@ def blocked_causal_attention(module: torch.nn.Module, query: torch.Tensor, key: 
 
 
 def _masked_after(mask: torch.Tensor, stop: int) -> bool:
-    """Whether every key from position ``stop`` on is masked (additive mask at its dtype's minimum) for these rows."""
+    """Whether every key from position ``stop`` on is masked (additive mask at its dtype's minimum) for these rows.
+
+    A fake tensor (the dry run's memory trace, :mod:`fedllm.engine.activation_memory`) has no values to look at: it is
+    taken as a training batch's causal mask, whose later keys are masked."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(mask, FakeTensor):
+        return True
     later = mask[..., stop:]
     return later.numel() == 0 or bool((later <= torch.finfo(mask.dtype).min / 2).all()) if mask.is_floating_point() \
         else not bool(later.any())

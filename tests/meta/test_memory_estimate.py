@@ -10,6 +10,7 @@ import torch
 
 from fedllm.engine.activation_memory import activation_peak, checkpointed_layers, layer_activations
 from fedllm.engine.client import lora_input_casts_skipped, train_autocast, training_attention
+from fedllm.models.grouped_attention import BLOCKED_NAME
 from fedllm.models.loading import load_model
 from fedllm.models.supervised_loss import base_of
 from fedllm.recipe.schema import LoraConfig, ModelConfig, TrainConfig
@@ -47,14 +48,19 @@ def _saved_by_layer_one(model, cfg, ids):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])
-@pytest.mark.parametrize("dtype,length", [("bf16", 40), ("fp32", 40), ("bf16", 300)])  # eager; SDPA; SDPA past 256
+@pytest.mark.parametrize("dtype,length", [("bf16", 40), ("fp32", 40), ("bf16", 300)])  # eager; SDPA; blocked past 256
 def test_traced_layer_saves_the_bytes_a_real_forward_saves(family, dtype, length):
     model = load_model(ModelConfig(name=f"tiny-{family}", dtype=dtype), LoraConfig(r=4, dropout=0.1)).model
     cfg = TrainConfig(dtype=dtype, max_length=length)
     ids = torch.randint(3, 100, (3, length), generator=torch.Generator().manual_seed(0))
     traced = layer_activations(model, cfg, 3, length, "cpu")
-    assert traced.attention == ("eager" if dtype == "bf16" and length <= 256 else "sdpa")
-    assert traced.saved == _saved_by_layer_one(model, cfg, ids)
+    assert traced.attention == ("sdpa" if dtype == "fp32" else "eager" if length <= 256 else BLOCKED_NAME)
+    real = _saved_by_layer_one(model, cfg, ids)
+    if traced.attention == BLOCKED_NAME:  # the trace cannot read a fake mask: it takes every block as causal, and
+        # keeps the padded batch's mask-add out of its count; it may only err upwards, and by little
+        assert real <= traced.saved <= 1.03 * real, (traced.saved, real)
+    else:
+        assert traced.saved == real
     assert traced.boundary == 3 * length * 64 * (2 if dtype == "bf16" else 4)  # b x s x hidden, the stream's dtype
 
 

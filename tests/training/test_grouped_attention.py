@@ -11,8 +11,14 @@ import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from fedllm.engine.client import training_attention_choice
-from fedllm.models.grouped_attention import (NAME, blocked_causal_attention, grouped_eager_attention, register,
-                                          register_blocked)
+from fedllm.models.grouped_attention import (
+    BLOCKED_NAME,
+    NAME,
+    blocked_causal_attention,
+    grouped_eager_attention,
+    register,
+    register_blocked,
+)
 from fedllm.models.loading import load_model
 from fedllm.recipe.schema import LoraConfig, ModelConfig
 
@@ -112,6 +118,7 @@ def test_compiled_bf16_training_on_a_cpu_takes_it_and_the_eager_default_keeps_tr
     assert training_attention_choice("sdpa", cpu, "bf16", 96) == "eager"
     assert training_attention_choice("sdpa", cpu, "fp32", 96, compiled=True) is None
     assert training_attention_choice("sdpa", cpu, "bf16", 300, compiled=True) is None  # past eager's length
+    assert training_attention_choice("sdpa", cpu, "bf16", 300) == BLOCKED_NAME  # the eager default: blocked
     assert training_attention_choice("sdpa", gpu, "bf16", 96, compiled=True) is None
 
 
