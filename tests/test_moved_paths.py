@@ -91,6 +91,7 @@ def test_patching_an_old_path_reaches_the_code_that_calls_the_name(monkeypatch):
     and leave ``run_client`` calling the real ``train_client``; the write now goes to the new module, and the undo
     restores it there."""
     import fedllm.client
+
     import fedllm.engine.client as new
 
     real = new.train_client
