@@ -9,7 +9,8 @@ secrets that differ in any bit give unrelated streams, and a stream of round ``t
 and ``t`` alone, so a resumed run draws what the uninterrupted one drew.
 
 - :func:`gaussian`: ``N(0, std²)`` by the Box-Muller transform of 53-bit uniforms (tails to 8.5σ), vectorised in
-  chunks (a 7B-element tensor never needs more than the chunk's temporaries besides its output). Bit-exact from the
+  chunks on torch's intra-op threads (a 7B-element tensor needs no more than each thread's chunk temporaries
+  besides its output). Bit-exact from the
   same key on one machine; float64 ``log``/``cos``/``sin`` may differ in the last bit between CPU types (as torch's
   own ``normal`` may), which the rounding to float32 hides but for rare ties;
 - :func:`uniforms`, :func:`bernoulli`: 53-bit uniforms on ``[0, 1)``, and independent coins of a rate;
@@ -37,7 +38,6 @@ SECRET_BYTES = SEED_BYTES
 """Length of a secret and of a stream key (ChaCha20's 256-bit key)."""
 CHUNK = 1 << 22
 """Normals drawn per vectorised step of :func:`gaussian` (64 MiB of float64 temporaries)."""
-_NONCE = bytes(16)  # one stream per key: a fixed nonce (counter 0), as the SecAgg+ masks
 
 
 def new_secret() -> bytes:
@@ -84,13 +84,37 @@ def subset(key: bytes, n: int, k: int) -> list[int]:
     return np.argsort(words, kind="stable")[:k].tolist()
 
 
+def _normals(key: bytes, start: int, count: int, std: float, out: np.ndarray) -> None:
+    """Normals ``start .. start + count`` of the key's stream into ``out[start:start + count]`` (``start`` even): the
+    keystream read from its block ``start·8/64`` on (ChaCha20's 32-bit block counter, the IV's first 4 bytes)."""
+    pairs = (count + 1) // 2
+    block, rest = divmod(8 * start, 64)
+    stream = Cipher(algorithms.ChaCha20(key, struct.pack("<I", block) + bytes(12)), mode=None).encryptor()
+    words = np.frombuffer(stream.update(bytes(rest + 16 * pairs))[rest:], dtype="<u8")
+    top = (words >> np.uint64(11)).astype(np.float64).reshape(pairs, 2)  # 53 bits: exact in float64
+    radius, angle = top[:, 0], top[:, 1]
+    radius += 1.0
+    radius *= 2.0**-53  # u₁ ∈ (0, 1]: log defined
+    np.log(radius, out=radius)
+    radius *= -2.0
+    np.sqrt(radius, out=radius)
+    radius *= std
+    angle *= 2.0**-53 * 2 * math.pi
+    normals = np.empty((pairs, 2))
+    np.cos(angle, out=normals[:, 0])
+    np.sin(angle, out=normals[:, 1])
+    normals *= radius[:, None]
+    out[start:start + count] = normals.reshape(-1)[:count]
+
+
 def gaussian(key: bytes, shape: tuple[int, ...] | torch.Size, std: float = 1.0) -> torch.Tensor:
     """``N(0, std²)`` noise of ``shape`` (float32, CPU) from the key's stream, exactly reproducible from ``key``.
 
     Box-Muller: each pair of 64-bit words gives ``u₁ ∈ (0, 1]`` and ``u₂ ∈ [0, 1)`` (53 bits each) and the two
     independent normals ``std·√(−2 ln u₁)·(cos 2πu₂, sin 2πu₂)``, computed in float64 (numpy's vectorised loops)
-    and rounded once to float32. Drawn ``CHUNK`` normals at a time from one continuing keystream, so the first
-    ``m`` values of a longer draw are the ``m``-value draw (for even ``m``)."""
+    and rounded once to float32. ``CHUNK`` normals at a time, the chunks on torch's intra-op threads (numpy and
+    OpenSSL release the GIL), each reading its own stretch of the one keystream: the values do not depend on the
+    chunking or the threads, and the first ``m`` values of a longer draw are the ``m``-value draw (for even ``m``)."""
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
     out = np.zeros(numel, dtype=np.float32)
@@ -98,23 +122,16 @@ def gaussian(key: bytes, shape: tuple[int, ...] | torch.Size, std: float = 1.0) 
         return torch.from_numpy(out).reshape(shape)
     if len(key) != SECRET_BYTES:
         raise ValueError(f"a stream key has {SECRET_BYTES} bytes, got {len(key)}")
-    stream = Cipher(algorithms.ChaCha20(key, _NONCE), mode=None).encryptor()
-    for start in range(0, numel, CHUNK):
-        count = min(CHUNK, numel - start)
-        pairs = (count + 1) // 2
-        words = np.frombuffer(stream.update(bytes(16 * pairs)), dtype="<u8")
-        top = (words >> np.uint64(11)).astype(np.float64).reshape(pairs, 2)  # 53 bits: exact in float64
-        radius, angle = top[:, 0], top[:, 1]
-        radius += 1.0
-        radius *= 2.0**-53  # u₁ ∈ (0, 1]: log defined
-        np.log(radius, out=radius)
-        radius *= -2.0
-        np.sqrt(radius, out=radius)
-        radius *= std
-        angle *= 2.0**-53 * 2 * math.pi
-        normals = np.empty((pairs, 2))
-        np.cos(angle, out=normals[:, 0])
-        np.sin(angle, out=normals[:, 1])
-        normals *= radius[:, None]
-        out[start:start + count] = normals.reshape(-1)[:count]
+    if 8 * (numel + 1) > 64 << 32:
+        raise ValueError(f"{numel} normals exceed one ChaCha20 stream (2^32 blocks of 64 bytes)")
+    starts = range(0, numel, CHUNK)
+    workers = min(len(starts), torch.get_num_threads())
+    if workers <= 1:
+        for start in starts:
+            _normals(key, start, min(CHUNK, numel - start), std, out)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda start: _normals(key, start, min(CHUNK, numel - start), std, out), starts))
     return torch.from_numpy(out).reshape(shape)

@@ -219,6 +219,17 @@ def test_privacy_state_survives_a_checkpoint():
     assert restored.moments.keys() == s.moments.keys()
 
 
+def test_a_checkpoint_of_an_older_fedllm_resumes_from_its_integer_seeds_with_a_warning(caplog):
+    """Before issue 49 the secrets were 63-bit integers (``privacy/noise_seed``, ``privacy/sampling_seed``; -1: not
+    drawn): a resume continues from them, hashed into the ChaCha20 streams, and says they are only that secret."""
+    s = dp_strategy()
+    old = {"privacy/clipping_norm": torch.tensor(0.5, dtype=torch.float64), "privacy/releases": torch.tensor(2),
+           "privacy/noise_seed": torch.tensor(123456789), "privacy/sampling_seed": torch.tensor(-1)}
+    s.load_state_dict(old)
+    assert s.noise_secret == secret_of_seed(123456789) and s.sampling_secret is None and s.releases == 2
+    assert "noise_seed is a 63-bit integer" in caplog.text
+
+
 def test_adaptive_clipping_releases_centred_bits_so_its_epsilon_is_the_mechanisms():
     """Audit case (issue 34): 4 of 4 clients, z = 1.5, σ_b = 1. The count the adaptive norm releases is of centred
     bits (Andrew et al., Alg. 1): one client added or removed moves it by ½, so the update noise z_Δ and the count

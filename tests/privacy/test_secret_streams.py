@@ -72,6 +72,30 @@ def test_a_stream_is_a_function_of_its_key_alone():
     assert torch.equal(gaussian(key, (5,), 0.0), torch.zeros(5))
 
 
+def test_the_draw_is_one_keystream_whatever_the_chunks_and_threads():
+    """Box-Muller by hand on the key's ChaCha20 keystream read in one piece (IV of zeros) gives the values on both
+    sides of the first chunk boundary, with 2 threads and with 1."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    key, n = stream_key(SECRET, "chunks"), secret_streams.CHUNK + 10
+    words = np.frombuffer(Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor().update(bytes(8 * n)),
+                          dtype="<u8")
+    u = (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    radius = np.sqrt(-2 * np.log(u[0::2] + 2.0**-53))
+    by_hand = np.stack((radius * np.cos(2 * np.pi * u[1::2]), radius * np.sin(2 * np.pi * u[1::2])), 1).reshape(-1)
+    threads = torch.get_num_threads()
+    try:
+        draws = []
+        for count in (2, 1):
+            torch.set_num_threads(count)
+            draws.append(gaussian(key, (n,)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(draws[0], draws[1])
+    around = slice(secret_streams.CHUNK - 6, n)
+    np.testing.assert_allclose(draws[0][around].double().numpy(), by_hand[around], rtol=1e-6, atol=1e-7)
+
+
 def test_flipping_any_bit_of_the_secret_changes_the_noise_and_the_sample():
     """The noise of a tensor as :meth:`ClientLevelDP.aggregate` draws it (its key and Gaussian), and the sample, for
     each of the 256 one-bit flips of the secret (the aggregate itself: the next test and the first round here)."""
