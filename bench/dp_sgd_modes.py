@@ -40,6 +40,7 @@ from fedllm.data.collate import collate  # noqa: E402
 from fedllm.engine.server import build_federation  # noqa: E402
 from fedllm.models.loading import resolve_task  # noqa: E402
 from fedllm.privacy.dp_sgd import LocalDPSGD, ghost_fallback_layers  # noqa: E402
+from fedllm.privacy.secret_streams import secret_of_seed  # noqa: E402
 from fedllm.recipe.checks import parse_recipe
 from fedllm.recipe.schema import ModelConfig  # noqa: E402
 
@@ -120,7 +121,7 @@ def main() -> None:
     for trial in range(opts.trials):
         row = {}
         for mode in MODES if trial % 2 == 0 else MODES[::-1]:
-            dp = LocalDPSGD(1.0, 1.0, opts.batch, opts.batch, seed=trial, grad_sample_mode=mode)
+            dp = LocalDPSGD(1.0, 1.0, opts.batch, opts.batch, secret_of_seed(trial), grad_sample_mode=mode)
             with dp.phase(model, torch.optim.SGD(params, lr=1e-4)) as stepper:
                 step(dp, model, stepper, batch)  # warm-up
                 measured = [step(dp, model, stepper, batch) for _ in range(opts.steps)]

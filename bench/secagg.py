@@ -78,6 +78,7 @@ def recipe(args: argparse.Namespace, data: Path, out: Path, secure: bool) -> dic
         raw["privacy"] = {
             "secure_aggregation": "secagg_plus",
             "secagg": {"max_dropouts": args.max_dropouts, "neighbours": args.neighbours},
+            "per_client_stats": True,  # the bench reads each client's bytes (docs/privacy.md)
         }
     return raw
 

@@ -42,7 +42,7 @@ STATEFUL = {
     "fedavg-packing": ("fedavg", {}, {"train": {"packing": True}}),  # each rank packs its clients' micro-batches
     # client-level DP around a server optimiser: the noise (fixed seed) and adaptive norm agree on every rank
     "fedadam-dp": ("fedadam", {"eta": 1e-2}, {"privacy": {"mechanism": "central", "noise_multiplier": 0.5,
-                                                          "clipping_norm": 0.05, "noise_seed": 3,
+                                                          "clipping_norm": 0.05, "noise_seed": 3, "per_client_stats": True,
                                                           "adaptive_clipping": {"enabled": True, "count_stddev": 1}}}),
     # DP-SGD: Poisson batches and noise seeded per (noise_seed, round, client), whichever rank trains the client
     "fedavg-dp-sgd": ("fedavg", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8,
@@ -51,7 +51,7 @@ STATEFUL = {
     # masked words are gathered like updates, and the seeded quantisation makes the unmasked sum the same
     "fedadam-secagg-dp": ("fedadam", {"eta": 1e-2}, {"privacy": {
         "secure_aggregation": "secagg_plus", "secagg": {"max_dropouts": 0}, "mechanism": "central_client_clipping",
-        "noise_multiplier": 0.5, "clipping_norm": 0.05, "noise_seed": 3,
+        "noise_multiplier": 0.5, "clipping_norm": 0.05, "noise_seed": 3, "per_client_stats": True,
         "adaptive_clipping": {"enabled": True, "count_stddev": 1}}}),
     "pflmf": ("pflmf", {"rank": 3, "eta_u": 0.5}, {"train": {"optimizer_state": "per_client"}}),
     "fedsa_lora": ("fedsa_lora", {}, {"train": {"optimizer_state": "per_client"}}),

@@ -106,7 +106,8 @@ CASES = {
     "fedadam": ("fedadam", {"eta": 1e-2}, {}),
     # client-side DP clipping runs on the nodes (the norm goes out in the plan, the unclipped bit comes back)
     "fedavg-client-dp": ("fedavg", {}, {"privacy": {"mechanism": "central_client_clipping", "noise_multiplier": 0.5,
-                                                    "clipping_norm": 0.05, "noise_seed": 3, "adaptive_clipping": {
+                                                    "clipping_norm": 0.05, "noise_seed": 3, "per_client_stats": True,
+                                                    "adaptive_clipping": {
                                                         "enabled": True, "count_stddev": 1}}}),
     # DP-SGD on the nodes: Poisson batches and noise seeded per (noise_seed, round, client), steps reported back
     "fedavg-dp-sgd": ("fedavg", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8, "clipping_norm": 0.5,

@@ -13,6 +13,7 @@ verifying its neighbours' against the registered public keys.
 - ``fedllm flower supernode`` hands its worker the node key and the peers' public keys.
 """
 
+import hashlib
 import json
 
 import numpy as np
@@ -29,7 +30,8 @@ from fedllm.flower.executor import FlowerExecutor
 from fedllm.flower.server_app import read_node_keys
 from fedllm.privacy.secagg.encoding import decode, encode
 from fedllm.recipe.checks import parse_recipe
-from fedllm.recipe.schedule import derived_seed
+from fedllm.recipe.schedule import derived_seed, steps_per_round
+from fedllm.runs import checkpoint as ckpt_io
 from tests.test_flower_apps import LoopbackGrid, assert_close, flower_identity, nodes, parts  # noqa: F401 (a fixture)
 
 CLIENTS = 4
@@ -87,6 +89,25 @@ def test_secagg_on_flower_equals_the_simulation_bit_for_bit(case, tiny_recipe, t
     for reply in grid.replies:
         if "update" in reply.content.array_records:
             assert list(records.decode(reply.content.array_records["update"])) == ["secagg/masked"]
+    assert_no_per_client_statistics(raw, sim, flower, grid)
+
+
+def assert_no_per_client_statistics(raw, sim, flower, grid):
+    """Issue 49 item 5: no train reply carries its client's loss or token counts, only what the server holds already
+    (the partition's size and the schedule's steps), and no metrics.jsonl line holds a per-client statistic."""
+    recipe = parse_recipe(raw)
+    sizes = ckpt_io.load_checkpoint(flower.run_dir / "final").meta["client_sizes"]
+    replies = [r for r in grid.replies if "update" in r.content.array_records]
+    assert len(replies) == CLIENTS * recipe.federation.rounds
+    for reply in replies:
+        metrics = dict(reply.content.metric_records["metrics"])
+        assert set(metrics) == {"client_id", "num_examples", "steps", "synced", "step"}, metrics
+        n = sizes[int(metrics["client_id"])]
+        assert (metrics["num_examples"], metrics["steps"]) == (n, steps_per_round(recipe.train, n))
+    for line in [*sim.history, *flower.history]:
+        assert not {"client_loss", "train_loss", "client_steps", "bytes_up", "bytes_down", "throughput",
+                    "padded_fraction"} & set(line), line
+        assert "protocol_bytes_up" not in line["secure_aggregation"] and line["steps_total"] > 0
 
 
 @pytest.mark.usefixtures("flower_identity")
@@ -97,12 +118,12 @@ def test_secagg_the_serverapp_receives_masked_words_uncorrelated_with_each_updat
     truth, start = {}, {}
     original = secagg_stages.mask_upload
 
-    def spy(update, reference, weight, seed, rnd, layout, params, client, shares):
+    def spy(update, reference, weight, seed, rnd, layout, params, client, shares, **options):
         rng = np.random.default_rng(derived_seed(seed, rnd, update.client_id, 0x5EC))
         truth[(rnd, update.client_id)] = (encode(update.state, reference, weight, layout, params, rng)[0], params,
                                           layout)
         start.update(reference)
-        return original(update, reference, weight, seed, rnd, layout, params, client, shares)
+        return original(update, reference, weight, seed, rnd, layout, params, client, shares, **options)
 
     monkeypatch.setattr(secagg_stages, "mask_upload", spy)
     flower, grid = flower_run(raw_recipe(tiny_recipe, rounds=1), tmp_path, node_keys)
@@ -134,6 +155,22 @@ def test_secagg_the_serverapp_receives_masked_words_uncorrelated_with_each_updat
         expected = (start[key].double() + mean).to(got[key].dtype)
         assert torch.equal(got[key], expected), key
     assert any(torch.count_nonzero(m) for m in decoded.means(layout).values())
+
+
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_per_client_statistics_only_when_the_recipe_opts_in(tiny_recipe, tmp_path, node_keys):
+    """``privacy.per_client_stats: true`` restores each client's loss and token counts in the train replies (beside
+    the masked words) and in metrics.jsonl, as before issue 49 item 5."""
+    raw = raw_recipe(tiny_recipe, rounds=1, privacy={"per_client_stats": True})
+    flower, grid = flower_run(raw, tmp_path, node_keys)
+    replies = [r for r in grid.replies if "update" in r.content.array_records]
+    assert len(replies) == CLIENTS
+    for reply in replies:
+        metrics = dict(reply.content.metric_records["metrics"])
+        assert metrics["loss"] > 0 and metrics["work.tokens"] > 0
+    line = flower.history[0]
+    assert sorted(line["client_loss"]) == sorted(line["bytes_up"]) == [str(c) for c in range(CLIENTS)]
+    assert line["train_loss"] > 0 and line["throughput"]["tokens"] > 0
 
 
 @pytest.mark.parametrize("key", ["encryption", "masking"])
@@ -182,6 +219,41 @@ def test_secagg_a_key_substituted_by_the_server_is_refused_by_the_nodes(key, tin
         assert "secure aggregation failed" in caplog.text
 
 
+@pytest.mark.usefixtures("flower_identity")
+def test_secagg_a_node_refuses_a_neighbour_graph_seed_it_does_not_derive(tiny_recipe, tmp_path, node_keys,
+                                                                          monkeypatch, caplog):
+    """Issue 49 item 6: the graph seed used to be a nonce of the ServerApp's (``os.urandom``) that nodes took as
+    given, so a server could try nonces until the neighbourhoods suited it. Now it is the hash of the round's signed
+    encryption keys; a ServerApp that sends any other seed (with neighbours to match) is refused by every node."""
+    ask = secagg_stages.FlowerSecureRound._ask
+
+    def chosen_seed(self, clients, stage, fields):
+        if stage != "keys":
+            return ask(self, clients, stage, fields)
+        self.graph_seed = bytes(16)  # the server's pick; it routes by the graph of its own seed
+        self.server = secagg_stages.SecAggServer(self.params, self.sampled, self.graph_seed, self.context,
+                                                 self.peer_keys)
+        return ask(self, clients, stage, fields)
+
+    monkeypatch.setattr(secagg_stages.FlowerSecureRound, "_ask", chosen_seed)
+    with pytest.raises(RoundStopped):
+        flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys,
+                   grid=RestartingGrid(signed_nodes(tmp_path, node_keys), lose={}))
+    assert caplog.text.count("refused the round's neighbour graph: its seed 00000000") == CLIENTS
+    assert "secure aggregation cannot start" in caplog.text
+
+
+def test_secagg_graph_seed_is_the_hash_of_the_round_and_its_keys():
+    keys = {0: b"a" * 32, 1: b"b" * 32, 3: b"c" * 32}
+    seed = secagg_stages.graph_seed_of("run", 2, [0, 1, 2, 3], keys)
+    named = repr(("fedllm-secagg-graph", "run", 2, [0, 1, 2, 3], [(0, "61" * 32), (1, "62" * 32), (3, "63" * 32)]))
+    assert seed == hashlib.sha256(named.encode()).digest()[:16]
+    assert secagg_stages.graph_seed_of("run", 2, [3, 2, 1, 0], dict(reversed(keys.items()))) == seed  # no order
+    for changed in ({**keys, 3: b"d" * 32}, {0: keys[0], 1: keys[1]}):  # a new key, a client left out
+        assert secagg_stages.graph_seed_of("run", 2, [0, 1, 2, 3], changed) != seed
+    assert secagg_stages.graph_seed_of("run", 3, [0, 1, 2, 3], keys) != seed
+
+
 class RestartingGrid(LoopbackGrid):
     """A loopback grid whose nodes in ``lose[round]`` restart their worker after the share exchange (their in-memory
     SecAgg+ secrets are gone when the round's train message arrives)."""
@@ -219,7 +291,7 @@ def test_secagg_a_worker_that_lost_its_secrets_drops_out_and_the_round_completes
     record = flower.history[0]
     assert record["secure_aggregation"]["dropped_after_sharing"] == [1]
     assert "no SecAgg+ secrets for round 1" in record["dropped"]["1"]
-    assert sorted(record["bytes_up"]) == ["0", "2", "3"]
+    assert sorted(c for c in record["clients"] if str(c) not in record.get("dropped", {})) == [0, 2, 3]  # summed
     assert json.dumps(record)  # the run's record stays JSON
 
 
@@ -324,7 +396,7 @@ def without_version(reply, msg):
 @pytest.mark.usefixtures("flower_identity")
 def test_secagg_a_node_or_a_serverapp_on_the_old_protocol_is_refused_with_a_clear_message(
         tiny_recipe, tmp_path, node_keys, monkeypatch, caplog):
-    """Wire format version 2 (the consistency check): a node answering like version 1 (no ``version``) is left out
+    """Wire format version 3 (the graph seed from the nodes' keys): a node answering like version 1 (no ``version``) is left out
     at the key advertisement with a message saying so (the round cannot start: no hang); a node sent a version-1
     message refuses it."""
     from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -335,7 +407,7 @@ def test_secagg_a_node_or_a_serverapp_on_the_old_protocol_is_refused_with_a_clea
     monkeypatch.setattr(secagg_stages, "answer_stage", lambda msg, context: without_version(answer(msg, context), msg))
     with pytest.raises(RoundStopped):
         flower_run(raw_recipe(tiny_recipe, rounds=1, round_retries=0), tmp_path, node_keys)
-    assert "its node speaks SecAgg+ protocol version 1, this ServerApp 2" in caplog.text
+    assert "its node speaks SecAgg+ protocol version 1, this ServerApp 3" in caplog.text
     assert "secure aggregation cannot start" in caplog.text
 
     old = Message(RecordDict({"secagg": ConfigRecord({"stage": "advertise", "token": "t", "round": 1,
@@ -343,7 +415,7 @@ def test_secagg_a_node_or_a_serverapp_on_the_old_protocol_is_refused_with_a_clea
                   dst_node_id=100, message_type=secagg_stages.MESSAGE_TYPE)
     context = Context(run_id=1, node_id=100, node_config=signed_nodes(tmp_path, node_keys)[0], state=RecordDict(),
                       run_config={})
-    with pytest.raises(SecAggError, match="client 0: the ServerApp speaks SecAgg\\+ protocol version 1, this node 2"):
+    with pytest.raises(SecAggError, match="client 0: the ServerApp speaks SecAgg\\+ protocol version 1, this node 3"):
         answer(old, context)
 
 
@@ -374,8 +446,9 @@ def test_secagg_a_worker_restarted_between_rounds_sits_one_round_out_and_says_he
     grid = ForgettingGrid(signed_nodes(tmp_path, node_keys), forget={2: {1}})
     flower, _ = flower_run(raw_recipe(tiny_recipe, rounds=3), tmp_path, node_keys, grid=grid)
     assert "its SecAgg+ encryption key is not the one the ServerApp holds" in flower.history[1]["dropped"]["1"]
-    assert sorted(flower.history[1]["bytes_up"]) == ["0", "2", "3"]
-    assert sorted(flower.history[2]["bytes_up"]) == ["0", "1", "2", "3"] and "dropped" not in flower.history[2]
+    second, third = flower.history[1], flower.history[2]
+    assert sorted(c for c in second["clients"] if str(c) not in second.get("dropped", {})) == [0, 2, 3]  # summed
+    assert third["clients"] == [0, 1, 2, 3] and "dropped" not in third
     hellos = [int(m.content.config_records["secagg"]["round"]) for m in grid.messages
               if m.metadata.message_type == "query.secagg" and m.content.config_records["secagg"]["stage"] == "hello"]
     assert hellos == [1] * CLIENTS + [3]

@@ -84,3 +84,37 @@ def test_a_script_using_the_old_path_runs_and_is_told_the_new_one(tmp_path):
     assert done.stdout.split() == ["fedllm.recipe.schema", "tiny-llama"]
     assert "DeprecationWarning: fedllm.config.parse_recipe is deprecated: use fedllm.recipe.checks.parse_recipe" \
         in done.stderr
+
+
+def test_patching_an_old_path_reaches_the_code_that_calls_the_name(monkeypatch):
+    """Issue 49 item 15: ``monkeypatch.setattr(fedllm.client, "train_client", fake)`` used to land on the stand-in
+    and leave ``run_client`` calling the real ``train_client``; the write now goes to the new module, and the undo
+    restores it there."""
+    import fedllm.client
+
+    import fedllm.engine.client as new
+
+    real = new.train_client
+
+    def fake(*args, **kwargs):
+        raise AssertionError("not called")
+
+    with pytest.warns(DeprecationWarning, match=r"^fedllm.client.train_client is deprecated: "
+                                                r"use fedllm.engine.client.train_client$"):
+        monkeypatch.setattr(fedllm.client, "train_client", fake)
+    assert new.train_client is fake and new.run_client.__globals__["train_client"] is fake
+    assert "train_client" not in vars(fedllm.client)  # nothing shadows the name on the stand-in
+    monkeypatch.undo()
+    assert new.train_client is real and "train_client" not in vars(fedllm.client)
+
+
+def test_a_write_or_delete_of_a_name_no_new_module_holds_is_refused_naming_them():
+    import fedllm.client
+
+    with pytest.raises(AttributeError, match=r"'fedllm.client' \(moved to fedllm.engine.client, fedllm.recipe.schedule"
+                                             r"\) has no attribute 'nope': nothing to write"):
+        fedllm.client.nope = 1
+    with pytest.raises(AttributeError, match="nothing to delete"):
+        del fedllm.client.train_client  # never written through the old path: the real one stays
+    assert callable(importlib.import_module("fedllm.engine.client").train_client)
+    assert "nope" not in vars(fedllm.client)

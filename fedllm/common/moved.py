@@ -2,8 +2,11 @@
 
 ``import fedllm.config`` or ``from fedllm.server import run`` keep working: the old name is served by a
 stand-in module whose attributes come from the new modules, and each attribute read warns with the new path
-(``fedllm.config.load_recipe is deprecated: use fedllm.recipe.checks.load_recipe``). Only the paths below are
-served, and only when no real module has the name.
+(``fedllm.config.load_recipe is deprecated: use fedllm.recipe.checks.load_recipe``). An attribute *write* (a test's
+``monkeypatch.setattr(fedllm.client, "train_client", fake)``) goes to the module that holds the name, with the
+same warning, so the patch reaches the code that calls it; deleting the name through the old path puts back what
+the first such write replaced (pytest's ``undo`` deletes what it set on a module without the name in its
+``__dict__``). A write of a name no new module holds, or a delete of one never written, is refused, naming them. Only the paths below are served, and only when no real module has the name.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ MOVED: dict[str, tuple[str, ...]] = {
 }
 """Old module path -> the modules that now hold its names, searched in order."""
 
+_REPLACED: dict[tuple[str, str], tuple[types.ModuleType, object]] = {}
+"""(old path, name) -> the new module and the value a write through the old path replaced there (until deleted)."""
+
 
 class MovedModule(types.ModuleType):
     """Stand-in for an old module path: each attribute is read from the new modules, with a warning."""
@@ -62,14 +68,36 @@ class MovedModule(types.ModuleType):
     def __getattr__(self, name: str) -> object:
         if name.startswith("__"):
             raise AttributeError(name)
-        for target in MOVED[self.__name__]:
+        return getattr(self._holder(name, "read"), name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name.startswith("__"):  # the import system's __spec__, __loader__ ...: the stand-in's own
+            super().__setattr__(name, value)
+            return
+        module = self._holder(name, "write")
+        _REPLACED.setdefault((self.__name__, name), (module, getattr(module, name)))
+        setattr(module, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name.startswith("__"):
+            super().__delattr__(name)
+            return
+        if (self.__name__, name) not in _REPLACED:
+            raise AttributeError(f"module {self.__name__!r} (moved to {', '.join(MOVED[self.__name__])}) holds no "
+                                 f"attribute {name!r} written through it: nothing to delete (use the new module's path)")
+        module, value = _REPLACED.pop((self.__name__, name))
+        setattr(module, name, value)
+
+    def _holder(self, name: str, what: str) -> types.ModuleType:
+        """The first new module holding ``name`` (warned about with its new path); AttributeError when none does."""
+        old = self.__name__
+        for target in MOVED[old]:
             module = importlib.import_module(target)
             if hasattr(module, name):
-                warnings.warn(f"{self.__name__}.{name} is deprecated: use {target}.{name}", DeprecationWarning,
-                              stacklevel=2)
-                return getattr(module, name)
-        raise AttributeError(f"module {self.__name__!r} (moved to {', '.join(MOVED[self.__name__])}) "
-                             f"has no attribute {name!r}")
+                warnings.warn(f"{old}.{name} is deprecated: use {target}.{name}", DeprecationWarning, stacklevel=3)
+                return module
+        raise AttributeError(f"module {old!r} (moved to {', '.join(MOVED[old])}) has no attribute {name!r}"
+                             + ("" if what == "read" else f": nothing to {what} (use the new module's path)"))
 
 
 class MovedModuleFinder:

@@ -30,6 +30,7 @@ import torch
 
 from fedllm.engine import client_faults
 from fedllm.models.state import DTYPES, StateDict, cast
+from fedllm.privacy import client_stats
 from fedllm.privacy.secagg import (
     EncryptedShare,
     MaskedInput,
@@ -70,14 +71,18 @@ def round_names(seed: int, rnd: int, sampled: list[int], salt: bytes = b"") -> t
 
 
 def mask_upload(update: ClientUpdate, reference: StateDict, weight: int, seed: int, rnd: int, layout: Layout,
-                params: SecAggParams, client: SecAggClient, shares: list[EncryptedShare]) -> ClientUpdate:
+                params: SecAggParams, client: SecAggClient, shares: list[EncryptedShare],
+                per_client_stats: bool = False) -> ClientUpdate:
     """Client side (simulated or a Flower node): ``update`` (valid, in the wire dtype, trained from ``reference``)
-    as its masked words only (``MASKED_KEY``). Quantisation rounds with a generator seeded by (seed, round, client),
-    so every transport computes the same words."""
+    as its masked words only (``MASKED_KEY``), without its loss and token counts unless ``per_client_stats``
+    (``privacy.per_client_stats``). Quantisation rounds with a generator seeded by (seed, round, client), so every
+    transport computes the same words."""
     rng = np.random.default_rng(derived_seed(seed, rnd, update.client_id, 0x5EC))
     words, _ = encode(update.state, reference, weight, layout, params, rng)
     masked = client.mask(words, shares)
     signed = masked.vector.view(np.int32 if masked.vector.dtype == np.uint32 else np.int64)
+    if not per_client_stats:  # its loss and token counts stay with it (fedllm.privacy.client_stats)
+        update = client_stats.withhold(update)
     return dataclasses.replace(update, state={MASKED_KEY: torch.from_numpy(signed.copy())})
 
 
@@ -222,7 +227,8 @@ class SecureRound(SecureRoundServer):
         """Client side: ``update`` (a valid one, trained here from ``reference``) as its masked words only."""
         cid = update.client_id
         return mask_upload(update, reference, self.loop.fed.strategy.sum_weight(update), self.loop.recipe.seed,
-                           self.rnd, self.layout, self.params, self.clients[cid], self.routed.get(cid, []))
+                           self.rnd, self.layout, self.params, self.clients[cid], self.routed.get(cid, []),
+                           per_client_stats=self.loop.recipe.privacy.per_client_stats)
 
     def finish(self, updates: list[ClientUpdate]) -> tuple[list[ClientUpdate], dict[int, str], dict[str, Any]]:
         """Server side, on every process (:meth:`SecureRoundServer.finish`); the signatures and reveals of the

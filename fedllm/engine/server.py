@@ -57,7 +57,7 @@ from fedllm.models.loading import (
     write_state,
 )
 from fedllm.models.state import StateDict, cast, num_bytes
-from fedllm.privacy import with_privacy
+from fedllm.privacy import client_stats, with_privacy
 from fedllm.privacy.secagg import SecAggError
 from fedllm.privacy.secagg.settings import enabled as secure_aggregation
 from fedllm.recipe.schedule import derived_seed, steps_per_round
@@ -99,13 +99,21 @@ class Federation:
     dtypes: dict[str, Any] = field(default_factory=dict)  # train.dtype / model.dtype as run, and why (auto)
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, k: int, attempt: int = 0,
+def sample_clients(seed: int | bytes, rnd: int, num_clients: int, k: int, attempt: int = 0,
                    exclude: frozenset[int] = frozenset()) -> list[int]:
     """The ``k`` clients of round ``rnd`` (seeded by seed, round and retry ``attempt``; sorted).
 
     A retry (``attempt`` > 0) draws a fresh sample among the clients not in ``exclude`` (those
-    dropped earlier in the round), as many as are left when fewer than ``k``.
+    dropped earlier in the round), as many as are left when fewer than ``k``. A ``bytes`` seed is a secret
+    (client-level DP, :meth:`fedllm.privacy.central.ClientLevelDP.sampling_seed`): the sample is a ChaCha20 stream
+    keyed by all of it (:func:`fedllm.privacy.secret_streams.subset`).
     """
+    if isinstance(seed, bytes):
+        from fedllm.privacy import secret_streams
+
+        eligible = [c for c in range(num_clients) if not attempt or c not in exclude]
+        key = secret_streams.stream_key(seed, "client-sample", rnd, attempt)
+        return sorted(eligible[i] for i in secret_streams.subset(key, len(eligible), k))
     gen = torch.Generator().manual_seed(derived_seed(seed, rnd, 0x5A3, *([attempt] if attempt else [])))
     if not attempt:
         return sorted(torch.randperm(num_clients, generator=gen)[:k].tolist())
@@ -563,6 +571,8 @@ class RoundLoop:
         if self.deadline_s is not None:
             record["round_deadline_s"] = round(self.deadline_s, 3) if math.isfinite(self.deadline_s) else None
             record["late"] = {str(c): round(t, 3) if math.isfinite(t) else None for c, t in sorted(self.late.items())}
+        if client_stats.withheld(recipe):  # SecAgg+ / client-level DP: totals only (privacy.per_client_stats)
+            record = client_stats.round_entries(record)
         if retries:
             record["retries"] = retries
             record["bytes_down_total"] += sum(r["bytes_down_total"] for r in retries)

@@ -63,6 +63,7 @@ def train(msg: Message, context: Context) -> Message:
     import json
 
     from fedllm.flower import records
+    from fedllm.privacy import client_stats
 
     secure = "secagg" in msg.content.config_records  # SecAgg+: only the masked change goes back
     if secure:
@@ -84,6 +85,8 @@ def train(msg: Message, context: Context) -> Message:
     if secure:
         update = secagg_stages.masked_update(msg, node, update, state)
     node.save(int(cfg["round"]), state)
+    if client_stats.withheld(node.recipe):  # SecAgg+ / client-level DP: no loss or token counts in the reply
+        update = client_stats.withhold(update)
     comm = node.recipe.federation.comm_dtype
     loss = {} if update.loss is None else {"loss": float(update.loss)}  # DP-SGD uploads no loss
     reply = RecordDict()

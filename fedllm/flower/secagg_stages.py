@@ -7,9 +7,12 @@ Per round (Bell et al., CCS 2020, Fig. 4; the same code as in simulation, :mod:`
    SecAgg+ round of the run, or after it failed in a round, e.g. its worker restarted): the node's long-lived X25519
    encryption key ``c_u`` (one per run and worker, its private half in the worker's memory only and never revealed),
    signed with its node key (:func:`fedllm.privacy.secagg.identity.sign_encryption_key`).
-1. ``query.secagg`` ``keys`` → every sampled node with a known key: the round's public parameters and its neighbours'
-   encryption keys with their signatures; the node verifies every signature against its own copy of the registered
-   node public keys (a key substituted by the server is refused), makes the round's secrets
+1. ``query.secagg`` ``keys`` → every sampled node with a known key: the round's public parameters, the encryption
+   keys of every sampled node that has one with their signatures, and the neighbour graph's seed; the node verifies
+   every signature against its own copy of the registered node public keys (a key substituted by the server is
+   refused) and recomputes the graph seed from those keys (:func:`graph_seed_of`; a seed that differs, or a key set
+   missing more clients than the quorum allows, is refused: the server cannot choose the neighbourhoods by trying
+   nonces), makes the round's secrets
    (:class:`fedllm.privacy.secagg.SecAggClient`, in the worker's memory only) and answers, in one message, the
    round's fresh masking key ``s_u`` (signed with its node key over the round's context and both keys) and its
    shares encrypted to the neighbours' encryption keys: the key advertisement rides on the share exchange.
@@ -43,6 +46,7 @@ Extra round trips per round: 3 (``keys``, ``check``, ``unmask``), 4 in a node's 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -58,6 +62,7 @@ from fedllm.privacy.secagg import (
     SecAggClient,
     SecAggError,
     SecAggParams,
+    SecAggServer,
     ShareReveal,
     SurvivorSignature,
     UnmaskRequest,
@@ -71,10 +76,11 @@ log = logging.getLogger("fedllm")
 RECORD = "secagg"
 """Name of the ConfigRecord that carries a stage's fields (and the shares of a ``train`` message)."""
 MESSAGE_TYPE = "query.secagg"
-PROTOCOL_VERSION = 2
-"""Version of the stages' wire format: 2 added the consistency check (``check`` and signed survivor lists) and the
-long-lived encryption keys (``hello``; ``keys`` replaced ``advertise`` and ``share``); 1 (no ``version`` field) had
-neither."""
+PROTOCOL_VERSION = 3
+"""Version of the stages' wire format: 3 derives the neighbour graph's seed from the round's encryption keys (every
+key in the ``keys`` message, checked by each node); 2 added the consistency check (``check`` and signed survivor
+lists) and the long-lived encryption keys (``hello``; ``keys`` replaced ``advertise`` and ``share``); 1 (no
+``version`` field) had neither."""
 NODE_KEY, PEER_KEYS = "node-key", "peer-keys"
 """``--node-config`` entries: this node's private key (it signs its SecAgg+ keys) and the directory of every client's
 registered node public key (``client-K.pub``: the signatures of its neighbours' keys are checked against them)."""
@@ -94,6 +100,37 @@ _ROUNDS: dict[tuple[str, int], NodeRound] = {}  # (run token, client id) -> its 
 _ENCRYPTION_KEYS: dict[tuple[str, int], Any] = {}  # (run token, client id) -> its long-lived X25519 private key
 _KNOWN_KEYS: dict[tuple[str, int], tuple[bytes, bytes]] = {}
 """On the ServerApp: (run token, client id) -> the node's encryption key and its signature, from its ``hello``."""
+
+
+def graph_seed_of(token: str, rnd: int, sampled: list[int], keys: dict[int, bytes]) -> bytes:
+    """The neighbour graph's seed of a round on Flower: SHA-256 of the run's token, the round, the sample and the
+    long-lived encryption key of every sampled client that takes part (by client id). Each key was made by its node
+    after the token was chosen and is signed by its node key, so the server can neither pick the seed nor predict it
+    before the keys exist; what it still picks is which clients' keys it forwards (at least the quorum; each one
+    left out is a visible dropout, and the sample itself)."""
+    named = repr(("fedllm-secagg-graph", token, int(rnd), sorted(int(c) for c in sampled),
+                  sorted((int(c), bytes(k).hex()) for c, k in keys.items())))
+    return hashlib.sha256(named.encode()).digest()[:16]
+
+
+def _check_graph(cfg: Any, cid: int, token: str, rnd: int, params: SecAggParams, sampled: list[int],
+                 who: identity.Identity) -> dict[int, bytes]:
+    """The node's check of the ``keys`` message's graph: every forwarded key verified, enough of them, and the seed
+    the hash of them (:func:`graph_seed_of`); the keys by client."""
+    keyed = {int(c): bytes(k) for c, k in zip(cfg["keyed_ids"], cfg["keyed_keys"], strict=True)}
+    if who.peer_keys is not None:
+        for c, signature in zip(cfg["keyed_ids"], cfg["keyed_signatures"], strict=True):
+            identity.verify_encryption_key(who.peer_keys, int(c), keyed[int(c)], bytes(signature))
+    quorum = params.quorum(len(sampled))
+    if not set(keyed) <= set(sampled) or len(keyed) < quorum:
+        raise SecAggError(f"client {cid}: refused the round's neighbour graph: keys of {sorted(keyed)} for the sample "
+                          f"{sampled} (at least {quorum} sampled clients' keys are needed)")
+    derived = graph_seed_of(token, rnd, sampled, keyed)
+    if bytes(cfg["graph_seed"]) != derived:
+        raise SecAggError(f"client {cid}: refused the round's neighbour graph: its seed "
+                          f"{bytes(cfg['graph_seed']).hex()} is not the hash of the round's encryption keys "
+                          f"({derived.hex()}): a server may not choose the neighbourhoods")
+    return keyed
 
 
 def _open_round(token: str, cid: int, rnd: int, context: bytes) -> NodeRound:
@@ -135,6 +172,11 @@ def _share(cfg: Any, cid: int, token: str, rnd: int, ctx: bytes, who: identity.I
     else:
         log.warning("client %d: SecAgg+ keys of its neighbours taken unverified (no peer keys: fedllm flower "
                     "supernode --auth-key/--peer-keys): a server could substitute them", cid)
+    keyed = _check_graph(cfg, cid, token, rnd, params, sampled, who)
+    if keyed.get(cid) != bytes(cfg["own_key"]):
+        raise SecAggError(f"client {cid}: refused the round's neighbour graph: it was not built from this node's key")
+    if any(keyed.get(a.client_id) != a.encryption_key for a in peers):
+        raise SecAggError(f"client {cid}: a neighbour's key differs from the one the graph was built from: refused")
     client = SecAggClient(cid, params, sampled, bytes(cfg["graph_seed"]), ctx, who, encryption_key=key)
     _ROUNDS[(token, cid)] = NodeRound(rnd, ctx, client)
     shares = client.share_keys(peers)
@@ -155,7 +197,8 @@ def answer_stage(msg: Message, context: Any) -> Message:
     version = int(cfg.get("version", 1))
     if version != PROTOCOL_VERSION:
         raise SecAggError(f"client {cid}: the ServerApp speaks SecAgg+ protocol version {version}, this node "
-                          f"{PROTOCOL_VERSION} (version 2 added the consistency check of the survivor list): refused; "
+                          f"{PROTOCOL_VERSION} (version 3 derives the neighbour graph from the nodes' keys, 2 added the "
+                          "consistency check of the survivor list): refused; "
                           "run the same fedllm on the ServerApp and the nodes")
     stage, token, rnd, ctx = str(cfg["stage"]), str(cfg["token"]), int(cfg["round"]), bytes(cfg["context"])
     who = _node_identity(context)
@@ -221,7 +264,8 @@ def masked_update(msg: Message, node: Any, update: Any, reference: dict) -> Any:
     keys, shapes, weighted = json.loads(str(cfg["layout"]))
     layout = Layout(tuple(keys), tuple(tuple(s) for s in shapes), tuple(weighted))
     return mask_upload(update, reference, node.fed.strategy.sum_weight(update), node.recipe.seed, int(head["round"]),
-                       layout, current.client.params, current.client, shares)
+                       layout, current.client.params, current.client, shares,
+                       per_client_stats=node.recipe.privacy.per_client_stats)
 
 
 # ----- the server side
@@ -249,9 +293,12 @@ class FlowerSecureRound(SecureRoundServer):
         self.lost: dict[int, str] = {}
         known = self._hello(sampled)
         ready = [c for c in sampled if c in known]
+        # the graph: from the keys of the clients taking part, not from a nonce the server could choose
+        self.graph_seed = graph_seed_of(self.token, rnd, sampled, {c: known[c][0] for c in ready})
+        self.server = SecAggServer(self.params, sampled, self.graph_seed, self.context, self.peer_keys)
         answers = self._ask(ready, "keys", lambda c: self._keys_fields(c, known, ready))
         for c in ready:
-            self.received[c] += sum(32 + len(known[v][1]) for v in self.server.graph[c] if v in known and v in ready)
+            self.received[c] += sum(40 + len(known[v][1]) for v in ready)  # every taking-part key (with its id)
         adverts, signatures = [], {}
         for cid, a in sorted(answers.items()):
             advert = KeyAdvert(cid, known[cid][0], bytes(a["masking_key"]))
@@ -301,7 +348,9 @@ class FlowerSecureRound(SecureRoundServer):
         peers = [v for v in self.server.graph[c] if v in ready]
         return {"sampled": self.sampled, "params": json.dumps(self.params.to_dict()),
                 "graph_seed": self.graph_seed, "own_key": known[c][0], "ids": peers,
-                "encryption_keys": [known[v][0] for v in peers], "key_signatures": [known[v][1] for v in peers]}
+                "encryption_keys": [known[v][0] for v in peers], "key_signatures": [known[v][1] for v in peers],
+                "keyed_ids": ready, "keyed_keys": [known[v][0] for v in ready],
+                "keyed_signatures": [known[v][1] for v in ready]}
 
     def _ask(self, clients: list[int], stage: str, fields) -> dict[int, Any]:
         """Send ``stage`` to the nodes of ``clients``; the ``secagg`` record of each client that answered."""
@@ -321,7 +370,8 @@ class FlowerSecureRound(SecureRoundServer):
             elif int(m.content.config_records[RECORD].get("version", 1)) != PROTOCOL_VERSION:
                 self.lost[cid] = (f"its node speaks SecAgg+ protocol version "
                                   f"{int(m.content.config_records[RECORD].get('version', 1))}, this ServerApp "
-                                  f"{PROTOCOL_VERSION} (version 2 added the consistency check of the survivor list): "
+                                  f"{PROTOCOL_VERSION} (version 3 derives the neighbour graph from the nodes' "
+                                  "keys, 2 added the consistency check of the survivor list): "
                                   "left out; run the same fedllm on the ServerApp and the nodes")
             else:
                 out[cid] = m.content.config_records[RECORD]

@@ -16,26 +16,28 @@ The wrapped strategy aggregates the private mean: every update handed to it is `
 noise`` (the same noise in each, uniform weights), so a mean-of-uploads strategy computes exactly the noised
 mean, and its server optimiser, merges and re-inits are post-processing. With the same updates and noise this
 equals Flower's ``DifferentialPrivacyServerSideFixedClipping`` / ``ClientSideFixedClipping`` around a uniform
-FedAvg (tests/privacy). The noise comes from a secret seed drawn once per run (and shared by every process of a
-multi-process run), unless ``privacy.noise_seed`` fixes it. So does the client sample (:meth:`ClientLevelDP.sampling_seed`):
-the amplified ε assumes the sampled clients are secret, so the sample is not drawn from the recipe's ``seed``, which
-every export's card and recipe state, but from a second secret seed, kept with the noise seed in the strategy's
-checkpointed state (a resume continues the same samples) and never written to an export.
+FedAvg (tests/privacy). The noise comes from a 256-bit secret drawn once per run (and shared by every process of a
+multi-process run), unless ``privacy.noise_seed`` fixes it; each round's draws are ChaCha20 streams keyed by that
+secret, the round and the tensor's name (:mod:`fedllm.privacy.secret_streams`), so nobody can grind a seed out of
+released models, and a resume recomputes round ``t``'s noise from the secret alone. So does the client sample
+(:meth:`ClientLevelDP.sampling_seed`): the amplified ε assumes the sampled clients are secret, so the sample is not
+drawn from the recipe's ``seed``, which every export's card and recipe state, but from a second secret, kept with
+the noise secret in the strategy's checkpointed state (a resume continues the same samples) and never written to an
+export.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import os
 from typing import Any, Optional
 
 import torch
 
 from fedllm.common.errors import InputError
 from fedllm.models.state import StateDict, cast
-from fedllm.privacy import accounting
-from fedllm.recipe.schedule import derived_seed
+from fedllm.privacy import accounting, secret_streams
 from fedllm.strategies.base import ClientPlan, ClientUpdate
 
 NORM_KEY = "dp_clipping_norm"
@@ -43,18 +45,24 @@ NORM_KEY = "dp_clipping_norm"
 UNCLIPPED_KEY = "fedllm.privacy.unclipped"
 """Upload entry with adaptive client-side clipping: 1.0 when the client's update was within the norm."""
 STATE_PREFIX = "privacy/"
+SECRETS = ("noise_secret", "sampling_secret")
+"""The checkpointed secrets (``privacy/<name>``: 32 uint8, or empty before it is drawn)."""
+
+log = logging.getLogger("fedllm")
 
 
-def secret_seed() -> int:
-    """A 63-bit seed from the OS's randomness, the same in every process of a torch.distributed run."""
-    seed = int.from_bytes(os.urandom(8), "little") >> 1
-    import torch.distributed as dist
+def _secret_tensor(secret: bytes | None) -> torch.Tensor:
+    return torch.tensor(list(secret or b""), dtype=torch.uint8)
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [seed]
-        dist.broadcast_object_list(box, src=0)
-        seed = box[0]
-    return seed
+
+def _legacy_secret(state: dict[str, torch.Tensor], name: str) -> bytes | None:
+    """A checkpoint of an older fedllm holds a 63-bit integer seed (``-1``: not drawn): resumed with it, hashed."""
+    seed = int(state.get(name, torch.tensor(-1)))
+    if seed < 0:
+        return None
+    log.warning("privacy: resuming a checkpoint of an older fedllm whose %s is a 63-bit integer: the run continues "
+                "from it (its noise and sample stay only as secret as that seed); a new run draws 256 bits", name)
+    return secret_streams.secret_of_seed(seed)
 
 
 def l2_norm(tensors: StateDict) -> float:
@@ -104,8 +112,9 @@ class ClientLevelDP:
         self.update_noise = adaptive_noise(self.noise_multiplier, self.count_stddev) if ac.enabled and \
             self.count_stddev > 0 else self.noise_multiplier
         self.releases = 0
-        self.noise_seed: Optional[int] = pv.noise_seed
-        self.sample_seed: Optional[int] = None  # drawn on the first sample (sampling_seed)
+        fixed = None if pv.noise_seed is None else secret_streams.secret_of_seed(pv.noise_seed)
+        self.noise_secret: bytes | None = fixed  # drawn on the first aggregation when not fixed
+        self.sampling_secret: bytes | None = fixed  # drawn on the first sample (sampling_seed)
         self.last: dict[str, Any] = {}
 
     resample_on_drops = False  # a retry's sample would depend on which clients failed: not a noised release
@@ -115,14 +124,14 @@ class ClientLevelDP:
         recipe or by earlier noised releases): whether a client is summed depends on its own update alone."""
         return self.clipping_norm
 
-    def sampling_seed(self, seed: int) -> int:
-        """The secret seed of the client samples, drawn from the OS once per run (the same on every process of a
-        multi-process run); derived from ``privacy.noise_seed`` when that is set (experiments: reproducible, and
-        as public as the noise). The recipe's ``seed`` is not used: it is in every export's card."""
-        if self.sample_seed is None:
-            self.sample_seed = derived_seed(self.pv.noise_seed, 0x5A3) if self.pv.noise_seed is not None \
-                else secret_seed()
-        return self.sample_seed
+    def sampling_seed(self, seed: int) -> bytes:
+        """The 256-bit secret the client samples are drawn from (:func:`fedllm.engine.server.sample_clients` with
+        bytes: ChaCha20), drawn from the OS once per run (the same on every process of a multi-process run); derived
+        from ``privacy.noise_seed`` when that is set (experiments: reproducible, and as public as the noise). The
+        recipe's ``seed`` is not used: it is in every export's card."""
+        if self.sampling_secret is None:
+            self.sampling_secret = secret_streams.new_secret()
+        return self.sampling_secret
 
     # ----- accounting
     def epsilon_after(self, releases: int) -> float:
@@ -146,6 +155,11 @@ class ClientLevelDP:
                             "releases": self.releases, **{k: v for k, v in self.last.items() if k != "epsilon"}}}
 
     # ----- client side (central_client_clipping)
+    def released_loss(self, loss: float) -> Optional[float]:
+        """Nothing unless ``privacy.per_client_stats``: the loss is a function of the client's data beside a noised
+        release (:mod:`fedllm.privacy.client_stats`)."""
+        return super().released_loss(loss) if self.pv.per_client_stats else None
+
     def configure_client(self, rnd: int, client_id: int, global_state: StateDict) -> ClientPlan:
         plan = super().configure_client(rnd, client_id, global_state)
         if not self.clip_on_server:
@@ -178,9 +192,16 @@ class ClientLevelDP:
 
     # ----- server side
     @staticmethod
-    def gaussian(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:
-        """``N(0, std²)`` noise of ``shape`` (fp32, CPU) from ``gen`` (tests substitute Flower's numpy draws)."""
-        return torch.normal(0.0, std, tuple(shape), generator=gen) if std > 0 else torch.zeros(tuple(shape))
+    def gaussian(key: bytes, shape: tuple[int, ...], std: float) -> torch.Tensor:
+        """``N(0, std²)`` noise of ``shape`` (fp32, CPU) from the stream of ``key`` (tests substitute Flower's numpy
+        draws, in the order of the calls: the count's noise, then each tensor's)."""
+        return secret_streams.gaussian(key, tuple(shape), std)
+
+    def noise_key(self, rnd: int, *name: str) -> bytes:
+        """The key of round ``rnd``'s noise of tensor ``name`` (none: the count's), drawn from the secret alone."""
+        if self.noise_secret is None:
+            self.noise_secret = secret_streams.new_secret()
+        return secret_streams.stream_key(self.noise_secret, "central-dp", rnd, *(name or ("count",)))
 
     def reference(self, rnd: int, client_id: int, global_state: StateDict) -> StateDict:
         """What the client started from (its plan's state as the wire carried it)."""
@@ -189,9 +210,6 @@ class ClientLevelDP:
     def aggregate(self, rnd: int, global_state: StateDict, updates: list[ClientUpdate]) -> StateDict:
         if not updates:
             return super().aggregate(rnd, global_state, updates)
-        if self.noise_seed is None:
-            self.noise_seed = secret_seed()
-        gen = torch.Generator().manual_seed(derived_seed(self.noise_seed, rnd))
         norm, m = self.clipping_norm, self.expected
         kept, within_norm = [], []
         for u in updates:
@@ -208,11 +226,12 @@ class ClientLevelDP:
                 factor, within = 1.0, 1.0 if bit is None else float(bit.flatten()[0])
             within_norm.append(within)
             kept.append((u, ref, delta, factor))
-        noised_centred = centred_count(within_norm) + (float(self.gaussian(gen, (), self.count_stddev))
+        noised_centred = centred_count(within_norm) + (float(self.gaussian(self.noise_key(rnd), (), self.count_stddev))
                                                         if self.count_stddev else 0.0)
         std = self.update_noise * norm / m
         first = kept[0][2]
-        noise = {k: self.gaussian(gen, tuple(v.shape), std).to(v.device) for k, v in first.items()}
+        noise = {k: self.gaussian(self.noise_key(rnd, "tensor", k), tuple(v.shape), std).to(v.device)
+                 for k, v in first.items()}
         scale = len(updates) / m
         private = [dataclasses.replace(u, num_examples=1, state={
             k: (ref[k].to(d.device).float() + (scale * factor) * d + noise[k]).to(u.state[k].dtype)
@@ -231,10 +250,7 @@ class ClientLevelDP:
         return {**super().state_dict(),
                 f"{STATE_PREFIX}clipping_norm": torch.tensor(self.clipping_norm, dtype=torch.float64),
                 f"{STATE_PREFIX}releases": torch.tensor(self.releases, dtype=torch.int64),
-                f"{STATE_PREFIX}noise_seed": torch.tensor(-1 if self.noise_seed is None else self.noise_seed,
-                                                          dtype=torch.int64),
-                f"{STATE_PREFIX}sampling_seed": torch.tensor(-1 if self.sample_seed is None else self.sample_seed,
-                                                             dtype=torch.int64)}
+                **{f"{STATE_PREFIX}{name}": _secret_tensor(getattr(self, name)) for name in SECRETS}}
 
     def load_state_dict(self, state: StateDict) -> None:
         mine = {k[len(STATE_PREFIX):]: v for k, v in state.items() if k.startswith(STATE_PREFIX)}
@@ -242,7 +258,8 @@ class ClientLevelDP:
         if mine:
             self.clipping_norm = float(mine["clipping_norm"])
             self.releases = int(mine["releases"])
-            seed = int(mine["noise_seed"])
-            self.noise_seed = None if seed < 0 else seed
-            sample = int(mine.get("sampling_seed", -1))  # absent from checkpoints of older releases: drawn anew
-            self.sample_seed = None if sample < 0 else sample
+            for name, legacy in zip(SECRETS, ("noise_seed", "sampling_seed"), strict=True):
+                if name in mine:
+                    setattr(self, name, bytes(mine[name].tolist()) or None)
+                else:  # an older checkpoint: its integer seed (a sampling seed absent from older still: drawn anew)
+                    setattr(self, name, _legacy_secret(mine, legacy))

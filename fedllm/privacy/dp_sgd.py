@@ -9,8 +9,12 @@ gradient. Everything the client uploads is post-processing of these steps: clien
 ``(ε_i, δ)``-DP with ε_i from opacus's RDP accountant over the steps behind every upload the server received —
 aggregated or dropped by the norm screen, in a retried sample too (``client_epsilon`` in ``metrics.jsonl``;
 ``epsilon`` is the largest). The client's training loss is not uploaded (no noise protects it). ``privacy.target_epsilon`` picks ``z`` so that a client that
-trains every planned round stays within it. The noise and the Poisson draws come from a secret seed unless
-``privacy.noise_seed`` is set.
+trains every planned round stays within it. The noise and the Poisson draws are ChaCha20 streams
+(:mod:`fedllm.privacy.secret_streams`) keyed by a fresh 256-bit secret per client and round, drawn from the operating
+system on the node that trains it and never sent; ``privacy.noise_seed`` derives them from the seed, the round and
+the client instead (experiments). opacus's optimizer computes the clipping and the step; its noise draw (a seeded
+``torch.Generator``, or torchcsprng under opacus's ``secure_mode``, which fedllm does not use) is replaced by the
+ChaCha20 Gaussians (:func:`chacha_noise`).
 
 ``privacy.grad_sample_mode`` picks how opacus clips (its ``grad_sample_mode``): ``hooks`` (the default) builds every
 example's gradient of every trainable tensor (``GradSampleModule``) and ``DPOptimizer`` clips them; ``ghost``
@@ -34,9 +38,11 @@ norm needs the inner product of its two rows' gradients: it is refused with DPO 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,8 +52,8 @@ from fedllm.common.errors import InputError
 from fedllm.data.collate import is_pair_batch
 from fedllm.data.tokens import IGNORE_INDEX
 from fedllm.models.state import StateDict
-from fedllm.privacy import accounting
-from fedllm.recipe.schedule import derived_seed, steps_per_round
+from fedllm.privacy import accounting, secret_streams
+from fedllm.recipe.schedule import steps_per_round
 from fedllm.strategies.base import ClientInfo, ClientPlan
 
 STEPS_KEY = "privacy/dp_sgd_steps"
@@ -56,14 +62,39 @@ log = logging.getLogger("fedllm")
 
 
 class PoissonStream:
-    """Each call: every one of the client's examples independently with probability ``rate`` (may be empty)."""
+    """Each call: every one of the client's examples independently with probability ``rate`` (may be empty), the
+    coins of draw ``j`` from the stream keyed by ``key(j)``."""
 
-    def __init__(self, indices, rate: float, gen: torch.Generator):
-        self.indices, self.rate, self.gen = list(indices), rate, gen
+    def __init__(self, indices, rate: float, key: Callable[[int], bytes]):
+        self.indices, self.rate, self.key = list(indices), rate, key
+        self.draws = itertools.count()
 
     def next(self) -> list[int]:
-        keep = torch.rand(len(self.indices), generator=self.gen) < self.rate
+        keep = secret_streams.bernoulli(self.key(next(self.draws)), len(self.indices), self.rate)
         return [i for i, k in zip(self.indices, keep.tolist(), strict=True) if k]
+
+
+def chacha_noise(optimizer_class: type) -> type:
+    """opacus's DP optimizer ``optimizer_class`` whose ``add_noise`` draws each step's Gaussian noise (std
+    ``noise_multiplier × max_grad_norm``, opacus's, or its ``_adjusted_noise_multiplier``) from the ChaCha20 stream
+    of ``noise_key(step, parameter index)`` (set on the instance) instead of a ``torch.Generator``; the rest (the
+    processed-flag checks, ``p.grad = summed_grad + noise``) as opacus 1.6's ``DPOptimizer.add_noise``."""
+    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+    class ChaChaNoise(optimizer_class):
+        noise_key: Callable[[int, int], bytes]
+
+        def add_noise(self) -> None:
+            std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
+            step = self.noise_steps = getattr(self, "noise_steps", -1) + 1
+            for i, p in enumerate(self.params):
+                _check_processed_flag(p.summed_grad)
+                noise = secret_streams.gaussian(self.noise_key(step, i), p.summed_grad.shape, std)
+                p.grad = (p.summed_grad + noise.to(p.summed_grad)).view_as(p)
+                _mark_as_processed(p.summed_grad)
+
+    ChaChaNoise.__name__ = ChaChaNoise.__qualname__ = f"ChaChaNoise{optimizer_class.__name__}"
+    return ChaChaNoise
 
 
 def per_example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -119,18 +150,19 @@ class LocalDPSGD:
     """The client side of DP-SGD for one client and round (see the module docstring)."""
 
     def __init__(self, noise_multiplier: float, clipping_norm: float, batch_size: int, num_examples: int,
-                 seed: int, grad_sample_mode: str = "hooks", preference: Any = None,
+                 secret: bytes, grad_sample_mode: str = "hooks", preference: Any = None,
                  loss_positions: str = "supervised"):
         self.noise_multiplier, self.clipping_norm = noise_multiplier, clipping_norm
         self.preference, self.loss_positions = preference, loss_positions  # train.preference under DPO
         self.batch_size, self.rate = batch_size, min(1.0, batch_size / num_examples)
-        self.gen = torch.Generator().manual_seed(seed)
+        self.secret = secret  # the client's and round's: every Poisson draw and noise draw is keyed by it
+        self.phases = itertools.count()
         self.mode = grad_sample_mode
         self.wrapped: Any = None  # during a phase: opacus's grad-sample module and DP optimizer
         self.optimizer: Any = None
 
     def stream(self, indices) -> PoissonStream:
-        return PoissonStream(indices, self.rate, self.gen)
+        return PoissonStream(indices, self.rate, lambda j: secret_streams.stream_key(self.secret, "dp-sgd-poisson", j))
 
     @contextlib.contextmanager
     def phase(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
@@ -142,14 +174,16 @@ class LocalDPSGD:
 
         ghost = {"max_grad_norm": self.clipping_norm} if self.mode == "ghost" else {}
         wrapped = get_gsm_class(self.mode)(model, batch_first=True, loss_reduction="sum", **ghost)
-        device = next(p for p in model.parameters() if p.requires_grad).device
-        noise_gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.gen)))
-        dp_optimizer = get_optimizer_class(clipping="flat", distributed=False, grad_sample_mode=self.mode)
+        phase = next(self.phases)
+        dp_optimizer = chacha_noise(get_optimizer_class(clipping="flat", distributed=False,
+                                                        grad_sample_mode=self.mode))
         try:
             self.wrapped = wrapped
             self.optimizer = dp_optimizer(optimizer, noise_multiplier=self.noise_multiplier,
                                           max_grad_norm=self.clipping_norm, expected_batch_size=self.batch_size,
-                                          loss_reduction="mean", generator=noise_gen)
+                                          loss_reduction="mean")
+            self.optimizer.noise_key = lambda step, i: secret_streams.stream_key(self.secret, "dp-sgd-noise", phase,
+                                                                                 step, i)
             yield self.optimizer
         finally:
             self.wrapped = self.optimizer = None
@@ -232,7 +266,8 @@ class SampleLevelDP:
         self.noise_multiplier: float | None = self.pv.noise_multiplier
         self.client_steps: dict[int, int] = {}
         self.sizes: list[int] = []
-        self.noise_seed: int | None = self.pv.noise_seed
+        self.noise_secret: bytes | None = None if self.pv.noise_seed is None else \
+            secret_streams.secret_of_seed(self.pv.noise_seed)
 
     def setup(self, model: torch.nn.Module, clients: list[ClientInfo]) -> None:
         super().setup(model, clients)
@@ -252,10 +287,10 @@ class SampleLevelDP:
                 for n in set(self.sizes))
 
     def sample_level_privacy(self, plan: ClientPlan, num_examples: int) -> LocalDPSGD:
-        seed = derived_seed(self.noise_seed, plan.rnd, plan.client_id) if self.noise_seed is not None else \
-            int.from_bytes(os.urandom(8), "little") >> 1  # secret: Poisson draws and noise nobody can replay
+        secret = secret_streams.stream_key(self.noise_secret, "dp-sgd", plan.rnd, plan.client_id) \
+            if self.noise_secret is not None else os.urandom(secret_streams.SECRET_BYTES)  # nobody can replay it
         tr = self.recipe.train
-        return LocalDPSGD(self.noise_multiplier, self.pv.clipping_norm, tr.batch_size, num_examples, seed,
+        return LocalDPSGD(self.noise_multiplier, self.pv.clipping_norm, tr.batch_size, num_examples, secret,
                           self.pv.grad_sample_mode, tr.preference if tr.objective == "dpo" else None,
                           tr.loss_positions)
 

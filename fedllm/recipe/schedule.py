@@ -12,7 +12,10 @@ from fedllm.recipe.schema import TrainConfig
 
 
 def derived_seed(*parts: int) -> int:
-    """A stable 63-bit seed from integers (seed, round, client ...)."""
+    """A stable 63-bit seed from integers (seed, round, client ...), for streams nobody's privacy rests on (data
+    order, dropout, initialisation): it keeps the low 48 bits of each part and seeds a Mersenne Twister, so it is
+    enumerable. Secret streams (DP noise, the secret client sample, DP-SGD's draws) come from
+    :mod:`fedllm.privacy.secret_streams` (ChaCha20 keyed by a 256-bit secret)."""
     h = 1469598103934665603
     for p in parts:
         h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)

@@ -258,6 +258,7 @@ class PrivacyConfig:
     noise_seed: Optional[int] = doc(None, "null: noise from a secret random seed (the default; needed for the guarantee); an integer reproduces the noise (experiments only: whoever knows it can remove the noise)")
     secure_aggregation: Literal["none", "secagg_plus", False] = doc("none", "secagg_plus: the server learns only the sum of the clients' quantised uploads (SecAgg+, Bell et al. 2020; simulation, one or N processes; docs/privacy.md); none (false: its old spelling)")
     secagg: SecAggConfig = doc(SecAggConfig(), "secure_aggregation: secagg_plus's parameters")
+    per_client_stats: bool = doc(False, "under secure aggregation or client-level DP (central*): true records each client's loss, steps, bytes and token counts in metrics.jsonl and sends them in Flower train replies (the server then sees them un-noised); false: only totals, no training loss (docs/privacy.md)")
 
 
 @dataclass

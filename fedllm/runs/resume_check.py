@@ -31,6 +31,7 @@ SAFE_KEYS = frozenset({
     "federation.on_client_error", "federation.min_clients_per_round", "federation.round_retries",
     "federation.max_update_norm", "federation.update_outlier_factor", "federation.round_deadline",
     "federation.communication_budget_mb",  # reported against, never acted on
+    "privacy.per_client_stats",  # what metrics.jsonl records of each client, not what is trained
 })
 """Single keys that may change on ``--resume``."""
 

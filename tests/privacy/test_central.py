@@ -13,6 +13,7 @@ from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from fedllm.privacy import accounting, with_privacy
 from fedllm.privacy.central import ClientLevelDP
+from fedllm.privacy.secret_streams import secret_of_seed
 from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies import ClientUpdate, get_strategy
 from tests.strategies.flower_reference import assert_equal_rounds, client_arrays, flower_rounds, initial_state
@@ -182,7 +183,7 @@ def test_noise_has_the_stated_mean_and_std_and_is_secret_by_default():
     """Clients that upload the state they received: the aggregate is the state plus the noise alone."""
     s = dp_strategy(clients=4, per_round=4)
     s.pv.noise_seed = None
-    s.noise_seed = None
+    s.noise_secret = None
     zero = {"w": torch.zeros(20000)}
     draws = torch.stack([s.aggregate(r, zero, [ClientUpdate(c, {"w": torch.zeros(20000)}, 1, 0.0, 1)
                                                for c in range(4)])["w"] for r in range(1, 6)])
@@ -191,7 +192,7 @@ def test_noise_has_the_stated_mean_and_std_and_is_secret_by_default():
     assert float(draws.std()) == pytest.approx(std, rel=0.02)
     assert not torch.equal(draws[0], draws[1])  # a fresh draw every round
     other = dp_strategy(clients=4, per_round=4)
-    other.pv.noise_seed = other.noise_seed = None
+    other.pv.noise_seed, other.noise_secret = None, None
     again = other.aggregate(1, zero, [ClientUpdate(c, {"w": torch.zeros(20000)}, 1, 0.0, 1) for c in range(4)])
     assert not torch.equal(again["w"], draws[0])  # seeded from the OS, not from the recipe
 
@@ -209,11 +210,24 @@ def test_privacy_state_survives_a_checkpoint():
     s = dp_strategy("central", "fedadam", adaptive_clipping={"enabled": True, "count_stddev": 1.0})
     run_fedllm(s, rounds=2)
     saved = s.state_dict()
-    assert {"privacy/clipping_norm", "privacy/releases", "privacy/noise_seed"} <= set(saved)
+    assert {"privacy/clipping_norm", "privacy/releases", "privacy/noise_secret", "privacy/sampling_secret"} <= set(saved)
     restored = dp_strategy("central", "fedadam", adaptive_clipping={"enabled": True, "count_stddev": 1.0})
+    restored.noise_secret = restored.sampling_secret = None
     restored.load_state_dict(saved)
-    assert (restored.clipping_norm, restored.releases, restored.noise_seed) == (s.clipping_norm, 2, 0)
+    assert (restored.clipping_norm, restored.releases) == (s.clipping_norm, 2)
+    assert restored.noise_secret == s.noise_secret == secret_of_seed(0) and len(s.noise_secret) == 32
     assert restored.moments.keys() == s.moments.keys()
+
+
+def test_a_checkpoint_of_an_older_fedllm_resumes_from_its_integer_seeds_with_a_warning(caplog):
+    """Before issue 49 the secrets were 63-bit integers (``privacy/noise_seed``, ``privacy/sampling_seed``; -1: not
+    drawn): a resume continues from them, hashed into the ChaCha20 streams, and says they are only that secret."""
+    s = dp_strategy()
+    old = {"privacy/clipping_norm": torch.tensor(0.5, dtype=torch.float64), "privacy/releases": torch.tensor(2),
+           "privacy/noise_seed": torch.tensor(123456789), "privacy/sampling_seed": torch.tensor(-1)}
+    s.load_state_dict(old)
+    assert s.noise_secret == secret_of_seed(123456789) and s.sampling_secret is None and s.releases == 2
+    assert "noise_seed is a 63-bit integer" in caplog.text
 
 
 def test_adaptive_clipping_releases_centred_bits_so_its_epsilon_is_the_mechanisms():

@@ -14,6 +14,7 @@ from fedllm.data.collate import collate
 from fedllm.engine.server import build_federation, run
 from fedllm.privacy import accounting, with_privacy
 from fedllm.privacy.dp_sgd import LocalDPSGD, ghost_fallback_layers, per_example_losses
+from fedllm.privacy.secret_streams import secret_of_seed
 from fedllm.recipe.checks import parse_recipe
 from fedllm.strategies import ClientInfo, get_strategy
 
@@ -51,8 +52,8 @@ def one_step(fed, model, params, start, mode, noise_multiplier, seed=3, empty=Fa
     ``seed`` (the same batch and noise for every mode), and the examples it drew."""
     restore(params, start)
     indices = fed.data.clients[0]
-    dp = LocalDPSGD(noise_multiplier, clipping_norm=0.5, batch_size=4, num_examples=len(indices), seed=seed,
-                    grad_sample_mode=mode)
+    dp = LocalDPSGD(noise_multiplier, clipping_norm=0.5, batch_size=4, num_examples=len(indices),
+                    secret=secret_of_seed(seed), grad_sample_mode=mode)
     drawn = dp.stream(indices).next()
     assert drawn
     batch = collate([fed.data.examples[i] for i in drawn], fed.loaded.tokenizer.pad_token_id, fed.loaded.task)
@@ -178,7 +179,7 @@ def test_ghost_clipping_refuses_a_layer_called_twice_in_one_pass_with_the_key():
             return SimpleNamespace(logits=self.lin(self.lin(self.emb(input_ids).mean(1))))
 
     model = Twice()
-    dp = LocalDPSGD(noise_multiplier=1.0, clipping_norm=1.0, batch_size=2, num_examples=4, seed=0,
+    dp = LocalDPSGD(noise_multiplier=1.0, clipping_norm=1.0, batch_size=2, num_examples=4, secret=secret_of_seed(0),
                     grad_sample_mode="ghost")
     batch = {"input_ids": torch.tensor([[1, 2], [3, 4]]), "labels": torch.tensor([0, 1])}
     with dp.phase(model, torch.optim.SGD(model.parameters(), lr=0.1)):

@@ -16,6 +16,7 @@ from fedllm.engine.server import build_federation, run
 from fedllm.models.preference_loss import pair_losses
 from fedllm.privacy import accounting, dp_sgd
 from fedllm.privacy.dp_sgd import LocalDPSGD
+from fedllm.privacy.secret_streams import secret_of_seed
 from fedllm.recipe.checks import parse_recipe
 from tests.conftest import tiny_raw
 from tests.preference_helpers import preference_records
@@ -69,10 +70,11 @@ def restore(params, values):
 
 def one_step(fed, model, params, start, examples, indices, batches, empty=False, rows_per_pair=1):
     """Trainable tensors after one DP-SGD step (SGD, lr 1) from ``start`` on client 0's Poisson batch of pairs
-    (seed 3: the same pairs and noise every call), and the pairs drawn."""
+    (seed 0: the same pairs and noise every call; its draw holds pairs on both sides of C, seed 3's did under the
+    Mersenne Twister stream, not under the ChaCha20 one), and the pairs drawn."""
     restore(params, start)
-    dp = LocalDPSGD(1.1, clipping_norm=C, batch_size=EXPECTED_PAIRS, num_examples=len(indices), seed=3,
-                    preference=fed.recipe.train.preference)
+    dp = LocalDPSGD(1.1, clipping_norm=C, batch_size=EXPECTED_PAIRS, num_examples=len(indices),
+                    secret=secret_of_seed(0), preference=fed.recipe.train.preference)
     drawn = dp.stream(indices).next()
     with dp.phase(model, torch.optim.SGD(params, lr=1.0)) as stepper:
         stepper.zero_grad(set_to_none=True)

@@ -26,6 +26,18 @@ def test_epsilon_is_written_every_round_and_in_the_summary(tiny_recipe):
     assert lines[0]["privacy"]["noise_std"] == pytest.approx(1.0 * 0.5 / 2)
     summary = json.loads((result.run_dir / "summary.json").read_text())
     assert summary["epsilon"] == eps[-1] and summary["privacy"]["releases"] == 3
+    for line in lines:  # issue 49 item 5: totals only, no client's loss beside the noised release
+        assert not {"client_loss", "train_loss", "client_steps", "bytes_up", "bytes_down", "throughput"} & set(line)
+        assert line["steps_total"] > 0 and line["bytes_up_total"] > 0
+    assert summary["final_train_loss"] is None
+
+
+def test_per_client_statistics_come_back_when_the_recipe_opts_in(tiny_recipe):
+    raw = tiny_recipe(federation={"rounds": 1, "num_clients": 4, "clients_per_round": 2},
+                      privacy={**DP, "mechanism": "central_client_clipping", "per_client_stats": True})
+    line = run(parse_recipe(raw)).history[0]
+    assert sorted(line["client_loss"]) == sorted(line["bytes_up"]) == sorted(str(c) for c in line["clients"])
+    assert line["train_loss"] > 0 and all(v > 0 for v in line["client_loss"].values())
 
 
 def test_the_run_stops_with_a_checkpoint_before_the_budget_is_exceeded(tiny_recipe):
@@ -86,7 +98,7 @@ def test_an_export_under_dp_releases_no_unprotected_statistic(tiny_recipe, tmp_p
     run_dir = run(parse_recipe(raw)).run_dir
     assert "unclipped" in json.loads((run_dir / "summary.json").read_text())["privacy"]  # the server's own record
     card = (export(run_dir, "adapter", tmp_path / "adapter").out / "README.md").read_text()
-    assert "train loss: not released" in card and "train loss (round" not in card
+    assert "train loss (round" not in card  # none is recorded under client-level DP (issue 49 item 5) to print
     for unprotected in ('"final_train_loss"', '"unclipped"', '"dropped"'):  # their JSON keys
         assert unprotected not in card
     assert '"epsilon": ' in card and '"noise_multiplier": 1.0' in card

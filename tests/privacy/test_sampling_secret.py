@@ -33,30 +33,30 @@ def samples(run_dir):
     ]
 
 
-def sampling_seed(checkpoint_dir) -> int:
-    return int(ckpt_io.load_checkpoint(checkpoint_dir).strategy["privacy/sampling_seed"])
+def sampling_secret(checkpoint_dir) -> bytes:
+    return bytes(ckpt_io.load_checkpoint(checkpoint_dir).strategy["privacy/sampling_secret"].tolist())
 
 
 def test_the_sample_under_dp_is_drawn_from_a_secret_seed_not_the_recipe_seed(tiny_recipe, tmp_path):
     recipe, result = dp_run(tiny_recipe, tmp_path / "a")
-    seed = sampling_seed(result.run_dir / "final")
+    secret = sampling_secret(result.run_dir / "final")
     drawn = samples(result.run_dir)
-    assert seed >= 0 and drawn == [sample_clients(seed, r, N, M) for r in range(1, ROUNDS + 1)]
+    assert len(secret) == 32 and drawn == [sample_clients(secret, r, N, M) for r in range(1, ROUNDS + 1)]
     assert drawn != [sample_clients(recipe.seed, r, N, M) for r in range(1, ROUNDS + 1)]  # not recomputable
     _, other = dp_run(tiny_recipe, tmp_path / "b")
-    assert sampling_seed(other.run_dir / "final") != seed  # a fresh secret per run
+    assert sampling_secret(other.run_dir / "final") != secret  # a fresh secret per run
 
 
 def test_an_export_under_dp_contains_no_sampling_seed(tiny_recipe, tmp_path):
     _, result = dp_run(tiny_recipe, tmp_path / "run")
-    seed = sampling_seed(result.run_dir / "final")
+    secret = sampling_secret(result.run_dir / "final")
     out = export(result.run_dir, "adapter", tmp_path / "adapter").out
     files = [p for p in out.rglob("*") if p.is_file()]
     assert files
     for path in files:
         data = path.read_bytes()
-        assert str(seed).encode() not in data and seed.to_bytes(8, "little", signed=True) not in data, path
-        assert b"sampling_seed" not in data and b'"clients": [' not in data, path
+        assert secret not in data and secret.hex().encode() not in data, path
+        assert b"sampling_secret" not in data and b"noise_secret" not in data and b'"clients": [' not in data, path
 
 
 def test_a_resumed_dp_run_continues_the_same_secret_samples_bit_exactly(tiny_recipe, tmp_path):

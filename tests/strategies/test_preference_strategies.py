@@ -205,7 +205,8 @@ def test_preference_pref_accuracy_is_the_implicit_reward_recomputed(pref_file, t
 @pytest.mark.parametrize("mechanism", ["central", "central_client_clipping"])
 def test_preference_dpo_with_client_level_dp(mechanism, pref_file, tmp_path):
     """Client-level DP wraps a DPO client's update as any other: clipped, noised, accounted."""
-    privacy = {"mechanism": mechanism, "noise_multiplier": 0.5, "clipping_norm": 0.05, "noise_seed": 3}
+    privacy = {"mechanism": mechanism, "noise_multiplier": 0.5, "clipping_norm": 0.05, "noise_seed": 3,
+               "per_client_stats": True}  # the round's train_loss is compared
     everyone = {"clients_per_round": 3}  # under client-level DP the sample comes from a secret seed: the same
     plain = run(parse_recipe(dpo_raw(tmp_path / "plain", pref_file, federation=everyone)))  # clients only with all
     private = run(parse_recipe(dpo_raw(tmp_path / "dp", pref_file, privacy=privacy, federation=everyone)))
