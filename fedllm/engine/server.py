@@ -405,7 +405,7 @@ class RoundLoop:
                                                                                       self.recipe.data), out_dir,
                         records=data.eval_records if records is None else records,
                         eval_examples=examples, tag=tag,
-                        prompt_style=prompt_style_for_data(self.recipe.data), progress=self.progress,
+                        prompt_style=prompt_style_for_data(self.recipe.data, self.recipe.eval), progress=self.progress,
                         preference=dpo)
 
     def evaluate_personal(self, rnd: int) -> dict[str, dict[str, float]]:
