@@ -36,7 +36,7 @@ def _federate(tmp_path, users, tokenizer, **data):
     path.write_text(json.dumps(users, indent=4))
     cfg = DataConfig(path=str(path), cache=False, **data)
     fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), len(users), tokenizer, 256, 0)
-    return {user: [fed.examples[i] for i in members] for user, members in zip(sorted(users), fed.clients, strict=True)}
+    return {user: [fed.examples[i] for i in members] for user, members in zip(users, fed.clients, strict=True)}
 
 
 def _supervised(tokenizer, example):
@@ -64,6 +64,23 @@ def test_fedllm_bench_multi_turn_user_keyed_json(tokenizer, tmp_path):
     # loss on the assistant turns only; fedllm's chat encoder cuts where FastChat's generation prompt ends
     # ("ASSISTANT:"), so the space before each reply is supervised too (FedLLM-Bench masks "ASSISTANT: " with it)
     assert _supervised(tokenizer, convo) == " world</s> sat</s>"
+
+
+def test_fedllm_bench_clients_are_numbered_in_file_order(tokenizer, tmp_path):
+    """FedLLM-Bench's get_fed_datasets: client k is the k-th key of the file (json.load keeps the file's order), and
+    main_*.py trains ``dataset[:num_clients]``: with 2 clients, the first two users. The file's order (u_17, u_03,
+    u_42) is not the sorted one, so client 0 must be u_17's."""
+    path = tmp_path / "by_client.json"
+    path.write_text(json.dumps(SINGLE))
+    expected = [[r["instruction"] for r in records] for records in json.loads(path.read_text()).values()]
+    assert expected[0] == ["the cat sat", "hello"] and sorted(SINGLE) != list(SINGLE)
+    cfg = DataConfig(path=str(path), format="instruction", template="openfedllm", fields={"output": "response"},
+                     cache=False)
+    for num_clients in (3, 2):
+        fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), num_clients, tokenizer, 256, 0)
+        got = [[tokenizer.decode(fed.examples[i]["input_ids"]).split("### Instruction:\n")[1].split(" \n")[0]
+                for i in members] for members in fed.clients]
+        assert got == expected[:num_clients]
 
 
 def test_fedllm_bench_user_count_must_match_num_clients(tokenizer, tmp_path):
