@@ -54,8 +54,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="judged tasks of Alpaca-style runs: the reference scripts' prompts (default) or "
                              "the run's training prompt for every turn")
     parser.add_argument("--prompt-style", choices=prompt_styles.names(), default=None,
-                        help="alpaca, chat or plain (default: the run's eval.prompt_style, else as it was trained, else chat if the "
-                             "tokenizer has a chat template, else plain)")
+                        help="alpaca, chat or plain (default: the run's eval.prompt_style, else as it was trained, "
+                             "else chat if the tokenizer has a chat template, else plain)")
     parser.add_argument("--chat-template", default=None, help="FastChat conversation template name (needs fschat)")
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                         help="weights dtype (default: a run or checkpoint in its recipe's model.dtype, as its own "

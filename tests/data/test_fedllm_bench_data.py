@@ -77,7 +77,8 @@ def test_fedllm_bench_clients_are_numbered_in_file_order(tokenizer, tmp_path):
     cfg = DataConfig(path=str(path), format="instruction", template="openfedllm", fields={"output": "response"},
                      cache=False)
     for num_clients in (3, 2):
-        fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), num_clients, tokenizer, 256, 0)
+        fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), num_clients, tokenizer,
+                                   256, 0)
         got = [[tokenizer.decode(fed.examples[i]["input_ids"]).split("### Instruction:\n")[1].split(" \n")[0]
                 for i in members] for members in fed.clients]
         assert got == expected[:num_clients]
@@ -133,3 +134,12 @@ def test_fedllm_bench_chatbotpa_dpo_recipe_and_dynamic_local_steps(pairs):
     assert (r.lora.r, r.lora.alpha, r.train.objective, r.train.preference.beta) == (8, 16, "dpo", 0.1)
     sample_num = 200 * 10 / 747
     assert steps_per_round(r.train, pairs) == math.ceil(pairs * 3 / sample_num / (8 * 1))
+
+
+def test_fedllm_bench_user_without_records_is_named(caplog):
+    from fedllm.data.loading import user_keyed
+
+    with caplog.at_level("WARNING"):
+        rows = user_keyed({"u_9": [{"instruction": "a"}], "u_2": [], "u_5": [{"instruction": "b"}]})
+    assert [r["user"] for r in rows] == ["u_9", "u_5"]
+    assert "1 user(s) without records ('u_2')" in caplog.text and "FedLLM-Bench's client 1" in caplog.text
