@@ -384,7 +384,7 @@ def _eval_seconds(recipe: Recipe, fed: Any) -> tuple[float, list[str]]:
         try:
             evaluate(fed.loaded.model, fed.loaded.tokenizer, dataclasses.replace(cfg, tasks=[name], limit=batch),
                      None, records=data.eval_records, eval_examples=data.eval_examples,
-                     prompt_style=prompt_style_for_data(recipe.data), progress=False, preference=dpo)
+                     prompt_style=prompt_style_for_data(recipe.data, recipe.eval), progress=False, preference=dpo)
         except (InputError, OSError) as e:  # its data are not here: the real run would read or download them
             untimed.append(f"{name} ({str(e).splitlines()[0][:120]})")
             continue

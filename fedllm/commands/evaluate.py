@@ -54,8 +54,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="judged tasks of Alpaca-style runs: the reference scripts' prompts (default) or "
                              "the run's training prompt for every turn")
     parser.add_argument("--prompt-style", choices=prompt_styles.names(), default=None,
-                        help="alpaca, chat or plain (default: as the run was trained, else chat if the "
-                             "tokenizer has a chat template, else plain)")
+                        help="alpaca, chat or plain (default: the run's eval.prompt_style, else as it was trained, "
+                             "else chat if the tokenizer has a chat template, else plain)")
     parser.add_argument("--chat-template", default=None, help="FastChat conversation template name (needs fschat)")
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                         help="weights dtype (default: a run or checkpoint in its recipe's model.dtype, as its own "
@@ -232,7 +232,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     from fedllm.export.inference import load_for_inference
 
     cfg = build_eval_config(args, eval_config_for_data(recipe.eval, recipe.data) if recipe else EvalConfig())
-    prompt_style = args.prompt_style or (prompt_style_for_data(recipe.data) if recipe else None)
+    prompt_style = args.prompt_style or (prompt_style_for_data(recipe.data, recipe.eval) if recipe else None)
     out_dir = Path(args.out) if args.out else default_out_dir(args.checkpoint)
     if args.client is not None:
         return _eval_clients(args, cfg, out_dir, prompt_style)

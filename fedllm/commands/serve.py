@@ -422,7 +422,8 @@ def run_prompt_style(checkpoint: str) -> str:
     from fedllm.evaluation.runner import prompt_style_for_data
     from fedllm.recipe.checks import load_recipe
 
-    return prompt_style_for_data(load_recipe(recipe).data) or "chat"
+    loaded = load_recipe(recipe)
+    return prompt_style_for_data(loaded.data, loaded.eval) or "chat"
 
 
 def run_serve_command(args: argparse.Namespace) -> int:

@@ -11,11 +11,14 @@ id and read with ``datasets.load_dataset``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from fedllm.data.errors import DataError
+
+log = logging.getLogger(__name__)
 from fedllm.data.validation import decode_utf8
 
 #: Suffixes that mark a path as a local file even when it does not exist.
@@ -59,8 +62,20 @@ user}`` gives each key its own client)."""
 
 def user_keyed(obj: dict[str, list[dict]]) -> list[dict]:
     """FedLLM-Bench's user-keyed JSON (``{client id: [records]}``) as one list, each record tagged with its key in
-    :data:`USER_COLUMN` (a record's own ``user`` column is kept), in file order. An object with a key of
-    :data:`SPLIT_NAMES` is split-keyed instead (``{"train": [...], "test": [...]}``)."""
+    :data:`USER_COLUMN` (a record's own ``user`` column is kept), in file order (``partition: natural`` numbers
+    the users in that order, as FedLLM-Bench does). An object with a key of :data:`SPLIT_NAMES` is split-keyed
+    instead (``{"train": [...], "test": [...]}``).
+
+    A key with no records is no client here (fedllm trains no client without data), while FedLLM-Bench's
+    ``get_fed_datasets`` numbers it: the users after it then number one less than FedLLM-Bench's, which a
+    warning names."""
+    empty = [str(key) for key, records in obj.items() if not records]
+    if empty:
+        keys = [str(key) for key in obj]
+        log.warning("user-keyed JSON: %d user(s) without records (%s%s) are no clients; FedLLM-Bench numbers them, "
+                    "so from user %r (FedLLM-Bench's client %d) on, fedllm's client numbers are lower than "
+                    "FedLLM-Bench's", len(empty), ", ".join(map(repr, empty[:5])), " ..." if len(empty) > 5 else "",
+                    empty[0], keys.index(empty[0]))
     return [{USER_COLUMN: str(key), **record} for key, records in obj.items() for record in records]
 
 

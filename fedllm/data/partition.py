@@ -9,6 +9,7 @@ never skip a client silently: an impossible request raises
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -18,6 +19,8 @@ from fedllm.common.registry import partitioners, register_partitioner
 from fedllm.data.errors import PartitionError
 from fedllm.data.manifest import load_manifest, manifest_clients, partition_manifest, save_manifest
 from fedllm.recipe.schema import PartitionConfig
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_COLUMNS",
@@ -82,13 +85,16 @@ def _value_key(value: Any) -> tuple[str, Any]:
     return (type(value).__name__, value)
 
 
-def _groups(records: list[dict], column: str) -> dict[Any, list[int]]:
+def _groups(records: list[dict], column: str, order: str = "sorted") -> dict[Any, list[int]]:
+    """Record indices per value of ``column``: values sorted, or in the order they first appear (``first_seen``)."""
     groups: dict[Any, list[int]] = defaultdict(list)
     for i, r in enumerate(records):
         try:
             groups[r[column]].append(i)
         except TypeError:
             raise PartitionError(f"record {i + 1}: value of {column!r} is not a label ({r[column]!r})") from None
+    if order == "first_seen":
+        return dict(groups)
     return dict(sorted(groups.items(), key=lambda kv: _value_key(kv[0])))
 
 
@@ -157,11 +163,15 @@ def dirichlet(records: list[dict], num_clients: int, seed: int, cfg: PartitionCo
 
 @register_partitioner("natural")
 def natural(records: list[dict], num_clients: int, seed: int, cfg: PartitionConfig) -> list[list[int]]:
-    """One client per distinct value of ``cfg.column`` (a user, writer or category id), in sorted order.
+    """One client per distinct value of ``cfg.column`` (a user, writer or category id), numbered in the order the
+    values first appear in the records (file order), as FedLLM-Bench numbers its users (``get_fed_datasets``: one
+    client per key of its user-keyed JSON, in file order, so that client ``k`` is its ``local<k>`` baseline's
+    user). With fewer clients than values, the first ``num_clients`` values are the clients and the records of
+    the others are left out (FedLLM-Bench's ``dataset[:num_clients]``; a warning says how many).
 
     Args:
         records: The records.
-        num_clients: Must equal the number of distinct values.
+        num_clients: At most the number of distinct values.
         seed: Unused.
         cfg: ``column``.
 
@@ -169,17 +179,24 @@ def natural(records: list[dict], num_clients: int, seed: int, cfg: PartitionConf
         Sorted record indices per client.
 
     Raises:
-        PartitionError: Missing column, or ``num_clients`` differs from the number of values.
+        PartitionError: Missing column, or more clients than values.
     """
     _check_counts(records, num_clients)
     column = resolve_column(records, cfg.column)
-    groups = _groups(records, column)
-    if len(groups) != num_clients:
+    groups = _groups(records, column, order="first_seen")
+    if len(groups) < num_clients:
         raise PartitionError(
             f"natural partition on {column!r} gives {len(groups)} clients (one per distinct value) "
             f"but num_clients is {num_clients}; set federation.num_clients: {len(groups)}"
         )
-    return [sorted(members) for members in groups.values()]
+    parts = [sorted(members) for members in groups.values()]
+    if len(parts) > num_clients:
+        left = sum(len(p) for p in parts[num_clients:])
+        log.warning("natural partition on %r: %d distinct values, num_clients %d: the first %d (in file order) are "
+                    "the clients, the other %d values' %d record(s) are left out (as FedLLM-Bench takes its first "
+                    "num_clients users); set federation.num_clients: %d to keep them all", column, len(parts),
+                    num_clients, num_clients, len(parts) - num_clients, left, len(parts))
+    return parts[:num_clients]
 
 
 def partition_records(records: list[dict], num_clients: int, seed: int, cfg: PartitionConfig) -> list[list[int]]:

@@ -16,6 +16,7 @@ OpenFedLLM's way), for strategies that never change the base.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from fedllm.models.preference_loss import needs_reference, sequence_logps
 from fedllm.models.state import DTYPES, StateDict
 from fedllm.recipe.schema import TrainConfig
 from fedllm.runs.client_store import REFERENCE, ClientStore
+from fedllm.runs.reference_cache import ReferenceCache
 
 REFERENCE_KEY = REFERENCE + "logps"
 """Key of a client's reference table: float32, one row per example (chosen, rejected)."""
@@ -59,6 +61,30 @@ class ReferencedExamples(Sequence):
         return example if row is None else {**example, "ref_chosen_logp": row[0], "ref_rejected_logp": row[1]}
 
 
+def _batch_rows(model: torch.nn.Module, items: list[dict], cfg: TrainConfig,
+                collate: Callable[[list[dict]], dict], device: torch.device) -> torch.Tensor:
+    """``len(items) x 2`` float32 CPU log-probabilities (chosen, rejected) of one batch of pairs (eval mode, no
+    gradient: the caller's)."""
+    batch = {k: v.to(device) for k, v in collate(items).items()}
+    dtype = cfg.dtype if cfg.dtype != "auto" else auto_dtype(device)[0]
+    autocast = torch.autocast(device.type, DTYPES[dtype]) if dtype != "fp32" else contextlib.nullcontext()
+    with autocast:
+        logps = sequence_logps(model, batch, cfg.loss_positions).logps
+    chosen, rejected = logps.float().cpu().chunk(2)
+    return torch.stack([chosen, rejected], dim=1)
+
+
+@contextlib.contextmanager
+def _evaluating(model: torch.nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def compute_reference(
     model: torch.nn.Module,
     examples: Sequence[dict],
@@ -74,27 +100,62 @@ def compute_reference(
         float32 CPU tensor (len(indices) x 2): each pair's summed answer log-probability, chosen then rejected.
     """
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    rows = []
-    try:
-        with torch.no_grad():
-            size = batch_size or cfg.batch_size
-            for start in range(0, len(indices), size):
-                batch = collate([examples[i] for i in indices[start : start + size]])
-                batch = {k: v.to(device) for k, v in batch.items()}
-                dtype = cfg.dtype if cfg.dtype != "auto" else auto_dtype(device)[0]
-                autocast = torch.autocast(device.type, DTYPES[dtype]) if dtype != "fp32" else None
-                if autocast is None:
-                    logps = sequence_logps(model, batch, cfg.loss_positions).logps
-                else:
-                    with autocast:
-                        logps = sequence_logps(model, batch, cfg.loss_positions).logps
-                chosen, rejected = logps.float().cpu().chunk(2)
-                rows.append(torch.stack([chosen, rejected], dim=1))
-    finally:
-        model.train(was_training)
+    size = batch_size or cfg.batch_size
+    with _evaluating(model):
+        rows = [_batch_rows(model, [examples[i] for i in indices[start : start + size]], cfg, collate, device)
+                for start in range(0, len(indices), size)]
     return torch.cat(rows) if rows else torch.zeros(0, 2)
+
+
+def pair_length(example: dict) -> int:
+    """The width a pair pads its batch to: its longer answer sequence."""
+    return max(len(example["input_ids"]), len(example.get("rejected_input_ids", ())))
+
+
+def compute_references(
+    model: torch.nn.Module,
+    examples: Sequence[dict],
+    clients: dict[int, Sequence[int]],
+    cfg: TrainConfig,
+    collate: Callable[[list[dict]], dict],
+    progress: bool = False,
+    on_client: Callable[[int, torch.Tensor], None] | None = None,
+) -> dict[int, torch.Tensor]:
+    """The reference tables of several clients in one pass: all their pairs sorted by length (longest first),
+    cut into batches of ``train.batch_size`` pairs, so that a batch pads little and small clients share batches
+    (a pair's log-probabilities do not depend on its batch beyond rounding: fp32 within 1e-6 of one pair alone).
+
+    Args:
+        clients: client id -> its example indices (each client's table follows this order).
+        progress: a progress bar over the pairs.
+        on_client: called with each client's table as soon as all its pairs are done (the cache's writer).
+
+    Returns:
+        client id -> float32 CPU table (pairs x 2: chosen, rejected).
+    """
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    order = sorted(((c, row, i) for c, ix in clients.items() for row, i in enumerate(ix)),
+                   key=lambda item: -pair_length(examples[item[2]]))
+    tables = {c: torch.zeros(len(ix), 2) for c, ix in clients.items()}
+    left = {c: len(ix) for c, ix in clients.items()}
+    for c in [c for c, n in left.items() if n == 0]:
+        if on_client is not None:
+            on_client(c, tables[c])
+    size = cfg.batch_size
+    with _evaluating(model), tqdm(total=len(order), desc="reference log-probs", unit="pair",
+                                  disable=not progress, leave=False) as bar:
+        for start in range(0, len(order), size):
+            chunk = order[start : start + size]
+            rows = _batch_rows(model, [examples[i] for _, _, i in chunk], cfg, collate, device)
+            for (c, row, _), values in zip(chunk, rows, strict=True):
+                tables[c][row] = values
+                left[c] -= 1
+                if left[c] == 0 and on_client is not None:
+                    on_client(c, tables[c])
+            bar.update(len(chunk))
+    return tables
 
 
 def client_reference(
@@ -122,18 +183,34 @@ def precompute_references(
     cfg: TrainConfig,
     collate: Callable[[list[dict]], dict],
     dispatch: Any = None,
+    cache: ReferenceCache | None = None,
+    progress: bool = False,
 ) -> None:
     """Compute the reference part of every client in ``clients`` (id -> example indices) that has none, before
-    training starts. With a multi-process ``dispatch`` each process computes its share and all are gathered."""
+    training starts, in one length-sorted pass over their pairs (:func:`compute_references`). With a
+    multi-process ``dispatch`` each process computes its share and all are gathered. ``cache`` (the run
+    directory's, :mod:`fedllm.runs.reference_cache`) gives back what an interrupted start computed and keeps
+    each client's table as it is done."""
     if not uses_precomputed(cfg):
         return
     todo = [c for c in sorted(clients) if REFERENCE_KEY not in store.reference(c)]
+    cached = cache.load() if cache is not None and todo else {}
+    for c in todo:
+        if c in cached and cached[c].shape == (len(clients[c]), 2):
+            store.put_reference(c, {REFERENCE_KEY: cached[c]})
+    todo = [c for c in todo if REFERENCE_KEY not in store.reference(c)]
     mine = dispatch.local_share(todo) if dispatch is not None else todo
-    computed = {c: client_reference(model, store, c, examples, clients[c], cfg, collate) for c in mine}
+    tables = compute_references(model, examples, {c: clients[c] for c in mine}, cfg, collate, progress,
+                                cache.put if cache is not None else None)
+    computed = {c: {REFERENCE_KEY: t} for c, t in tables.items()}
     if dispatch is not None:
         _, _, computed = dispatch.gather([], {}, computed)
     for c, part in computed.items():
         store.put_reference(c, part)
+        if cache is not None:
+            cache.put(c, part[REFERENCE_KEY])
+    if cache is not None:
+        cache.flush()
 
 
 def precompute_eval_references(

@@ -65,6 +65,8 @@ from fedllm.recipe.schema import Recipe, dump_recipe
 from fedllm.runs import checkpoint as ckpt_io
 from fedllm.runs import comm_budget, rundir, runlock, strict_json
 from fedllm.runs.client_store import ClientStore
+from fedllm.runs.reference_cache import CACHE_NAME as REFERENCE_CACHE
+from fedllm.runs.reference_cache import ReferenceCache, reference_fingerprint
 from fedllm.runs.resume_check import check_resume_recipe
 from fedllm.runs.rundir import RunDirError  # noqa: F401  (re-exported: raised by prepare_run_dir)
 from fedllm.strategies import ClientInfo, ClientUpdate, Strategy, get_strategy
@@ -305,8 +307,10 @@ class LocalExecutor:
         """Before round 1: what clients compute once from the starting model (DPO's reference log-probabilities,
         :mod:`fedllm.engine.reference`), each process its share of the clients, gathered into every store."""
         data = loop.fed.data
+        cache = ReferenceCache(loop.run_dir / REFERENCE_CACHE,
+                               reference_fingerprint(loop.recipe, [len(ix) for ix in data.clients]), self.is_main)
         precompute_references(loop.model, loop.store, data.examples, dict(enumerate(data.clients)), loop.recipe.train,
-                              loop.collate, self.dispatch)
+                              loop.collate, self.dispatch, cache, loop.progress)
 
     def sync(self, loop: RoundLoop, rnd: int, sampled: list[int], aggregated: StateDict) -> dict[int, int]:
         """Bytes sent outside the round's plans (the strategy's syncs to non-participants)."""
@@ -419,7 +423,7 @@ class RoundLoop:
                                                                                       self.recipe.data), out_dir,
                         records=data.eval_records if records is None else records,
                         eval_examples=examples, tag=tag,
-                        prompt_style=prompt_style_for_data(self.recipe.data), progress=self.progress,
+                        prompt_style=prompt_style_for_data(self.recipe.data, self.recipe.eval), progress=self.progress,
                         preference=dpo)
 
     def evaluate_personal(self, rnd: int) -> dict[str, dict[str, float]]:

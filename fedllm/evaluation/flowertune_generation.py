@@ -6,6 +6,14 @@
 - Finance (``benchmarks.inference``): batches of 32, padded, ``max_length=512`` (prompt included), the
   model's own generation config (greedy unless it says otherwise), ``torch.manual_seed(2024)`` first; each
   row decoded whole (prompt included) without special tokens.
+
+Batches are cut from a data set's full row order, whatever a resumed evaluation still has to do: a row's
+``max_new_tokens`` (General NLP / Medical) is its full-order batch's, and a finance row is generated in its
+full-order padded batch (a batch holding a row still to do is generated whole; every batch when the model
+samples, since each batch draws from the stream the earlier ones left), so a resumed evaluation's answers are
+an uninterrupted one's. Each answer is stored with its ``max_new_tokens`` or finance ``batch`` and reused only
+where the run's full row order gives the same (a ``--limit`` run's last finance batch is smaller than a full
+run's: its rows are generated again in the full batch).
 - Code (bigcode-evaluation-harness ``parallel_generations``/``complete_code`` with FlowerTune's command):
   ``set_seed(0)`` per data set, each prompt (truncated from the left to ``max_length``) sampled
   ``num_return_sequences=4`` times (``--batch_size=4``, ``n_samples=1``) at temperature 0.2, top-p 0.95,
@@ -14,7 +22,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -47,19 +55,43 @@ def greedy_each(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
         return tokenizer.decode(out[0][ids.shape[1]:], skip_special_tokens=True)
 
 
+def finance_batch(index: int, total: int) -> tuple[int, int]:
+    """``(start, end)`` of the finance batch row ``index`` of ``total`` rows is generated in."""
+    start = index - index % FINANCE_BATCH
+    return start, min(start + FINANCE_BATCH, total)
+
+
 def finance_decoded(model, tokenizer, prompts: Sequence[str],
-                    on_batch: Callable[[int, list[str]], None] | None = None) -> list[str]:
-    """Each prompt's whole decoded row (prompt + continuation), as FlowerTune's finance ``inference``."""
-    rows: list[str] = []
+                    on_batch: Callable[[int, list[str]], None] | None = None,
+                    todo: Collection[int] | None = None) -> dict[int, str]:
+    """Each prompt's whole decoded row (prompt + continuation), as FlowerTune's finance ``inference``, by index.
+
+    Args:
+        prompts: every prompt of the data set, in its row order (the batches of :data:`FINANCE_BATCH` are cut
+            from it).
+        on_batch: called with each generated batch's first index and its decoded rows.
+        todo: indices still to answer (None: all); only their batches are generated, unless the model's
+            generation config samples (then every batch, so that each draws from the stream it draws from in a
+            full run).
+
+    Returns:
+        ``{index: decoded row}`` of every generated batch's rows (all of ``todo``'s at least).
+    """
+    rows: dict[int, str] = {}
+    needed = set(range(len(prompts)) if todo is None else todo)
+    every = bool(getattr(getattr(model, "generation_config", None), "do_sample", False))
     device = model_device(model)
     with _inference_mode(model, tokenizer), seeded_rng(FINANCE_SEED, device):
         for start in range(0, len(prompts), FINANCE_BATCH):
-            batch = list(prompts[start:start + FINANCE_BATCH])
+            span = range(*finance_batch(start, len(prompts)))
+            if not every and needed.isdisjoint(span):
+                continue
+            batch = [prompts[i] for i in span]
             tokens = tokenizer(batch, return_tensors="pt", padding=True, return_token_type_ids=False).to(device)
             out = model.generate(**tokens, max_length=FINANCE_MAX_LENGTH, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id)
             decoded = [tokenizer.decode(row, skip_special_tokens=True) for row in out]
-            rows += decoded
+            rows.update(zip(span, decoded, strict=True))
             if on_batch is not None:
                 on_batch(start, decoded)
     return rows

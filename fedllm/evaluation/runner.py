@@ -101,13 +101,17 @@ def merge_summary(path: Path, metrics: dict[str, float], protocols: dict[str, Op
     write_json_atomic(path, {"metrics": {**kept, **metrics}, "protocols": {**kept_protocols, **protocols}})
 
 
-def prompt_style_for_data(data_cfg: DataConfig) -> Optional[str]:
-    """The prompt style matching how a run's training data was formatted.
+def prompt_style_for_data(data_cfg: DataConfig, eval_cfg: Optional[EvalConfig] = None) -> Optional[str]:
+    """The prompt style a run is evaluated in: ``eval.prompt_style`` when the recipe names one (a protocol that
+    prompts otherwise than the run trained: FedLLM-Bench asks its DPO runs, trained on prompts as given, in the
+    Alpaca template), else the one matching how its training data was formatted.
 
     ``alpaca`` for instruction data with the Alpaca template (or OpenFedLLM's spelling of it, ``openfedllm``, whose
     text the judged tasks' reference prompts use), ``chat`` for chat data, None (the default rule) otherwise. A chat run trained with a FastChat template is prompted in
     that template (:func:`eval_config_for_data`).
     """
+    if eval_cfg is not None and eval_cfg.prompt_style:
+        return eval_cfg.prompt_style
     if data_cfg.format == "instruction" and data_cfg.template in ("alpaca", "openfedllm"):
         return "alpaca"
     if data_cfg.format == "chat":

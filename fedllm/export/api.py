@@ -120,7 +120,8 @@ def _write_one(fmt: str, source: Source, client: Optional[int], directory: Path,
     from fedllm.evaluation.runner import prompt_style_for_data
 
     info.update(dtype=dtype, client=client, with_base=with_base,
-                prompt_style=prompt_style_for_data(source.recipe.data) or "chat")  # fedllm serve reads it
+                prompt_style=prompt_style_for_data(source.recipe.data,  # fedllm serve reads it
+                                                   source.recipe.eval) or "chat")
     (directory / "README.md").write_text(redact_text(model_card(fmt, source, info, command,
                                                                 final.resolve() if final is not None else None)))
     facts = {"format": fmt, "source": str(source.checkpoint), "round": source.round,

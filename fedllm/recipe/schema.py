@@ -209,6 +209,7 @@ class EvalConfig:
     judged_prompts: Literal["reference", "training"] = doc("reference", "judged tasks of Alpaca-style runs: prompts as the reference scripts wrote them, or the run's training prompt for every turn")
     data: dict[str, str] = doc({}, "task -> local file or hub id of its data")
     chat_template: Optional[str] = doc(None, "FastChat template name; default: a chat run's FastChat data.template, else the tokenizer's chat template")
+    prompt_style: Optional[Literal["alpaca", "chat", "plain"]] = doc(None, "prompt style of the run's evaluation (fedllm eval --prompt-style overrides it); default: the one its data.format/template trained (alpaca, chat), else chat if the tokenizer has a chat template, else plain")
     personal: bool = doc(False, "personalized strategies: also evaluate each client's model on its own split")
     quantization: Literal["none", "4bit", "4bit-flowertune", "4bit-qlora", "8bit"] = doc("none", "fedllm eval: load the evaluated model through bitsandbytes; 4bit-flowertune: bitsandbytes' defaults as FlowerTune's eval.py (FP4, fp32 compute), 4bit-qlora: QLoRA's (NF4, double quantization), 4bit: FlowerTune's when every task is flowertune_general_nlp/medical/finance (the board evaluates them so), else QLoRA's")
     allow_code_execution: bool = doc(False, "run model-written programs (flowertune_code) in fedllm's sandbox; refused otherwise")

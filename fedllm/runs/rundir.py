@@ -71,7 +71,7 @@ def protected_reason(run_dir: Path, inputs: list[tuple[str, str]]) -> Optional[s
 
 
 TEMPORARIES = (".final.tmp-*", ".final.old-*", "checkpoints/.round-*", ".metrics.jsonl.*", ".summary.json.*",
-               ".recipe.yaml.*", ".partition.json.*", f".{RUN_MARKER}.*")
+               ".recipe.yaml.*", ".partition.json.*", f".{RUN_MARKER}.*", ".reference_logps.safetensors.*")
 """Names of the temporaries fedllm's atomic writes leave when killed mid-write (removed on the next start)."""
 
 

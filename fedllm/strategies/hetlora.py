@@ -20,6 +20,18 @@ The server holds one adapter of the largest rank ``r_max = lora.r``; client ``k`
   have ``ΔW_k = 0`` (e.g. ``B`` still zero) is averaged uniformly. Other trainable keys (a classifier head) are
   averaged with the ``weighting`` example weights, as FedAvg.
 
+**Ranks lost for good** (faithful to the paper's zero-padding, Fig. 2a): in a round where every sampled client
+uploads rank ``m < r_max``, the padded mean zeroes rows ``m…r_max`` of every ``Ā`` and columns ``m…r_max`` of
+every ``B̄``. A rank whose row of ``A`` and column of ``B`` are both zero gets zero gradients (each factor's
+gradient goes through the other), so no client of a higher rank can relearn it: from then on the global adapter
+has rank ``m`` at most. The round it happens while some client still holds a rank above ``m``, a warning names
+the round, the ranks lost and those clients. The paper gives no remedy; later work replaces zero-padded
+aggregation altogether (FlexLoRA, Bai et al. 2024: the mean of the full products, SVD-truncated to each
+client's rank; FLoRA, Wang et al. 2024: stacking), registered here as ``flexlora`` and ``flora``; proposals
+that keep zero-padding's structure (replicating higher ranks instead of zeros, averaging each rank only over
+the clients that hold it) are not established, and HetLoRA here offers none. Sampling more clients per round
+makes such a round rarer.
+
 DoRA (``lora.use_dora``, Liu et al. 2024, Eq. 5): a layer computes ``m ⊙ (W + s·B·A) / ‖W + s·B·A‖_c``. The magnitude
 ``m`` has one entry per output row, whatever the rank, so it is neither truncated nor padded: every client receives
 and trains all of it, and the server averages it with the same per-layer weights ``p_k`` as that layer's factors (the
@@ -34,6 +46,7 @@ no stored state; the server keeps every client's current rank (checkpointed).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -47,6 +60,8 @@ from fedllm.strategies.fedavg import FedAvg
 from fedllm.strategies.residual import adapter_layers
 
 RANK = "rank"  # plan.extra entry: the client's current rank
+
+log = logging.getLogger("fedllm")
 
 
 def pruned_rank(rank: int, gamma: float) -> int:
@@ -136,7 +151,30 @@ class HetLoRA(RankedClients, FedAvg):
             out.update(weighted_mean(heads, self.weights(updates)))
         for u, rank in zip(updates, ranks, strict=True):
             self.current[u.client_id] = rank
+        self._warn_lost_ranks(rnd, global_state, out)
         return out
+
+    def live_ranks(self, state: StateDict) -> int:
+        """One past the highest rank whose row of ``A`` or column of ``B`` is non-zero in some layer (the ranks
+        above it are zero in both factors: zero gradients, lost for good)."""
+        live = 0
+        for layer in self.layers.values():
+            used = (state[layer.a_key].detach() != 0).any(1) | (state[layer.b_key].detach() != 0).any(0)
+            nonzero = used.nonzero()
+            if len(nonzero):
+                live = max(live, int(nonzero[-1]) + 1)
+        return live
+
+    def _warn_lost_ranks(self, rnd: int, before: StateDict, after: StateDict) -> None:
+        """Warn when this round's zero-padded mean zeroed ranks some client still holds (see the module docstring)."""
+        was, now = self.live_ranks(before), self.live_ranks(after)
+        holders = [c for c, rank in enumerate(self.current) if rank > now]
+        if now < was and holders:
+            log.warning("hetlora: round %d: every sampled client uploaded rank <= %d, so the zero-padded mean zeroed "
+                        "ranks %d-%d of the global adapter (both factors): no client can relearn them, and client(s) "
+                        "%s of rank > %d train them in vain from now on (HetLoRA's zero-padding; flexlora or flora "
+                        "aggregate without it)", rnd, now, now + 1, was, _listed(holders), now)
+
 
     def state_dict(self) -> StateDict:
         return {"ranks": torch.tensor(self.current, dtype=torch.int64)}
@@ -192,3 +230,7 @@ class HetLoRA(RankedClients, FedAvg):
             if end < float(plan.extra["start_tail"]):
                 rank = keep
         return self.truncate({k: trained[k] for k in plan.state}, rank)
+
+
+def _listed(ids: list[int], shown: int = 10) -> str:
+    return ", ".join(map(str, ids[:shown])) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")

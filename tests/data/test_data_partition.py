@@ -76,7 +76,7 @@ def test_dirichlet_uses_category_by_default_and_given_column():
 def test_natural_split():
     recs = [{"writer": w, "text": str(i)} for i, w in enumerate(["bo", "al", "cy", "al", "bo", "al"])]
     parts = partition_records(recs, 3, 0, PartitionConfig("natural", column="writer"))
-    assert parts == [[1, 3, 5], [0, 4], [2]]  # sorted values: al, bo, cy
+    assert parts == [[0, 4], [1, 3, 5], [2]]  # values in the order they first appear: bo, al, cy
 
 
 def test_more_clients_than_examples():
@@ -95,9 +95,19 @@ def test_missing_column():
 
 
 def test_natural_count_mismatch():
+    recs = [{"label": f"u{i % 3}"} for i in range(9)]
     with pytest.raises(PartitionError) as e:
-        partition_records(records(40), 3, 0, PartitionConfig("natural"))
-    assert "gives 4 clients" in str(e.value) and "num_clients is 3" in str(e.value)
+        partition_records(recs, 4, 0, PartitionConfig("natural"))
+    assert "gives 3 clients" in str(e.value) and "num_clients is 4" in str(e.value)
+
+
+def test_natural_fewer_clients_keeps_the_first_values_in_file_order(caplog):
+    """FedLLM-Bench's ``dataset[:num_clients]``: the first users (in file order) are the clients, the rest left out."""
+    recs = [{"user": u} for u in ["z", "z", "a", "m", "a", "q"]]
+    with caplog.at_level("WARNING"):
+        parts = partition_records(recs, 2, 0, PartitionConfig("natural", column="user"))
+    assert parts == [[0, 1], [2, 4]]
+    assert "the other 2 values' 2 record(s) are left out" in caplog.text
 
 
 def test_dirichlet_impossible_min_size():

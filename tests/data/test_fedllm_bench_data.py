@@ -36,7 +36,7 @@ def _federate(tmp_path, users, tokenizer, **data):
     path.write_text(json.dumps(users, indent=4))
     cfg = DataConfig(path=str(path), cache=False, **data)
     fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), len(users), tokenizer, 256, 0)
-    return {user: [fed.examples[i] for i in members] for user, members in zip(sorted(users), fed.clients, strict=True)}
+    return {user: [fed.examples[i] for i in members] for user, members in zip(users, fed.clients, strict=True)}
 
 
 def _supervised(tokenizer, example):
@@ -64,6 +64,24 @@ def test_fedllm_bench_multi_turn_user_keyed_json(tokenizer, tmp_path):
     # loss on the assistant turns only; fedllm's chat encoder cuts where FastChat's generation prompt ends
     # ("ASSISTANT:"), so the space before each reply is supervised too (FedLLM-Bench masks "ASSISTANT: " with it)
     assert _supervised(tokenizer, convo) == " world</s> sat</s>"
+
+
+def test_fedllm_bench_clients_are_numbered_in_file_order(tokenizer, tmp_path):
+    """FedLLM-Bench's get_fed_datasets: client k is the k-th key of the file (json.load keeps the file's order), and
+    main_*.py trains ``dataset[:num_clients]``: with 2 clients, the first two users. The file's order (u_17, u_03,
+    u_42) is not the sorted one, so client 0 must be u_17's."""
+    path = tmp_path / "by_client.json"
+    path.write_text(json.dumps(SINGLE))
+    expected = [[r["instruction"] for r in records] for records in json.loads(path.read_text()).values()]
+    assert expected[0] == ["the cat sat", "hello"] and sorted(SINGLE) != list(SINGLE)
+    cfg = DataConfig(path=str(path), format="instruction", template="openfedllm", fields={"output": "response"},
+                     cache=False)
+    for num_clients in (3, 2):
+        fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), num_clients, tokenizer,
+                                   256, 0)
+        got = [[tokenizer.decode(fed.examples[i]["input_ids"]).split("### Instruction:\n")[1].split(" \n")[0]
+                for i in members] for members in fed.clients]
+        assert got == expected[:num_clients]
 
 
 def test_fedllm_bench_user_count_must_match_num_clients(tokenizer, tmp_path):
@@ -116,3 +134,12 @@ def test_fedllm_bench_chatbotpa_dpo_recipe_and_dynamic_local_steps(pairs):
     assert (r.lora.r, r.lora.alpha, r.train.objective, r.train.preference.beta) == (8, 16, "dpo", 0.1)
     sample_num = 200 * 10 / 747
     assert steps_per_round(r.train, pairs) == math.ceil(pairs * 3 / sample_num / (8 * 1))
+
+
+def test_fedllm_bench_user_without_records_is_named(caplog):
+    from fedllm.data.loading import user_keyed
+
+    with caplog.at_level("WARNING"):
+        rows = user_keyed({"u_9": [{"instruction": "a"}], "u_2": [], "u_5": [{"instruction": "b"}]})
+    assert [r["user"] for r in rows] == ["u_9", "u_5"]
+    assert "1 user(s) without records ('u_2')" in caplog.text and "FedLLM-Bench's client 1" in caplog.text

@@ -6,6 +6,7 @@ formatted with ``instruction + '.'``, written out here.
 """
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -56,6 +57,29 @@ def test_advbench_answers_and_scores_as_the_reference(scripted_lm, tokenizer, tm
     first = f"{head}\n\n### Instruction:\n{goals[0]}. \n\n### Response:"         # their template, last char cut
     assert rows[0]["prompts"] == [first]
     assert set(model.decoding.values()) == {(True, 0.7, 1.0, 1024)}
+
+
+@pytest.mark.parametrize("recipe", ["llama2-7b-fedchatbotpa-dpo", "llama2-7b-fedwildchat-multiturn-fedavg"])
+def test_fedllm_bench_recipes_ask_advbench_as_fedllm_bench(recipe, scripted_lm, tokenizer, tmp_path):
+    """FedLLM-Bench asks every run in the Alpaca prompt (evaluation/open_ended/scripts/gen_answer_*.sh: --template
+    alpaca), its DPO run (trained on prompts as given, template: plain) and its multi-turn run (vicuna_v1.1) too:
+    the recipes' evaluation must produce those prompts, for every goal. The tokenizer has no chat template, as
+    LLaMA-2-7B's (the recipes' base)."""
+    from fedllm.evaluation.runner import eval_config_for_data, prompt_style_for_data
+    from fedllm.recipe.checks import load_recipe
+
+    r = load_recipe(f"recipes/fedllm_bench/{recipe}.yaml", check_files=False)
+    tokenizer.chat_template = None
+    goals = [row["goal"] for row in csv.DictReader((ADV / "advbench_head16.csv").open())]
+    model = scripted_lm({a["instruction"] + ".": a["output"] for a in ANSWERS})
+    cfg = dataclasses.replace(eval_config_for_data(r.eval, r.data), tasks=["advbench"],
+                              data={"advbench": str(ADV / "advbench_head16.csv")})
+    evaluate(model, tokenizer, cfg, tmp_path / "out", prompt_style=prompt_style_for_data(r.data, r.eval),
+             progress=False)
+    rows = json.loads((tmp_path / "out" / "advbench.json").read_text())["examples"]
+    alpaca_template = ("Below is an instruction that describes a task. Write a response that appropriately "
+                       "completes the request.\n\n### Instruction:\n{} \n\n### Response: {}{}")  # utils/template.py
+    assert [row["prompts"] for row in rows] == [[alpaca_template.format(g + ".", "", "")[:-1]] for g in goals]
 
 
 def test_advbench_without_data_offline_exits_2(tmp_path, capsys, monkeypatch):

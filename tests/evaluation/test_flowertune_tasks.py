@@ -3,6 +3,7 @@ code-execution refusals (exit code 2 naming what to set)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -148,7 +149,74 @@ def test_flowertune_generation_calls_run_on_a_real_model_and_repeat(tiny_lm, tok
     assert gen.code_samples(tiny_lm, tokenizer, ["def add(a, b):", "The answer is"], ["\ndef"], max_length=24) \
         == samples
     prompts = ["Instruction: What is it?\nAnswer: ", "Instruction: x\nInput: Tom has 3 apples\nAnswer: "]
-    rows = gen.finance_decoded(tiny_lm, tokenizer, prompts)
+    rows = list(gen.finance_decoded(tiny_lm, tokenizer, prompts).values())
     assert all(r.startswith(p) for r, p in zip(rows, prompts, strict=True))  # whole rows, padding dropped
     one = gen.greedy_each(tiny_lm, tokenizer, "Question: Tom has 3 apples", 2)
     assert len(tokenizer(one, add_special_tokens=False)["input_ids"]) <= 2
+
+
+def _pubmedqa_rows(golds: list[str]) -> list[dict]:
+    return [{"QUESTION": f"Question {i}?", "CONTEXTS": [f"Context {i}."], "LONG_ANSWER": "", "final_decision": g}
+            for i, g in enumerate(golds)]
+
+
+def test_flowertune_medical_resumed_after_a_limit_answers_as_an_uninterrupted_run(tiny_lm, tokenizer, tmp_path):
+    """40 PubMedQA rows: every answer's max_new_tokens is the token count of the first reference of its batch of 16
+    in the full row order (rows 0, 16, 32), whether the run is whole or resumed after --limit 5 (before: the
+    remaining rows were re-batched from row 5, so rows 21-36 took row 21's limit)."""
+    golds = ["yes"] * 40
+    golds[16], golds[21] = "maybe maybe maybe maybe maybe", "no no no"
+    data = write_data(tmp_path, "flowertune_medical", MEDICAL)
+    path = tmp_path / "pubmedqa40.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _pubmedqa_rows(golds)))
+    data["flowertune_medical.pubmedqa"] = str(path)
+    answer = "the cat sat on the mat the dog is good the movie was bad"
+    cfg = EvalConfig(tasks=["flowertune_medical"], data=data)
+
+    def outputs(out, limits):
+        for limit in limits:
+            evaluate(ScriptedGenerator(tiny_lm, tokenizer, {}, default=answer), tokenizer,
+                     dataclasses.replace(cfg, limit=limit), out, progress=False)
+        rows = json.loads((out / "flowertune_medical.json").read_text())["examples"]
+        return [r["output"] for r in rows if r["set"] == "pubmedqa"]
+
+    whole = outputs(tmp_path / "whole", [None])
+    assert outputs(tmp_path / "resumed", [5, None]) == whole
+    n = [len(tokenizer(g, add_special_tokens=False)["input_ids"]) for g in golds]
+    assert n[16] != n[21] != n[0]
+    assert [len(tokenizer(o, add_special_tokens=False)["input_ids"]) for o in whole] == \
+        [n[0]] * 16 + [n[16]] * 16 + [n[32]] * 8
+
+
+class _BatchDependent(ScriptedGenerator):
+    """Answers every row of a batch by the batch's size (as a padded batch's answers depend on its rows)."""
+
+    def generate(self, input_ids=None, attention_mask=None, max_length=None, **kwargs):
+        self.default = {32: "positive", 8: "neutral"}.get(len(input_ids), "negative")
+        self.batches.append(len(input_ids))
+        return super().generate(input_ids=input_ids, attention_mask=attention_mask, max_length=max_length)
+
+
+def test_flowertune_finance_resumed_after_a_limit_answers_as_an_uninterrupted_run(tiny_lm, tokenizer, tmp_path):
+    """40 TFNS rows are generated in the full order's batches of 32 (rows 0-31, 32-39) whether the run is whole or
+    resumed after --limit 5 (whose rows sat in a batch of 5: generated again in their full batch)."""
+    rows = [{"text": f"Tweet number {i} about stocks", "label": i % 3} for i in range(40)]
+    data = write_data(tmp_path, "flowertune_finance", {"fpb": "fpb", "fiqa": "fiqa"})
+    path = tmp_path / "tfns40.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data["flowertune_finance.tfns"] = str(path)
+    cfg = EvalConfig(tasks=["flowertune_finance"], data=data)
+
+    def outputs(out, limits):
+        model = _BatchDependent(tiny_lm, tokenizer, {})
+        for limit in limits:
+            model.batches = []
+            evaluate(model, tokenizer, dataclasses.replace(cfg, limit=limit), out, progress=False)
+        stored = json.loads((out / "flowertune_finance.json").read_text())["examples"]
+        return [r["output"] for r in stored if r["set"] == "tfns"], model.batches
+
+    whole, _ = outputs(tmp_path / "whole", [None])
+    assert whole == ["positive"] * 32 + ["neutral"] * 8
+    resumed, batches = outputs(tmp_path / "resumed", [5, None])
+    assert resumed == whole
+    assert batches[-2:] == [32, 8]   # the resumed run's tfns batches: the full order's

@@ -161,3 +161,39 @@ def test_hetlora_kept_moments_of_pruned_ranks_are_zeroed():
     assert kept[f"{layer.a_key}::exp_avg"].sum(1).tolist() == [layer.shape[1]] * 2 + [0.0] * 2
     assert kept[f"{layer.b_key}::exp_avg_sq"].sum(0).tolist() == [layer.shape[0]] * 2 + [0.0] * 2
     assert float(kept[f"{layer.a_key}::step"]) == 3.0 and float(a_moment.sum()) == a_moment.numel()  # input kept
+
+
+def test_hetlora_warns_the_round_every_sampled_client_has_rank_1(caplog):
+    """Clients 1 and 2 (rank 1) alone in a round: the zero-padded mean zeroes ranks 2-4 of every A and B, which then
+    get zero gradients (client 0, of rank 4, cannot relearn them); the round is named in a warning, once."""
+    model = tiny(r=R, alpha=8).model
+    strategy = make_strategy("hetlora", model, client_ranks=[4, 1, 1], gamma=1.0)
+    gen = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(v.shape, generator=gen) for k, v in model.named_parameters() if v.requires_grad}
+
+    def upload(client):
+        rank = strategy.current[client]
+        trained = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+        return ClientUpdate(client, strategy.truncate(trained, rank), 10, 0.0, 1)
+
+    with caplog.at_level("WARNING", logger="fedllm"):
+        kept = strategy.aggregate(1, state, [upload(0), upload(1)])
+        assert not caplog.records and strategy.live_ranks(kept) == R   # client 0 uploaded all four ranks
+        lost = strategy.aggregate(2, kept, [upload(1), upload(2)])
+    assert [r.getMessage() for r in caplog.records] == [
+        "hetlora: round 2: every sampled client uploaded rank <= 1, so the zero-padded mean zeroed ranks 2-4 of the "
+        "global adapter (both factors): no client can relearn them, and client(s) 0 of rank > 1 train them in vain "
+        "from now on (HetLoRA's zero-padding; flexlora or flora aggregate without it)"]
+    layer = next(iter(strategy.layers.values()))
+    assert not lost[layer.a_key][1:].any() and not lost[layer.b_key][:, 1:].any()
+    # client 0 trains on them: both factors' gradients of ranks 2-4 are zero, so they stay lost
+    write_state(model, strategy.configure_client(3, 0, lost).state)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=gen)
+    model(input_ids=ids, labels=ids).loss.backward()
+    params = dict(model.named_parameters())
+    assert not params[layer.a_key].grad[1:].any() and not params[layer.b_key].grad[:, 1:].any()
+    assert params[layer.a_key].grad[0].any()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedllm"):
+        strategy.aggregate(3, lost, [upload(1), upload(2)])
+    assert not caplog.records   # nothing more lost: warned once

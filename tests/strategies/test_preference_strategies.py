@@ -249,3 +249,45 @@ def test_preference_eval_client_uses_the_references_the_run_stored(pref_file, tm
     assert "the adapter-disabled base is the reference" in caplog.text
     gaps = [abs(disabled[c]["pref_accuracy/margin"] - in_run[c]["pref_accuracy/margin"]) for c in in_run]
     assert max(gaps) > 1e-2, gaps  # the merged base is not the policy training started from
+
+
+def test_preference_reference_pass_is_cached_across_a_resume_before_the_first_checkpoint(pref_file, tmp_path,
+                                                                                           crash_at_round,
+                                                                                           monkeypatch):
+    """A run cut in round 1 (no checkpoint yet) leaves its reference tables in RUN/reference_logps.safetensors; the
+    resumed start computes none again and trains exactly as an uninterrupted run. A cache of another recipe is
+    ignored."""
+    import fedllm.engine.reference as reference
+    from fedllm.runs.reference_cache import CACHE_NAME
+
+    computed: list[int] = []
+    original = reference.compute_references
+
+    def counted(model, examples, clients, *args, **kwargs):
+        computed.append(sum(len(ix) for ix in clients.values()))
+        return original(model, examples, clients, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "compute_references", counted)
+    raw = dpo_raw(tmp_path / "cut", pref_file, federation={"rounds": 2})
+    whole = run(parse_recipe({**raw, "output_dir": str(tmp_path / "whole")}))
+    pairs = computed.pop()
+    assert pairs > 0
+    crash_at_round(1)
+    with pytest.raises(RuntimeError, match="power cut"):
+        run(parse_recipe(raw))
+    crash_at_round(None)
+    assert computed.pop() == pairs and (tmp_path / "cut" / CACHE_NAME).is_file()
+    assert not (tmp_path / "cut" / "checkpoints").exists() or not any((tmp_path / "cut" / "checkpoints").iterdir())
+    resumed = run(parse_recipe(raw), resume=True)
+    assert computed.pop() == 0   # every client's table read back
+    for k in whole.global_state:
+        assert torch.equal(whole.global_state[k], resumed.global_state[k]), k
+    other = dpo_raw(tmp_path / "other", pref_file, federation={"rounds": 2}, train={"lr": 1e-2})
+    crash_at_round(1)
+    with pytest.raises(RuntimeError, match="power cut"):
+        run(parse_recipe(other))
+    crash_at_round(None)
+    computed.clear()
+    (tmp_path / "other" / CACHE_NAME).write_bytes((tmp_path / "cut" / CACHE_NAME).read_bytes())
+    run(parse_recipe(other), resume=True)
+    assert computed == [pairs]   # the cache of another recipe (lr differs): computed again

@@ -34,8 +34,16 @@ class FlowerTuneChallenge(Task):
         return "flowertune"
 
     @abc.abstractmethod
-    def answers(self, ctx: EvalContext, prompts: list[str], golds: list[str]) -> list[str]:
-        """The generated answer text of each prompt (what the scorer reads): ChoiceChallenge and Finance."""
+    def answers(self, ctx: EvalContext, prompts: list[str], golds: list[str], todo: list[int]) -> dict[int, str]:
+        """The generated answer text (what the scorer reads) of the prompts ``todo`` indexes, by index: ``prompts``
+        and ``golds`` are the data set's full rows, whose order fixes the batches (a resumed run's answers are an
+        uninterrupted one's)."""
+
+    @abc.abstractmethod
+    def row_settings(self, ctx: EvalContext, prompts: list[str], golds: list[str]) -> list[dict]:
+        """What each row's answer depends on besides its prompt (its batch of the full row order), stored with
+        the answer: a stored answer is reused only where they are the same (a ``--limit`` run's rows may sit in
+        a smaller batch than a full run's)."""
 
     def correct(self, qs: QuestionSet, answer: str, gold: Any) -> bool:
         """FlowerTune's verdict on one answer."""
@@ -52,11 +60,14 @@ class FlowerTuneChallenge(Task):
             ids = [f"{qs.key}/{i}" for i in range(len(rows))]
             prompts, golds = [qs.prompt(r) for r in rows], [qs.gold(r) for r in rows]
             order += ids
-            todo = [i for i, (id_, p) in enumerate(zip(ids, prompts, strict=True)) if results.get(id_, prompt=p) is None]
+            keys = self.row_settings(ctx, prompts, golds)
+            todo = [i for i, (id_, p, key) in enumerate(zip(ids, prompts, keys, strict=True))
+                    if results.get(id_, prompt=p, **key) is None]
             if todo:
-                answers = self.answers(ctx, [prompts[i] for i in todo], [golds[i] for i in todo])
-                for i, answer in zip(todo, answers, strict=True):
-                    results.put({"id": ids[i], "set": qs.key, "prompt": prompts[i], "gold": golds[i], "output": answer})
+                answers = self.answers(ctx, prompts, golds, todo)
+                for i in todo:
+                    results.put({"id": ids[i], "set": qs.key, "prompt": prompts[i], "gold": golds[i], **keys[i],
+                                 "output": answers[i]})
                 results.save(order)
             verdicts = []
             for id_, gold in zip(ids, golds, strict=True):
@@ -73,9 +84,16 @@ class FlowerTuneChallenge(Task):
 class ChoiceChallenge(FlowerTuneChallenge):
     """General NLP and Medical: one greedy answer per question, as long as the first reference of its batch of 16."""
 
-    def answers(self, ctx: EvalContext, prompts: list[str], golds: list[str]) -> list[str]:
-        limits = gen.choice_token_limits(ctx.tokenizer, [g if g is not None else "" for g in golds])
-        return [gen.greedy_each(ctx.model, ctx.tokenizer, p, n) for p, n in zip(prompts, limits, strict=True)]
+    @staticmethod
+    def _limits(ctx: EvalContext, golds: list[str]) -> list[int]:
+        return gen.choice_token_limits(ctx.tokenizer, [g if g is not None else "" for g in golds])
+
+    def row_settings(self, ctx: EvalContext, prompts: list[str], golds: list[str]) -> list[dict]:
+        return [{"max_new_tokens": n} for n in self._limits(ctx, golds)]
+
+    def answers(self, ctx: EvalContext, prompts: list[str], golds: list[str], todo: list[int]) -> dict[int, str]:
+        limits = self._limits(ctx, golds)
+        return {i: gen.greedy_each(ctx.model, ctx.tokenizer, prompts[i], limits[i]) for i in todo}
 
 
 @register_task("flowertune_general_nlp")
@@ -101,8 +119,12 @@ class FlowerTuneFinance(FlowerTuneChallenge):
     name = "flowertune_finance"
     sets = FINANCE_SETS
 
-    def answers(self, ctx: EvalContext, prompts: list[str], golds: list[str]) -> list[str]:
-        return [finance_answer(row) for row in gen.finance_decoded(ctx.model, ctx.tokenizer, prompts)]
+    def row_settings(self, ctx: EvalContext, prompts: list[str], golds: list[str]) -> list[dict]:
+        return [{"batch": list(gen.finance_batch(i, len(prompts)))} for i in range(len(prompts))]
+
+    def answers(self, ctx: EvalContext, prompts: list[str], golds: list[str], todo: list[int]) -> dict[int, str]:
+        rows = gen.finance_decoded(ctx.model, ctx.tokenizer, prompts, todo=todo)
+        return {i: finance_answer(rows[i]) for i in todo}
 
     def correct(self, qs: QuestionSet, answer: str, gold: Any) -> bool:
         return sentiment_label(answer) == sentiment_label(gold)
