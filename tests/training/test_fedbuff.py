@@ -180,3 +180,27 @@ def test_refused_at_recipe_load(tiny_recipe, section, value, key, says):
 def test_async_keys_refused_under_sync(tiny_recipe):
     with pytest.raises(RecipeError, match=r"federation.async_buffer_size.*only with federation.mode: async"):
         parse_recipe(tiny_recipe(federation={"async_buffer_size": 3}))
+
+
+def test_the_dry_run_says_what_async_does(tiny_recipe):
+    from fedllm.commands.dry_run import async_lines
+
+    assert async_lines(parse_recipe(tiny_recipe())) == []
+    (line,) = async_lines(parse_recipe(tiny_recipe(federation=ASYNC)))
+    assert line == ("  async (FedBuff): 3 client(s) train at once; a server step (a round) every 2 upload(s), each "
+                    "weighted by its staleness s(tau) = 1/sqrt(1+tau); virtual seconds per local step "
+                    "[1.0, 1.2, 1.5, 5.0]; federation.rounds = 4 server steps")
+
+
+def test_flower_run_refuses_async(tiny_recipe, tmp_path, capsys):
+    """Flower's ServerApp drives synchronous rounds: `fedllm flower run` refuses the recipe (exit 2) before it
+    asks for a SuperLink."""
+    import yaml
+
+    from fedllm.commands.cli import main
+
+    path = tmp_path / "async.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(federation=ASYNC)))
+    assert main(["flower", "run", str(path), "--superlink", "127.0.0.1:1", "--insecure"]) == 2
+    err = capsys.readouterr().err
+    assert "federation.mode: async (FedBuff) runs in simulation only" in err and str(path) in err
