@@ -58,6 +58,7 @@ class InFlight:
     num_examples: int
     loss: Optional[float]
     steps: int
+    work: dict[str, Any]  # what its training did (tokens, seconds: fedllm.models.flops.TrainedWork)
 
     def meta(self) -> dict[str, Any]:
         """Everything but the change (JSON, for the checkpoint)."""
@@ -127,6 +128,7 @@ class FedBuff:
             "client_steps": {str(f.client_id): f.steps for f in buffer},
             "bytes_up": {str(c): b for c, b in up.items()}, "bytes_down": {str(c): b for c, b in down.items()},
             "bytes_up_total": sum(up.values()), "bytes_down_total": sum(down.values()),
+            "throughput": loop.throughput.round_record(buffer),
             "train_loss": sum(f.loss for f in buffer) / len(buffer) if all(f.loss is not None for f in buffer)
             else None,
             "async": {"version": rnd, "virtual_time_s": self.clock, "dispatched": dispatched,
@@ -182,7 +184,8 @@ class FedBuff:
             seconds = u.steps * self.step_seconds[cid]
             self.in_flight.append(InFlight(cid, rnd - 1, self.sequence - 1, start, start + seconds,
                                            {k: u.state[k].float() - sent[k].float() for k in sent},
-                                           u.num_examples, u.loss, u.steps))
+                                           u.num_examples, u.loss, u.steps,
+                                           dict(u.work) if isinstance(u.work, dict) else vars(u.work)))
             dispatched.append({"client": cid, "start_s": start, "arrival_s": start + seconds})
             return
 
