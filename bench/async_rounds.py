@@ -72,6 +72,33 @@ def time_to(rows: list[dict], target: float) -> float | None:
     return next((r["virtual_s"] for r in rows if r["eval_loss"] <= target), None)
 
 
+def uploads_to(rows: list[dict], target: float, per_round: int | None = None) -> int | None:
+    """Uploads aggregated until the first round at or below ``target`` (``per_round``: a sync round's)."""
+    for i, r in enumerate(rows):
+        if r["eval_loss"] <= target:
+            return i * per_round if per_round else sum(len(x["staleness"]) for x in rows[1:i + 1])
+    return None
+
+
+def table(results: dict[str, list[list[dict]]], opts: argparse.Namespace) -> str:
+    """The Markdown table of the runs (target: the sync run's held-out loss after its last round)."""
+    lines = [f"{len(opts.seeds)} seed(s), {opts.clients} clients (the last {opts.slow:g}x slower), "
+             f"{opts.local_steps} local steps, K={opts.buffer}\n",
+             "| seed | target held-out loss (sync's last) | virtual s to it: sync / async | speed-up | uploads "
+             "aggregated to it: sync / async | async server steps to it | mean staleness | final accuracy: sync / "
+             "async |", "|---|---|---|---|---|---|---|---|"]
+    for seed, sync, asyn in zip(opts.seeds, results["sync"], results["async"], strict=True):
+        target = sync[-1]["eval_loss"]
+        t_sync, t_async = time_to(sync, target), time_to(asyn, target)
+        steps = next((i for i, r in enumerate(asyn) if r["eval_loss"] <= target), None)
+        stale = statistics.mean(s for r in asyn[1:] for s in r["staleness"])
+        lines.append(f"| {seed} | {target:.4f} | {t_sync:g} / {t_async if t_async is not None else 'never'} | "
+                     f"{f'{t_sync / t_async:.2f}x' if t_async else '-'} | {uploads_to(sync, target, opts.clients)} / "
+                     f"{uploads_to(asyn, target)} | {steps} | {stale:.2f} | {sync[-1]['accuracy']:.3f} / "
+                     f"{asyn[-1]['accuracy']:.3f} |")
+    return "\n".join(lines)
+
+
 def plot(results: dict[str, list[list[dict]]], path: Path) -> None:
     import matplotlib
 
@@ -101,8 +128,15 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--summarize", default=None, help="print the table (and --plot) of a saved --json, no runs")
     add_task_arguments(parser, 200, 100)
     opts = parser.parse_args()
+    if opts.summarize:
+        saved = json.loads(Path(opts.summarize).read_text())
+        print(table(saved["results"], argparse.Namespace(**saved["options"])))
+        if opts.plot:
+            plot(saved["results"], Path(opts.plot))
+        return
     if opts.threads:
         torch.set_num_threads(opts.threads)
     results: dict[str, list[list[dict]]] = {"sync": [], "async": []}
@@ -113,22 +147,8 @@ def main() -> None:
         for seed in opts.seeds:
             results["sync"].append(run_one("sync", seed, data_dir, opts))
             results["async"].append(run_one("async", seed, data_dir, opts, results["sync"][-1][-1]["virtual_s"]))
-    print(f"{len(opts.seeds)} seed(s), {opts.clients} clients (the last {opts.slow:g}x slower), "
-          f"{opts.local_steps} local steps, K={opts.buffer}; {time.perf_counter() - start:.0f} s in all\n")
-    print("| seed | target held-out loss (sync's last) | sync: virtual s to it | async: virtual s to it | "
-          "speed-up | uploads aggregated (sync / async) | async server steps | mean staleness |\n"
-          "|---|---|---|---|---|---|---|---|")
-    for seed, sync, asyn in zip(opts.seeds, results["sync"], results["async"], strict=True):
-        target = sync[-1]["eval_loss"]
-        t_sync, t_async = time_to(sync, target), time_to(asyn, target)
-        stale = statistics.mean(s for r in asyn[1:] for s in r["staleness"])
-        reached = f"{t_async:g}" if t_async is not None else f"not by {asyn[-1]['virtual_s']:g}"
-        ratio = f"{t_sync / t_async:.2f}x" if t_async else "-"
-        uploads = f"{opts.clients * opts.rounds} / {sum(len(r['staleness']) for r in asyn[1:])}"
-        print(f"| {seed} | {target:.4f} | {t_sync:g} | {reached} | {ratio} | {uploads} | {len(asyn) - 1} | "
-              f"{stale:.2f} |")
-        print(f"|   | final accuracy: sync {sync[-1]['accuracy']:.3f} (at {sync[-1]['virtual_s']:g} s), async "
-              f"{asyn[-1]['accuracy']:.3f} (at {asyn[-1]['virtual_s']:g} s) | | | | | | |")
+    print(f"{time.perf_counter() - start:.0f} s in all")
+    print(table(results, opts))
     if opts.json:
         Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.json).write_text(json.dumps({"options": vars(opts), "results": results}, indent=1))
