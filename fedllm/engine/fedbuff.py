@@ -80,6 +80,7 @@ class FedBuff:
         self.sequence = 0
         self.in_flight: list[InFlight] = []
         self.pending: list[float] = [0.0] * self.concurrency  # start times of slots to fill at the next round
+        self.round_start: tuple = ()  # the state a server step started from (what a stopped step checkpoints)
 
     def weight(self, staleness: int) -> float:
         """``s(τ)``."""
@@ -97,6 +98,7 @@ class FedBuff:
     def run_round(self, loop: Any, rnd: int, lr: float, bar: Any) -> dict[str, Any]:
         """Dispatch, let uploads arrive until ``K`` are buffered, step the server: the round's metrics record."""
         version = rnd - 1
+        self.round_start = (list(self.in_flight), self.clock, self.sequence, list(self.pending), {})
         excluded: set[int] = set()  # clients dispatched in this round (a second dispatch would repeat the first)
         down: dict[int, int] = {}
         dropped: dict[str, str] = {}
@@ -107,7 +109,7 @@ class FedBuff:
         buffer: list[InFlight] = []
         while len(buffer) < self.buffer_size:
             if not self.in_flight:
-                loop.stop(rnd, f"no client left training (dropped: {dropped})")
+                self.stop(loop, rnd, f"no client left training (dropped: {dropped})")
             arrived = min(self.in_flight, key=lambda f: (f.arrival_s, f.sequence))
             self.in_flight.remove(arrived)
             self.clock = arrived.arrival_s
@@ -174,11 +176,14 @@ class FedBuff:
             excluded.add(cid)
             sent = cast(loop.global_state, self.recipe.federation.comm_dtype)
             before = {cid: loop.store.get(cid)}
+            self.round_start[4].setdefault(cid, before[cid])
             updates, sent_bytes, failed = loop.executor.train(loop, rnd, [cid], lr, bar)
             updates = loop.screen_updates(rnd, updates, failed, before)
             down[cid] = down.get(cid, 0) + sent_bytes.get(cid, 0)
             if not updates:
                 dropped[str(cid)] = failed.get(cid, "no upload")
+                if self.recipe.federation.on_client_error == "fail":
+                    self.stop(loop, rnd, f"client {cid} {dropped[str(cid)]} (federation.on_client_error=fail)")
                 continue
             u = updates[0]
             seconds = u.steps * self.step_seconds[cid]
@@ -188,6 +193,14 @@ class FedBuff:
                                            dict(u.work) if isinstance(u.work, dict) else vars(u.work)))
             dispatched.append({"client": cid, "start_s": start, "arrival_s": start + seconds})
             return
+
+    def stop(self, loop: Any, rnd: int, why: str) -> None:
+        """End the run in server step ``rnd`` (:meth:`fedllm.engine.server.RoundLoop.stop`), its checkpoint holding
+        the buffer as the step found it: the clients in flight then, the clock, and the per-client state of every
+        client dispatched since."""
+        self.in_flight, self.clock, self.sequence, self.pending, kept = self.round_start
+        loop.store.update(kept)
+        loop.stop(rnd, why)
 
     # ----- checkpoint
     def state_dict(self) -> StateDict:

@@ -204,3 +204,31 @@ def test_flower_run_refuses_async(tiny_recipe, tmp_path, capsys):
     assert main(["flower", "run", str(path), "--superlink", "127.0.0.1:1", "--insecure"]) == 2
     err = capsys.readouterr().err
     assert "federation.mode: async (FedBuff) runs in simulation only" in err and str(path) in err
+
+
+def test_a_failed_client_under_on_client_error_fail_stops_at_the_step_start(tiny_recipe, tmp_path, monkeypatch):
+    """federation.on_client_error: fail, a client's upload non-finite in server step 3 (after the step dispatched and
+    received others): the run stops with step 2's checkpoint holding the buffer as step 3 found it, and --resume
+    without the fault equals a run that never failed, bit for bit."""
+    from fedllm.engine import client_faults
+
+    fed = {**ASYNC, "on_client_error": "fail"}
+    whole = server.run(parse_recipe({**tiny_recipe(federation=fed), "output_dir": str(tmp_path / "whole")}))
+    cut = parse_recipe({**tiny_recipe(federation=fed), "output_dir": str(tmp_path / "cut")})
+    original, calls = server.run_client, []
+
+    def poisoned(model, plan, *args, **kwargs):
+        update = original(model, plan, *args, **kwargs)
+        calls.append(plan.rnd)
+        if calls.count(3) == 2:
+            next(iter(update.state.values())).view(-1)[0] = float("nan")
+        return update
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server, "run_client", poisoned)
+        with pytest.raises(client_faults.RoundStopped, match=r"round 3: client \d non-finite .*on_client_error=fail"):
+            server.run(cut)
+    resumed = server.run(cut, resume=True)
+    for k in whole.global_state:
+        assert torch.equal(whole.global_state[k], resumed.global_state[k]), k
+    assert [r["async"] for r in _records(resumed.run_dir)] == [r["async"] for r in _records(whole.run_dir)]
