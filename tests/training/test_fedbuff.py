@@ -232,3 +232,12 @@ def test_a_failed_client_under_on_client_error_fail_stops_at_the_step_start(tiny
     for k in whole.global_state:
         assert torch.equal(whole.global_state[k], resumed.global_state[k]), k
     assert [r["async"] for r in _records(resumed.run_dir)] == [r["async"] for r in _records(whole.run_dir)]
+
+
+def test_fedavgm_server_learning_rate_is_fedbuffs_eta_g(tiny_recipe, tmp_path, uploads):
+    """fedavgm with server_momentum 0: θ ← θ + η_g·Δ̄/K, η_g = server_learning_rate (here 0.5), replayed by hand."""
+    fed = {**ASYNC, "rounds": 3, "strategy": "fedavgm", "strategy_args": {"server_learning_rate": 0.5}}
+    result = server.run(parse_recipe({**tiny_recipe(federation=fed), "output_dir": str(tmp_path / "a")}))
+    expected = _replay(_records(result.run_dir), uploads, lambda theta, mean: {k: theta[k] + 0.5 * mean[k]
+                                                                                for k in theta})
+    _close(result.global_state, expected)
