@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from repro_small import add_task_arguments, evaluate, task_recipe, write_splits  # noqa: E402
+from repro_small import add_task_arguments, evaluate, task_recipe, write_splits
 
-from fedllm.engine.server import RoundLoop, build_federation  # noqa: E402
-from fedllm.recipe.checks import parse_recipe  # noqa: E402
+from fedllm.engine.server import RoundLoop, build_federation
+from fedllm.recipe.checks import parse_recipe
 
 
 def run_one(mode: str, seed: int, data_dir: Path, opts, until_s: float | None = None) -> list[dict]:
@@ -82,11 +82,11 @@ def uploads_to(rows: list[dict], target: float, per_round: int | None = None) ->
 
 def table(results: dict[str, list[list[dict]]], opts: argparse.Namespace) -> str:
     """The Markdown table of the runs (target: the sync run's held-out loss after its last round)."""
-    lines = [f"{len(opts.seeds)} seed(s), {opts.clients} clients (the last {opts.slow:g}x slower), "
-             f"{opts.local_steps} local steps, K={opts.buffer}\n",
-             "| seed | target held-out loss (sync's last) | virtual s to it: sync / async | speed-up | uploads "
-             "aggregated to it: sync / async | async server steps to it | mean staleness | final accuracy: sync / "
-             "async |", "|---|---|---|---|---|---|---|---|"]
+    lines = [(f"{len(opts.seeds)} seed(s), {opts.clients} clients (the last {opts.slow:g}x slower), "
+              f"{opts.local_steps} local steps, K={opts.buffer}\n"),
+             ("| seed | target held-out loss (sync's last) | virtual s to it: sync / async | speed-up | uploads "
+              "aggregated to it: sync / async | async server steps to it | mean staleness | final accuracy: sync / "
+              "async |"), "|---|---|---|---|---|---|---|---|"]
     for seed, sync, asyn in zip(opts.seeds, results["sync"], results["async"], strict=True):
         target = sync[-1]["eval_loss"]
         t_sync, t_async = time_to(sync, target), time_to(asyn, target)

@@ -25,15 +25,15 @@ version pulled, staleness, weight, arrival) and the virtual time.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
 from fedllm.engine.secure_rounds import SummedUpdate
 from fedllm.models.state import StateDict, cast, num_bytes
-from fedllm.recipe.async_checks import step_seconds
-from fedllm.recipe.schedule import derived_seed
+from fedllm.recipe.schedule import derived_seed, step_seconds
 from fedllm.recipe.schema import Recipe
 from fedllm.runs.checkpoint import ASYNC_BUFFER
 
@@ -56,7 +56,7 @@ class InFlight:
     arrival_s: float
     delta: StateDict  # θ_i − θ_pulled, fp32
     num_examples: int
-    loss: Optional[float]
+    loss: float | None
     steps: int
     work: dict[str, Any]  # what its training did (tokens, seconds: fedllm.models.flops.TrainedWork)
 

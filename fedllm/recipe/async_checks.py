@@ -9,25 +9,23 @@ taken against the version it pulled, which the server's download residual does n
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from fedllm.recipe.schedule import step_seconds
 from fedllm.recipe.schema import FederationConfig, Recipe
 
 ASYNC_KEYS = ("async_buffer_size", "async_concurrency", "async_staleness", "async_staleness_exponent",
               "async_step_seconds")
 """The keys that mean something only under ``federation.mode: async``."""
 
-
-def step_seconds(fed: FederationConfig) -> list[float] | None:
-    """``federation.async_step_seconds`` as one number per client, or None when it is not a valid value."""
-    value = fed.async_step_seconds
-    values = [value] * fed.num_clients if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-    if not isinstance(values, list) or len(values) != fed.num_clients:
-        return None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
-        return None
-    return [float(v) for v in values]
+REFUSED_DP = ("none with federation.mode: async: DP-FedBuff's privacy accounting (each upload is released on its own, "
+              "at a staleness the server chose) is not the synchronous round's, and fedllm does not implement it")
+REFUSED_SECAGG = ("none with federation.mode: async: SecAgg+ masks the sum of a cohort fixed before it trains, and an "
+                  "asynchronous server adds each upload as it arrives")
+REFUSED_DEADLINE = ("null with federation.mode: async: no server step waits for a cohort; a slow client's upload "
+                    "arrives stale and is down-weighted instead")
+REFUSED_COMPRESSION = ("none with federation.mode: async (compressed transport is not built for it: a client's change "
+                       "is taken against the version it pulled)")
 
 
 def async_problems(r: Recipe) -> list[tuple[str, Any, str]]:
@@ -49,21 +47,14 @@ def async_problems(r: Recipe) -> list[tuple[str, Any, str]]:
         p.append(("federation.async_step_seconds", fed.async_step_seconds,
                   f"a positive number, or a list of {fed.num_clients} positive numbers (one per client)"))
     why = {
-        "privacy.mechanism": (r.privacy.mechanism, r.privacy.mechanism != "none",
-                              "none with federation.mode: async: DP-FedBuff's privacy accounting (each upload "
-                              "is released on its own, at a staleness the server chose) is not the synchronous "
-                              "round's, and fedllm does not implement it"),
+        "privacy.mechanism": (r.privacy.mechanism, r.privacy.mechanism != "none", REFUSED_DP),
         "privacy.secure_aggregation": (r.privacy.secure_aggregation, r.privacy.secure_aggregation != "none",
-                                       "none with federation.mode: async: SecAgg+ masks the sum of a synchronous "
-                                       "cohort, and an asynchronous server adds each upload as it arrives"),
-        "federation.round_deadline": (fed.round_deadline, fed.round_deadline is not None,
-                                      "null with federation.mode: async: no server step waits for a cohort; a slow "
-                                      "client's upload arrives stale and is down-weighted instead"),
+                                       REFUSED_SECAGG),
+        "federation.round_deadline": (fed.round_deadline, fed.round_deadline is not None, REFUSED_DEADLINE),
         "federation.compression.upload": (fed.compression.upload, fed.compression.upload != "none",
-                                          "none with federation.mode: async (compressed transport is not built for "
-                                          "it: a client's change is taken against the version it pulled)"),
+                                          REFUSED_COMPRESSION),
         "federation.compression.download": (fed.compression.download, fed.compression.download != "none",
-                                            "none with federation.mode: async (as compression.upload)"),
+                                            REFUSED_COMPRESSION),
     }
     return p + [(key, given, expected) for key, (given, bad, expected) in why.items() if bad]
 
