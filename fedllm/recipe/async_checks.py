@@ -31,9 +31,8 @@ REFUSED_COMPRESSION = ("none with federation.mode: async (compressed transport i
 def async_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     """Problems of the ``federation.async_*`` keys and of what ``mode: async`` cannot run with (the strategy is
     asked by :func:`strategy_async_problems`: importing it loads torch)."""
-    fed, p = r.federation, []
+    fed, p, defaults = r.federation, [], FederationConfig()
     if fed.mode != "async":
-        defaults = FederationConfig()
         return [(f"federation.{k}", getattr(fed, k), "its default (it applies only with federation.mode: async)")
                 for k in ASYNC_KEYS if getattr(fed, k) != getattr(defaults, k)]
     if fed.async_buffer_size is not None and fed.async_buffer_size < 1:
@@ -43,6 +42,9 @@ def async_problems(r: Recipe) -> list[tuple[str, Any, str]]:
                   f"an integer in 1..federation.num_clients ({fed.num_clients}), or null"))
     if not fed.async_staleness_exponent >= 0:
         p.append(("federation.async_staleness_exponent", fed.async_staleness_exponent, "a number >= 0"))
+    elif fed.async_staleness != "polynomial" and fed.async_staleness_exponent != defaults.async_staleness_exponent:
+        p.append(("federation.async_staleness_exponent", fed.async_staleness_exponent,
+                  f"its default (it applies only with federation.async_staleness: polynomial, not {fed.async_staleness})"))
     if step_seconds(fed) is None:
         p.append(("federation.async_step_seconds", fed.async_step_seconds,
                   f"a positive number, or a list of {fed.num_clients} positive numbers (one per client)"))

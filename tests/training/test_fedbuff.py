@@ -168,6 +168,8 @@ def test_resume_mid_run_is_bit_exact(tiny_recipe, tmp_path, monkeypatch):
     ("federation", {"async_concurrency": 9}, "federation.async_concurrency", "1..federation.num_clients (4)"),
     ("federation", {"async_step_seconds": [1, 2]}, "federation.async_step_seconds", "a list of 4 positive"),
     ("federation", {"async_buffer_size": 0}, "federation.async_buffer_size", "an integer >= 1"),
+    ("federation", {"async_staleness_exponent": 2.0}, "federation.async_staleness_exponent",
+     "applies only with federation.async_staleness: polynomial, not sqrt"),
 ])
 def test_refused_at_recipe_load(tiny_recipe, section, value, key, says):
     raw = tiny_recipe(federation=ASYNC)
