@@ -44,7 +44,8 @@ def async_problems(r: Recipe) -> list[tuple[str, Any, str]]:
         p.append(("federation.async_staleness_exponent", fed.async_staleness_exponent, "a number >= 0"))
     elif fed.async_staleness != "polynomial" and fed.async_staleness_exponent != defaults.async_staleness_exponent:
         p.append(("federation.async_staleness_exponent", fed.async_staleness_exponent,
-                  f"its default (it applies only with federation.async_staleness: polynomial, not {fed.async_staleness})"))
+                  (f"its default (it applies only with federation.async_staleness: polynomial, "
+                   f"not {fed.async_staleness})")))
     if step_seconds(fed) is None:
         p.append(("federation.async_step_seconds", fed.async_step_seconds,
                   f"a positive number, or a list of {fed.num_clients} positive numbers (one per client)"))

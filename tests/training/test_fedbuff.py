@@ -133,7 +133,8 @@ def test_resume_mid_run_is_bit_exact(tiny_recipe, tmp_path, monkeypatch):
     from fedllm.engine.fedbuff import FedBuff
 
     whole = server.run(parse_recipe({**tiny_recipe(federation=ASYNC), "output_dir": str(tmp_path / "whole")}))
-    cut = parse_recipe({**tiny_recipe(federation=ASYNC), "output_dir": str(tmp_path / "cut"), "checkpoint": {"every": 1}})
+    cut = parse_recipe({**tiny_recipe(federation=ASYNC), "output_dir": str(tmp_path / "cut"),
+                        "checkpoint": {"every": 1}})
     original, calls = FedBuff.dispatch, []
 
     def dispatch(self, loop, rnd, *args):
