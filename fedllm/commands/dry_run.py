@@ -105,6 +105,7 @@ class DryRunReport:
                               r.federation.communication_budget_mb),
             *(self.costs.lines() + fits_lines(self.costs) if self.costs is not None else []),
             *deadline_lines(r),
+            *async_lines(r),
             f"  nothing was written to {r.output_dir}",
         ])
 
@@ -130,6 +131,7 @@ class UntimedReport:
             *projection_lines(self.costs.comm.round_up, self.costs.comm.round_down, r.federation.rounds,
                               r.federation.communication_budget_mb),
             *deadline_lines(r),
+            *async_lines(r),
             f"  nothing was written to {r.output_dir}",
         ])
 
@@ -147,6 +149,15 @@ def deadline_lines(r: Recipe) -> list[str]:
         if r.privacy.secure_aggregation == "secagg_plus" else ""
     return [f"  round deadline: {deadline.describe()}; a late client is "
             f"{strategies.get(r.federation.strategy).late_update}{secure}"]
+
+
+def async_lines(r: Recipe) -> list[str]:
+    """``federation.mode: async``: the buffer, the concurrency, the staleness weight and what a round is."""
+    if r.federation.mode != "async":
+        return []
+    from fedllm.engine.fedbuff import FedBuff
+
+    return [f"  {FedBuff(r).describe()}; federation.rounds = {r.federation.rounds} server steps"]
 
 
 def packing_note(r: Recipe) -> str:

@@ -376,7 +376,10 @@ def _run(args: argparse.Namespace) -> int:
 
     # bad recipes fail here, with exit code 2; the strategy's own checks (they import torch and peft: ~9 CPU-s
     # in this process) are left to the ServerApp, whose InputError also makes this command exit 2
-    load_recipe(args.recipe, list(args.overrides), ask_strategy=False)
+    recipe = load_recipe(args.recipe, list(args.overrides), ask_strategy=False)
+    if recipe.federation.mode == "async":
+        raise InputError(f"{recipe.source}: federation.mode: async (FedBuff) runs in simulation only (fedllm train): "
+                         "Flower's ServerApp drives synchronous rounds of sampled nodes; give federation.mode: sync")
     address = _address(args.superlink, "--superlink")
     if not args.root_certificates and not args.insecure:
         raise InputError("fedllm flower run: give --root-certificates CA (TLS) or --insecure")

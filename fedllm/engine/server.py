@@ -34,6 +34,7 @@ from fedllm.engine.client import micro_batch_loss, run_client
 from fedllm.engine.compiled import compile_choice
 from fedllm.engine.compressed_rounds import Downlink
 from fedllm.engine.distributed import Dispatch
+from fedllm.engine.fedbuff import FedBuff
 from fedllm.engine.reference import (
     EVAL_REFERENCE_KEY,
     HELD_OUT,
@@ -362,6 +363,11 @@ class RoundLoop:
             if why:  # recipe load refuses it too; a strategy object built otherwise is checked here
                 raise InputError(f"{self.recipe.source}: privacy.secure_aggregation: secagg_plus needs a strategy "
                                  f"that aggregates from the sum of the uploads; {self.recipe.federation.strategy} {why}")
+        self.fedbuff = FedBuff(self.recipe) if self.recipe.federation.mode == "async" else None
+        if self.fedbuff is not None and not (isinstance(self.executor, LocalExecutor)
+                                             and self.executor.dispatch.world == 1):
+            raise InputError(f"{self.recipe.source}: federation.mode: async runs in simulation in one process "
+                             f"(fedllm train); {type(self.executor).__name__} in this job does not run it")
         residual = getattr(getattr(fed.strategy, "base", None), "mode", None) == "dense"  # FRLoRA's hooked residual
         self.throughput = Throughput(self.recipe, self.model, fed.loaded.task, residual,
                                      measure_peak=self.executor.is_main)
@@ -373,12 +379,14 @@ class RoundLoop:
             return
         ckpt = ckpt_io.Checkpoint(
             round=rnd, adapter=self.global_state,
-            strategy={**self.fed.strategy.state_dict(), **self.downlink.state_dict(rnd)},
+            strategy={**self.fed.strategy.state_dict(), **self.downlink.state_dict(rnd),
+                      **(self.fedbuff.state_dict() if self.fedbuff else {})},
             clients=self.store.flat(),
             **base_fields(self.model, self.fed.strategy, snapshot),
             meta={"strategy": self.recipe.federation.strategy, "task": self.fed.loaded.task,
                   "model_type": self.fed.loaded.model_type, "label_names": self.fed.data.label_names,
-                  "client_sizes": [len(ix) for ix in self.fed.data.clients], "executor": self.executor.state()},
+                  "client_sizes": [len(ix) for ix in self.fed.data.clients], "executor": self.executor.state(),
+                  **({"async": self.fedbuff.meta()} if self.fedbuff else {})},
             recipe_yaml=dump_recipe(self.recipe))
         ckpt_io.save_checkpoint(directory, ckpt)
 
@@ -392,6 +400,8 @@ class RoundLoop:
         self.store = ckpt_io.client_store(ck)
         self.start_round = ck.round
         self.executor.load_state(ck.meta.get("executor", {}))
+        if self.fedbuff is not None:
+            self.fedbuff.load(ck.strategy, ck.meta["async"])
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             lines = rundir.read_metrics(metrics)
@@ -516,6 +526,8 @@ class RoundLoop:
         comm = fed.comm_dtype
         t0 = time.perf_counter()
         lr = round_lr(recipe, rnd)
+        if self.fedbuff is not None:  # federation.mode: async: a round is one buffered server step
+            return self.finish_record(rnd, self.fedbuff.run_round(self, rnd, lr, bar), t0)
         retries: list[dict[str, Any]] = []
         failed: set[int] = set()
         why = strategy.round_problem(rnd)
@@ -580,6 +592,11 @@ class RoundLoop:
         if retries:
             record["retries"] = retries
             record["bytes_down_total"] += sum(r["bytes_down_total"] for r in retries)
+        return self.finish_record(rnd, record, t0)
+
+    def finish_record(self, rnd: int, record: dict[str, Any], t0: float) -> dict[str, Any]:
+        """The round's evaluations (when due) and seconds, added to its ``record``."""
+        recipe, strategy = self.recipe, self.fed.strategy
         if eval_due(recipe.eval, rnd, recipe.federation.rounds):
             record["eval"] = self.evaluate(rnd)
             if recipe.eval.personal and strategy.personalized:

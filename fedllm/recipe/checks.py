@@ -123,6 +123,7 @@ def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool 
     if tr.clients_per_pass > 1:
         p.extend(_client_batching_problems(r, with_strategy=ask_strategy and (not p or "torch" in sys.modules)))
     from fedllm.privacy.recipe_checks import privacy_problems
+    from fedllm.recipe.async_checks import async_problems
     from fedllm.recipe.checkpointing_checks import checkpointing_problems
     from fedllm.recipe.compile_checks import compile_problems
     from fedllm.recipe.compression_checks import compression_problems, dora_problems
@@ -131,6 +132,7 @@ def _semantic_problems(r: Recipe, check_files: bool = False, ask_strategy: bool 
     from fedllm.recipe.preference_checks import preference_problems
 
     p.extend(privacy_problems(r))
+    p.extend(async_problems(r))
     p.extend(x for x in preference_problems(r) if x not in p)
     p.extend(compression_problems(r) + dora_problems(r) + packing_problems(r) + compile_problems(r))
     p.extend(checkpointing_problems(r))
@@ -142,6 +144,7 @@ def _strategy_arg_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     """What the strategy class says about ``federation.strategy_args`` and, under secure aggregation, whether it can
     aggregate from the sum of the uploads (importing it loads torch)."""
     from fedllm.common.registry import strategies
+    from fedllm.recipe.async_checks import strategy_async_problems
 
     cls = strategies.get(r.federation.strategy)
     p = [(f"federation.strategy_args.{key}", given, expected)
@@ -149,6 +152,7 @@ def _strategy_arg_problems(r: Recipe) -> list[tuple[str, Any, str]]:
     if r.federation.round_deadline is not None and cls.late_update_problem:
         p.append(("federation.round_deadline", r.federation.round_deadline, (
             f"null with federation.strategy {r.federation.strategy!r}: it {cls.late_update_problem}")))
+    p.extend(strategy_async_problems(r, cls))
     if r.privacy.secure_aggregation == "secagg_plus":
         why = cls.sum_aggregation_problem()
         if why:

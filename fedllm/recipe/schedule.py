@@ -1,4 +1,5 @@
-"""What a recipe implies alike on every process: the seeds derived from its seed, a client's steps per round.
+"""What a recipe implies alike on every process: the seeds derived from its seed, a client's steps per round (and,
+under federation.mode: async, its virtual seconds per step).
 
 The engine, the strategies and privacy all derive from these, so an in-process run, N processes and a Flower
 federation draw the same numbers.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from fedllm.recipe.schema import TrainConfig
+from fedllm.recipe.schema import FederationConfig, TrainConfig
 
 
 def derived_seed(*parts: int) -> int:
@@ -28,3 +29,14 @@ def steps_per_round(cfg: TrainConfig, num_examples: int) -> int:
         return cfg.local_steps
     per_step = cfg.batch_size * cfg.grad_accum
     return max(1, math.ceil(cfg.local_epochs * num_examples / per_step))
+
+
+def step_seconds(fed: FederationConfig) -> list[float] | None:
+    """``federation.async_step_seconds`` as one number per client, or None when it is not a valid value."""
+    value = fed.async_step_seconds
+    values = [value] * fed.num_clients if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if not isinstance(values, list) or len(values) != fed.num_clients:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
+        return None
+    return [float(v) for v in values]

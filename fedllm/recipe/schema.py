@@ -140,6 +140,12 @@ class FederationConfig:
     max_update_norm: Optional[float] = doc(None, "drop an update whose norm ||u - global|| is above this (null: no absolute bound)")
     communication_budget_mb: Optional[float] = doc(None, "bytes up + down for the whole run, in MB of 1024**2 bytes (FlowerTune: 200000): --dry-run projects it, summary.json reports the share; over: a warning (null: no budget)")
     round_deadline: Any = doc(None, "seconds (e.g. 600) or a multiple of the round's median client time (e.g. '2x'): a round aggregates the uploads that arrived by then (waiting for at least min_clients_per_round) and drops the later ones as late (null: wait for every client)")
+    mode: Literal["sync", "async"] = doc("sync", "sync: a round waits for its sampled clients; async: buffered asynchronous aggregation (FedBuff, Nguyen et al. 2022), a round is one server step (docs/how-to/async.md)")
+    async_buffer_size: Optional[int] = doc(None, "mode async: K, the uploads buffered before the server steps (null: clients sampled per round)")
+    async_concurrency: Optional[int] = doc(None, "mode async: M, the clients training at once; a new one is sampled as one finishes (null: every client)")
+    async_staleness: Literal["sqrt", "constant", "polynomial"] = doc("sqrt", "mode async: the staleness weight s(tau) of an update tau server steps old: 1/sqrt(1+tau) (the paper's), 1, or (1+tau)^-async_staleness_exponent")
+    async_staleness_exponent: float = doc(0.5, "mode async, async_staleness polynomial: the exponent a of s(tau) = (1+tau)^-a")
+    async_step_seconds: Any = doc(1.0, "mode async: virtual seconds one local step takes, a number (every client) or a list with one per client (e.g. [1, 1, 1, 5]: client 3 five times slower); sets the simulated arrival order")
     update_outlier_factor: Optional[float] = doc(1000.0, "drop an update whose norm is more than this times the median of the round's other updates (under client-level DP: this times privacy.clipping_norm; null: off)")
 
 

@@ -313,6 +313,7 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 DOWNLOAD_RESIDUAL = "compression/"
+ASYNC_BUFFER = "async/"  # federation.mode: async: the in-flight clients' changes (fedllm.engine.fedbuff)
 """Prefix of the server's download-compression residuals in a checkpoint's strategy state (never handed to the
 strategy; :class:`fedllm.engine.compressed_rounds.Downlink`)."""
 
@@ -322,7 +323,8 @@ def restore_into(model: torch.nn.Module, strategy: Any, ck: Checkpoint) -> None:
     from fedllm.models.loading import write_state
 
     write_state(model, ck.base)
-    strategy.load_state_dict({k: v for k, v in ck.strategy.items() if not k.startswith(DOWNLOAD_RESIDUAL)})
+    strategy.load_state_dict({k: v for k, v in ck.strategy.items()
+                              if not k.startswith((DOWNLOAD_RESIDUAL, ASYNC_BUFFER))})
     if ck.base_history is not None:
         base = getattr(strategy, "base", None)
         if base_history.history_of(strategy) is None:

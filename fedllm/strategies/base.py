@@ -324,6 +324,21 @@ class Strategy(abc.ABC):
     late_update_problem: Optional[str] = None
     """Why this strategy cannot run with ``federation.round_deadline`` (None: it can); the recipe is refused with it."""
 
+    buffered_async = False
+    """True on a class (its own attribute, not inherited: a subclass changes what aggregation means) whose
+    aggregation FedBuff's buffered server step is defined for (``federation.mode: async``,
+    :mod:`fedllm.engine.fedbuff`): the mean of the clients' model changes, then the server's step."""
+
+    async_refusal = ("aggregates more than the mean of the clients' model changes, and FedBuff (Nguyen et al. 2022) is "
+                     "defined for FedAvg and the FedOpt server optimisers (fedavg, fedavgm, fedadam, fedyogi, "
+                     "fedadagrad)")
+    """Why this strategy cannot run with ``federation.mode: async`` (the recipe is refused with it)."""
+
+    @classmethod
+    def async_problem(cls) -> Optional[str]:
+        """Why ``federation.mode: async`` is refused for this strategy, or None when it can run asynchronously."""
+        return None if cls.__dict__.get("buffered_async", False) else cls.async_refusal
+
     def outlier_scale(self) -> Optional[float]:
         """A data-independent norm that ``federation.update_outlier_factor`` multiplies to bound each update's norm
         (client-level DP: the clipping norm), or None: the median of the round's other updates (and the previous

@@ -18,6 +18,7 @@ class FedAdagrad(ServerOptimizer):
     """
 
     name = "fedadagrad"
+    buffered_async = True  # federation.mode: async (FedBuff): the step on the buffered mean change
 
     def __init__(self, eta: float = 0.1, beta_1: float = 0.0, tau: float = 1e-3, weighting: str = "examples",
                  **kwargs):

@@ -23,6 +23,7 @@ class FedAdam(ServerOptimizer):
     """
 
     name = "fedadam"
+    buffered_async = True  # federation.mode: async (FedBuff): the step on the buffered mean change
 
     def __init__(self, eta: float = 0.1, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-3,
                  weighting: str = "examples", **kwargs):

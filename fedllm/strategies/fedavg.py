@@ -18,6 +18,7 @@ class FedAvg(Strategy):
     name = "fedavg"
     client_batching = True  # client side is the base's: one phase, no client hooks
     aggregates_by_sum = True  # a weighted mean
+    buffered_async = True  # federation.mode: async (FedBuff)
 
     def __init__(self, weighting: str = "examples", **kwargs):
         super().__init__(**kwargs)

@@ -23,6 +23,7 @@ class FedAvgM(ServerOptimizer):
 
     name = "fedavgm"
     aggregates_by_sum = True  # FedAvg's weighted mean, then server momentum
+    buffered_async = True  # federation.mode: async (FedBuff)
 
     def __init__(self, server_learning_rate: float = 1.0, server_momentum: float = 0.0,
                  weighting: str = "examples", **kwargs):

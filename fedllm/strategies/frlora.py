@@ -70,6 +70,8 @@ class FRLoRA(FedAvg):
     """
 
     name = "frlora"
+    async_refusal = ("merges the round's mean factors into the base each round and restarts the adapter: a stale "
+                     "upload's factors belong to a base that is gone (FedBuff is defined for FedAvg and FedOpt)")
     late_update = ("dropped: the base merges ΔW from the arrived clients' means B̄, Ā only, every client (the late one "
                    "too) applies that merge, and the late client's next round starts from (B0, A0) on the new base")
     client_batching = True  # client side: FedAvg's plus dropping stale moments (batched passes start without moments)

@@ -51,6 +51,8 @@ class PrivateFactors:
     """
 
     private_attr = "private"
+    async_refusal = ("keeps personalised per-client factors trained against the shared ones of its round (FedBuff "
+                     "is defined for FedAvg and FedOpt, whose clients keep no personal state)")
     late_update = ("dropped: its private factors stay as before the round (its store entry is not replaced) and the "
                    "shared part is aggregated from the clients that arrived; its next round starts from that")
     private_salt = 0x9E7

@@ -39,6 +39,8 @@ class Scaffold(FedAvg):
     """
 
     name = "scaffold"
+    async_refusal = ("corrects each client with control variates c and c_i of the same round, and a stale upload's "
+                     "Δc_i belongs to a c the server no longer holds (FedBuff is defined for FedAvg and FedOpt)")
     late_update = ("dropped: its c_i stays the one from before the round and c moves by (1/N)·Σ Δc_i over the clients "
                    "that arrived, as for a client not sampled; its next round starts from the new x and c")
     aggregates_by_sum = True  # a weighted mean of models and the unweighted sum of the Δc_i (summed_unweighted)
