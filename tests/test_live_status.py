@@ -12,6 +12,7 @@ import yaml
 
 from fedllm.commands.cli import main
 from fedllm.runs.live_status import format_status, run_status, write_federation
+from fedllm.runs.rundir import mark_run_dir
 
 SECRET = "hf_SECRETTOKEN123"
 
@@ -30,6 +31,9 @@ def run_dir(tmp_path):
               {"round": 2, "clients": [1], "late": [2], "dropped": [0], "bytes_up_total": 2**20,
                "bytes_down_total": 2**20, "train_loss": 0.5, "epsilon": 2.25, "seconds": 30.0}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds) + '{"round": 3, "cli')
+    write_federation(run, {0: 101, 1: 102}, connected=3)
+    assert not (run / "federation.json").exists()  # not yet a run directory fedllm marked: nothing written there
+    mark_run_dir(run)
     write_federation(run, {0: 101, 1: 102}, connected=3)
     return run
 

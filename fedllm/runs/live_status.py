@@ -22,7 +22,13 @@ FEDERATION_FILE = "federation.json"
 
 
 def write_federation(run_dir: Path, serving: dict[int, int], connected: int) -> None:
-    """Record the SuperNodes of a Flower run (client id -> node id, and how many are connected), atomically."""
+    """Record the SuperNodes of a Flower run (client id -> node id, and how many are connected), atomically; only in
+    a run directory fedllm has marked as its own (before that, e.g. while Flower's own loop discovers the nodes,
+    nothing is written: the next round writes it)."""
+    from fedllm.runs.rundir import is_run_dir
+
+    if not is_run_dir(Path(run_dir)):
+        return
     record = {"connected": int(connected), "serving": {str(c): int(n) for c, n in sorted(serving.items())},
               "updated": time.time()}
     tmp = Path(run_dir) / f".{FEDERATION_FILE}.tmp"

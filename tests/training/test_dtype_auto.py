@@ -126,12 +126,13 @@ def test_dtype_bf16_without_peft_input_casts_trains_the_same_bits(tiny_recipe, m
     assert any(not torch.equal(results[True].state[k], start[k]) for k in start)  # it trained
 
 
-@pytest.mark.parametrize("dtype,max_length,expected", [("bf16", 64, "eager"), ("bf16", 512, "sdpa"),
+@pytest.mark.parametrize("dtype,max_length,expected", [("bf16", 64, "eager"), ("bf16", 512, "fedllm_blocked_causal"),
                                                        ("fp32", 64, "sdpa")])
 def test_dtype_bf16_cpu_training_takes_eager_attention_at_short_lengths(tiny_recipe, monkeypatch, dtype, max_length,
                                                                         expected):
     """On a CPU under bf16 autocast up to EAGER_ATTENTION_MAX_LENGTH positions the decoder trains with eager attention
-    (SDPA's flash backward is slow there); outside training, and otherwise, the model keeps SDPA."""
+    (SDPA's flash backward is slow there), past it with fedllm's blocked causal attention; outside training, and in
+    fp32, the model keeps SDPA."""
     from fedllm.data.collate import collate
     from fedllm.engine import client
     from fedllm.engine.server import build_federation
