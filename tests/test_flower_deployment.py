@@ -120,10 +120,10 @@ def test_flower_deployment_with_workers_matches_the_simulation(runs, deployment,
         text = log.read_text(errors="replace")[runs["offsets"].get(cid, 0):]
         lines = [line for line in text.splitlines() if "fedllm worker: built the federation of run" in line]
         built = [line.split(" of run ")[1].split()[0] for line in lines]
-        # once per run: this module's four runs and those of its runs that reached the nodes' discovery query
-        # (the query announces a run: built then, not at the node's first train message; FRLoRA samples one
-        # client a round, so the other node's first message comes a round later)
-        assert len(CASES) <= len(built) <= len(CASES) + 2 and len(set(built)) == len(built), built
+        # once per run: this module's four runs and those of its other runs that reached the nodes' discovery query
+        # ("few", "stopped", "killed": the query announces a run: built then, not at the node's first train message;
+        # FRLoRA samples one client a round, so the other node's first message comes a round later)
+        assert len(CASES) <= len(built) <= len(CASES) + 3 and len(set(built)) == len(built), built
         assert all("(ahead of its first message)" in line for line in lines), lines  # a later run adds ", the base copied from memory"
 
 
