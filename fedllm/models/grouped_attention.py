@@ -34,18 +34,22 @@ def _model_eager(module: torch.nn.Module):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
+def _grouped_applies(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether the grouped computation covers this call: no logit soft-capping or attention sinks, and a module
+    that says how many query heads share a key/value head (else the model's own eager function runs)."""
+    return kwargs.get("softcap") is None and kwargs.get("s_aux") is None and hasattr(module, "num_key_value_groups")
+
+
 def grouped_eager_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' attention-interface signature: ``query`` ``b x H x S x d``, ``key``/``value`` ``b x kv x S_k x
     d`` (``H = g·kv``), an additive mask ``b x 1 x S x S_k`` (or one per head); returns ``(b x S x H x d output,
     b x H x S x S_k weights)``."""
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or \
-            not hasattr(module, "num_key_value_groups"):
+    if not _grouped_applies(module, kwargs):
         return _model_eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                     **kwargs)
-    if scaling is None:
-        scaling = module.head_dim**-0.5
+    scaling = module.head_dim**-0.5 if scaling is None else scaling
     batch, heads, length, dim = query.shape
     kv_heads, groups = key.shape[1], module.num_key_value_groups
     stacked = query.reshape(batch, kv_heads, groups * length, dim)
@@ -74,12 +78,10 @@ def blocked_causal_attention(module: torch.nn.Module, query: torch.Tensor, key: 
     a block whose queries see a later key takes every key), so their scores, exponentials (exactly 0) and products
     are never formed — about half of eager's work at long lengths, in ``S x block`` pieces that stay in cache. Same
     signature as eager; returns no weights (as SDPA)."""
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or \
-            not hasattr(module, "num_key_value_groups"):
+    if not _grouped_applies(module, kwargs):
         return _model_eager(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                     **kwargs)
-    if scaling is None:
-        scaling = module.head_dim**-0.5
+    scaling = module.head_dim**-0.5 if scaling is None else scaling
     batch, heads, length, dim = query.shape
     kv_heads, groups = key.shape[1], module.num_key_value_groups
     outs = []

@@ -50,6 +50,19 @@ def _run(fn, module, q, k, v, mask, upstream):
     return out.detach(), weights.detach(), q.grad, k.grad, v.grad
 
 
+def logits_and_grads(model, ids, mask, attention: str):
+    """The model's logits and its parameters' gradients of a masked squared-logit loss under ``attention``."""
+    config = model.get_base_model().config
+    config._attn_implementation = attention
+    model.zero_grad(set_to_none=True)
+    try:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        (logits[mask.bool()] ** 2).mean().backward()
+    finally:
+        config._attn_implementation = "sdpa"
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("per_head_mask", [False, True])
 def test_outputs_and_gradients_equal_transformers_eager_attention(per_head_mask):
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
@@ -84,15 +97,7 @@ def test_tiny_models_through_the_attention_interface_equal_eager(family, monkeyp
     ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
-    results = []
-    for name in ("eager", register()):
-        config._attn_implementation = name
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        (logits[mask.bool()] ** 2).mean().backward()
-        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    config._attn_implementation = "sdpa"
-    (a, ga), (b, gb) = results
+    (a, ga), (b, gb) = (logits_and_grads(model, ids, mask, name) for name in ("eager", register()))
     assert torch.allclose(a, b, rtol=0, atol=1e-5 * float(a.abs().max()))
     assert ga.keys() == gb.keys() and ga
     for n in ga:
@@ -172,19 +177,10 @@ def test_blocked_attention_skips_only_keys_the_mask_hides(monkeypatch):
 
 def test_blocked_causal_attention_through_a_tiny_model_equals_eager():
     model = load_model(ModelConfig(name="tiny-llama"), LoraConfig(r=4, init="gaussian")).model
-    config = model.get_base_model().config
     ids = torch.randint(3, 100, (2, 150), generator=torch.Generator().manual_seed(0))  # two blocks of 128
     mask = torch.ones_like(ids)
     mask[1, 140:] = 0
-    results = []
-    for name in ("eager", register_blocked()):
-        config._attn_implementation = name
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        (logits[mask.bool()] ** 2).mean().backward()
-        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    config._attn_implementation = "sdpa"
-    (a, ga), (b, gb) = results
+    (a, ga), (b, gb) = (logits_and_grads(model, ids, mask, name) for name in ("eager", register_blocked()))
     assert torch.allclose(a[mask.bool()], b[mask.bool()], rtol=0, atol=1e-5 * float(a.abs().max()))
     assert ga.keys() == gb.keys() and ga
     for n in ga:
