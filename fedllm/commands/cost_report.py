@@ -35,6 +35,10 @@ from typing import Any, Optional
 
 from fedllm.engine.activation_memory import unquantised_fp32
 from fedllm.recipe.schema import Recipe
+from fedllm.runs.comm_budget import MB
+
+GB = 1024**3
+"""Bytes per GB in the memory estimate (and the fits line's card sizes)."""
 
 #: Bytes per parameter of a bitsandbytes-quantised linear weight: 8-bit (int8 + an fp32 scale per
 #: output row, added separately) and 4-bit NF4 with double quantisation (4 bits, an 8-bit absmax per
@@ -474,7 +478,7 @@ class CostReport:
         cz = r.federation.compression
         wire = comm if cz.upload == cz.download == "none" else \
             f"{comm}; compressed: up {cz.upload}, down {cz.download}, blocks of {cz.block_size}, codes + fp32 absmax"
-        out.append(f"  bytes per participating client per round ({wire}): down {_sizes(part[0])}, "
+        out.append(f"  bytes per participating client per round ({wire}; MB = 1024**2 bytes): down {_sizes(part[0])}, "
                    f"up {_sizes(part[1])}")
         idle, n_idle = sorted(set(c.idle_down.values())), r.federation.num_clients - len(c.sampled)
         out.append(f"  bytes per non-participating client per round: down {_sizes(idle) if idle else '0 B'}"
@@ -491,8 +495,8 @@ class CostReport:
                    + (f"; compression residuals (error feedback): {_mb(st.client_residual)} per client, "
                       f"{_mb(st.server_residual)} on the server" if st.client_residual or st.server_residual else ""))
         mem = self.memory()
-        unit = (lambda n: f"{n / 1e9:.2f} GB") if sum(mem.values()) >= 1e8 else _mb
-        out.append(f"  peak memory estimate (one training process): {unit(sum(mem.values()))} = "
+        unit = (lambda n: f"{n / GB:.2f} GB") if sum(mem.values()) >= 1e8 else _mb
+        out.append(f"  peak memory estimate (one training process; GB = 1024**3 bytes): {unit(sum(mem.values()))} = "
                    + " + ".join(f"{k} {unit(v)}" for k, v in mem.items() if v or k not in OPTIONAL_TERMS))
         out += self.activation_lines()
         out.append(f"    weights as loaded ({r.model.dtype}{', ' + r.model.quantization if r.model.quantization != 'none' else ''}); "
@@ -510,7 +514,8 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 def _mb(n: float) -> str:
-    return f"{n / 1e6:,.3f} MB" if n >= 1e5 else f"{int(n):,} B"
+    """Bytes in MB of ``1024**2`` bytes, the unit of the round lines, the plot and FlowerTune's budget."""
+    return f"{n / MB:,.3f} MB" if n >= 1e5 else f"{int(n):,} B"
 
 
 def _flops(n: float) -> str:

@@ -3,7 +3,8 @@ would make it fit.
 
 The figure is the peak-memory estimate of :meth:`fedllm.commands.cost_report.CostReport.memory` for a step on a GPU
 (SDPA / flash attention: no ``S x S`` weights kept), plus :data:`CUDA_RUNTIME_BYTES` for what the CUDA context and
-its kernels hold outside PyTorch's allocator. A card's size is its memory in GiB (a "24 GB" card has 24 GiB).
+its kernels hold outside PyTorch's allocator. A card's size is its memory in GiB (a "24 GB" card has 24 GiB); the line's GB are ``1024**3`` bytes, as the rest
+of the dry run's.
 When the smallest card is too small, each option the recipe can change is estimated alone —
 ``train.gradient_checkpointing: true``, ``model.quantization: 4bit``, a smaller ``train.batch_size`` with a
 larger ``train.grad_accum`` (the same examples per optimizer step) — and the line names those that fit.
@@ -30,7 +31,7 @@ def _verdict(need: int) -> str:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.1f} GB"
 
 
 def options(recipe: Any) -> list[tuple[str, Any]]:
