@@ -152,6 +152,7 @@ def build_federation(recipe: Recipe) -> Federation:
     t1 = time.perf_counter()
     data = build_federated_data(recipe.data, recipe.federation.partition, recipe.federation.num_clients,
                                 tokenizer, recipe.train.max_length, recipe.seed, task)
+    refuse_empty_clients(recipe, data)
     t2 = time.perf_counter()
     num_labels = len(data.label_names) if data.label_names else 2
     loaded = load_model(recipe.model, recipe.lora, num_labels=num_labels, seed=recipe.seed,
@@ -165,6 +166,25 @@ def build_federation(recipe: Recipe) -> Federation:
     timings = {"tokenizer_seconds": t1 - t0, "data_seconds": t2 - t1, "model_seconds": time.perf_counter() - t2}
     return Federation(recipe, loaded, data, strategy, strategy.global_keys(loaded.model),
                       {k: round(v, 3) for k, v in timings.items()}, dtypes)
+
+
+def refuse_empty_clients(recipe: Recipe, data: FederatedData) -> None:
+    """Refuse clients without records (:func:`empty_clients`) where a round must hear from each sampled client:
+    client-level DP (a round of empty clients would release no noised aggregate), SecAgg+ (its masks pair the
+    sampled clients) and ``federation.mode: async`` (FedBuff trains every client it starts)."""
+    empty = [c for c, ix in enumerate(data.clients) if not ix]
+    pv, fed = recipe.privacy, recipe.federation
+    needs = [(key, value) for key, value, on in (
+        ("privacy.mechanism", pv.mechanism, pv.mechanism in ("central", "central_client_clipping")),
+        ("privacy.secure_aggregation", pv.secure_aggregation, secure_aggregation(pv)),
+        ("federation.mode", fed.mode, fed.mode == "async")) if on]
+    if empty and needs:
+        key, value = needs[0]
+        raise InputError(f"{recipe.source}: {key}: {value!r} needs every client to hold training records; "
+                         f"data.path={recipe.data.path!r} leaves {len(empty)} client(s) without any (client(s) "
+                         f"{empty[:5]}{' ...' if len(empty) > 5 else ''}: users of the user-keyed JSON without "
+                         f"records, kept by federation.partition natural on 'user'); remove those users from the "
+                         f"file, or set federation.num_clients: {empty[0]} or less (the first users)")
 
 
 def base_weights(model: torch.nn.Module) -> StateDict:
@@ -461,6 +481,8 @@ class RoundLoop:
         try:
             if updates and isinstance(updates[0], SummedUpdate):  # secure aggregation: only the round's mean is known
                 aggregated = strategy.aggregate_mean(rnd, self.global_state, updates[0].state, updates)
+            elif not updates:  # every sampled client was empty (weight 0): the global state stays as it was
+                aggregated = dict(self.global_state)
             else:
                 aggregated = strategy.aggregate(rnd, self.global_state, updates)
             self.refuse_non_finite(rnd, aggregated)
@@ -542,12 +564,16 @@ class RoundLoop:
                                      recipe.sampled_per_round(), attempt, frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
             self.late, self.deadline_s = {}, None  # set by drop_late, which the executor calls
-            updates, down, dropped = self.executor.train(self, rnd, sampled, lr, bar)
+            empty = empty_clients(self.fed.data, sampled)  # no records: nothing to train, nothing sent
+            training = [cid for cid in sampled if cid not in empty]
+            updates, down, dropped = self.executor.train(self, rnd, training, lr, bar) if training else ([], {}, {})
             for cid in self.late:  # a late client keeps its state from before the round: its next starts afresh
                 self.store.put(cid, before[cid])
             if not secure_aggregation(recipe.privacy):  # the server sees no single update to measure
                 updates = self.screen_updates(rnd, updates, dropped, before)
-            if len(updates) >= fed.min_clients_per_round and not (dropped and fed.on_client_error == "fail"):
+            if len(updates) >= min(fed.min_clients_per_round, len(training)) \
+                    and not (dropped and fed.on_client_error == "fail"):
+                dropped.update(empty)
                 break
             self.store.update(before)  # nothing of this sample is kept
             failed.update(dropped)
@@ -579,6 +605,8 @@ class RoundLoop:
         }
         if any(u.loss is None for u in updates):  # not uploaded (DP-SGD: no noise protects a client's loss)
             del record["client_loss"], record["train_loss"]
+        elif not updates:  # every sampled client was empty: no loss
+            del record["train_loss"]
         record.update(strategy.round_record(rnd))
         if secure_aggregation(recipe.privacy):
             record["secure_aggregation"] = self.secure_record
@@ -696,9 +724,23 @@ class RoundLoop:
         return summary
 
 
+EMPTY_CLIENT = "holds no training records (weight 0: the round aggregates the other sampled clients' updates)"
+"""The ``dropped`` reason of a sampled client without records (a user-keyed JSON's user, :func:`empty_clients`)."""
+
+
+def empty_clients(data: FederatedData, sampled: list[int]) -> dict[int, str]:
+    """``{client: why}`` of the ``sampled`` clients that hold no training record: a user of a user-keyed JSON
+    without records, kept as a client by ``partition: natural`` on ``user`` (FedLLM-Bench numbers it). Such a client
+    is not trained and sends nothing, whatever the strategy, as FedLLM-Bench's FedAvg gives it weight 0 (its
+    sample count); its per-client state stays as it was. It is recorded under ``dropped`` in ``metrics.jsonl``, but
+    is no fault: it is not retried, ``on_client_error: fail`` does not stop the run for it, and
+    ``min_clients_per_round`` counts only the sampled clients that hold records."""
+    return {cid: EMPTY_CLIENT for cid in sampled if not data.clients[cid]}
+
+
 def released_mean_loss(updates: list) -> Optional[float]:
     """The example-weighted mean of the clients' uploaded losses (None when a client uploaded none)."""
-    if any(u.loss is None for u in updates):
+    if not updates or any(u.loss is None for u in updates):
         return None
     return sum(u.loss * u.num_examples for u in updates) / sum(u.num_examples for u in updates)
 

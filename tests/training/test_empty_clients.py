@@ -1,0 +1,162 @@
+"""A FedLLM-Bench user without records is a client with no records (``partition: natural`` on ``user`` of a
+user-keyed JSON), numbered as FedLLM-Bench numbers it; a round that samples it equals the round without it.
+
+FedLLM-Bench (``utils/benchmark_dataset.py`` ``get_fed_datasets``; ``main_sft.py``) makes an empty ``Dataset`` for
+such a user, samples clients by index among all ``num_clients``, and its FedAvg weighs each sampled client by its
+sample count (``sample_num_list``), 0 for the empty one, whose local state equals the global one (its trainer runs
+no step). fedllm trains the empty client not at all and sends it nothing, under every strategy: the round
+aggregates the other sampled clients, and a round whose sampled clients are all empty leaves the model as it was.
+The sample is fixed per round here (``server.sample_clients`` patched), so that the two runs compared differ only
+in the empty client being sampled.
+"""
+
+import json
+
+import pytest
+import torch
+
+from fedllm.common.errors import InputError
+from fedllm.engine import server
+from fedllm.models.loading import read_state
+from fedllm.recipe.checks import parse_recipe
+from tests.conftest import arith_records
+
+#: FedLLM-Bench's layout, the empty user second: FedLLM-Bench's client 1
+USERS = ("u_a", "u_empty", "u_b", "u_c")
+SIZES = {"u_a": 5, "u_empty": 0, "u_b": 4, "u_c": 6}
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    records, by_user = iter(arith_records(15)), {}
+    for user in USERS:
+        by_user[user] = [{k: v for k, v in next(records).items() if k != "category"} for _ in range(SIZES[user])]
+    path = tmp_path / "by_user.json"
+    path.write_text(json.dumps(by_user))
+    return path
+
+
+def _raw(user_file, out, strategy="fedavg", rounds=2, **federation):
+    return {
+        "seed": 0, "output_dir": str(out), "model": {"name": "tiny-llama"}, "lora": {"r": 4, "alpha": 8},
+        "data": {"path": str(user_file), "format": "instruction", "cache": False,
+                 "fields": {"instruction": "question", "output": "answer"}},
+        "federation": {"num_clients": 4, "clients_per_round": 2, "rounds": rounds, "strategy": strategy,
+                       "partition": {"method": "natural", "column": "user"}, **federation},
+        "train": {"local_steps": 2, "batch_size": 2, "lr": 1e-2, "max_length": 64, "dtype": "fp32"},
+        "logging": {"progress": False, "quiet": True},
+    }
+
+
+def _recipe(*args, **kwargs):
+    return parse_recipe(_raw(*args, **kwargs))
+
+
+@pytest.fixture
+def samples(monkeypatch):
+    """``samples[rnd] = [clients]``: the sample of round ``rnd`` (the recipe's clients_per_round is not used)."""
+    fixed = {}
+    monkeypatch.setattr(server, "sample_clients", lambda seed, rnd, *args, **kwargs: list(fixed[rnd]))
+    return fixed
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _records(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_clients_are_the_files_keys_an_empty_user_included(user_file, tmp_path):
+    fed = server.build_federation(_recipe(user_file, tmp_path / "run"))
+    assert [len(ix) for ix in fed.data.clients] == [SIZES[u] for u in USERS]   # client k = the k-th key
+    by_client = json.loads(user_file.read_text())
+    for cid, user in enumerate(USERS):
+        questions = [fed.loaded.tokenizer.decode(fed.data.examples[i]["input_ids"]) for i in fed.data.clients[cid]]
+        assert len(questions) == len(by_client[user])
+        assert all(r["question"] in q for r, q in zip(by_client[user], questions, strict=True))
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "scaffold", "fedadam", "frlora", "fedsa_lora"])
+def test_a_round_that_samples_the_empty_client_equals_the_round_without_it(user_file, tmp_path, samples, strategy,
+                                                                           monkeypatch):
+    """Round 1 samples clients 0, 1 (empty) and 2, round 2 clients 1 and 3: the run equals, bit for bit (global
+    state, server state, every client's state), the run whose rounds sample 0, 2 and then 3 alone. FedAvg's
+    aggregate of round 1 is FedLLM-Bench's Σ n_k θ_k / Σ n_k with the empty client's term (n = 0, θ = the global
+    state) in it."""
+    samples.update({1: [0, 1, 2], 2: [1, 3]})
+    uploads = {}
+    original = server.run_client
+
+    def seen(model, plan, *args, **kwargs):
+        update = original(model, plan, *args, **kwargs)
+        uploads[(plan.rnd, plan.client_id)] = ({k: v.clone() for k, v in update.state.items()}, update.num_examples)
+        return update
+
+    monkeypatch.setattr(server, "run_client", seen)
+    with_empty = server.run(_recipe(user_file, tmp_path / "with", strategy, clients_per_round=3))
+    first = dict(uploads)
+    samples.update({1: [0, 2], 2: [3]})
+    without = server.run(_recipe(user_file, tmp_path / "without", strategy, clients_per_round=3))
+    assert {c for _, c in first} == {0, 2, 3}   # the empty client is never trained
+    assert _equal(with_empty.global_state, without.global_state)
+    assert _equal(with_empty.strategy.state_dict(), without.strategy.state_dict())
+    assert _equal(with_empty.clients.flat(), without.clients.flat())
+    records = _records(with_empty.run_dir)
+    assert [r["clients"] for r in records] == [[0, 1, 2], [1, 3]]
+    assert all(r["dropped"] == {"1": server.EMPTY_CLIENT} for r in records)
+    assert set(records[0]["client_loss"]) == {"0", "2"} and set(records[1]["client_loss"]) == {"3"}
+    if strategy == "fedavg":  # FedLLM-Bench's global_aggregate over clients_this_round = [0, 1, 2]
+        start = read_state(server.build_federation(_recipe(user_file, tmp_path / "x")).loaded.model,
+                           with_empty.global_state.keys())
+        (s0, n0), (s2, n2) = first[(1, 0)], first[(1, 2)]
+        terms = [(s0, n0), (start, 0), (s2, n2)]
+        expected = {k: sum(s[k] * n for s, n in terms) / (n0 + 0 + n2) for k in s0}
+        samples.update({1: [0, 1, 2]})
+        round1 = server.run(_recipe(user_file, tmp_path / "one", rounds=1, clients_per_round=3))
+        assert all(torch.allclose(round1.global_state[k], expected[k], atol=1e-7) for k in expected)
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedadam", "scaffold"])
+def test_a_round_of_empty_clients_only_leaves_the_model_unchanged(user_file, tmp_path, samples, strategy):
+    """Round 1 samples only the empty client: nothing is trained or aggregated (not retried, not stopped, even
+    with ``on_client_error: fail``); the run then equals the run whose round 1 is round 2's alone."""
+    samples.update({1: [1], 2: [0, 2]})
+    run = server.run(_recipe(user_file, tmp_path / "empty", strategy, on_client_error="fail"))
+    samples.update({1: [0, 2]})
+    one = server.run(_recipe(user_file, tmp_path / "one", strategy, rounds=1))
+    start = read_state(server.build_federation(_recipe(user_file, tmp_path / "x", strategy)).loaded.model,
+                       run.global_state.keys())
+    records = _records(run.run_dir)
+    assert records[0]["clients"] == [1] and records[0]["dropped"] == {"1": server.EMPTY_CLIENT}
+    assert records[0]["client_loss"] == {} and "train_loss" not in records[0] and "retries" not in records[0]
+    assert not _equal(run.global_state, start)  # round 2 trained
+    # rounds differ in their seeds (round 2's clients train on round 2's batches): compare round 1 directly
+    samples.update({1: [1]})
+    idle = server.run(_recipe(user_file, tmp_path / "idle", strategy, rounds=1))
+    assert _equal(idle.global_state, start)
+    assert _equal(idle.strategy.state_dict(), server.build_federation(
+        _recipe(user_file, tmp_path / "y", strategy)).strategy.state_dict())
+    assert one.history[-1]["clients"] == [0, 2]
+
+
+def test_min_clients_counts_the_sampled_clients_with_records(user_file, tmp_path, samples):
+    """min_clients_per_round 2 with clients 0 and 1 (empty) sampled: the round aggregates client 0 alone, as
+    FedLLM-Bench does; it is neither retried nor stopped."""
+    samples.update({1: [0, 1]})
+    run = server.run(_recipe(user_file, tmp_path / "min", rounds=1, min_clients_per_round=2))
+    record = _records(run.run_dir)[0]
+    assert set(record["client_loss"]) == {"0"} and "retries" not in record
+
+
+@pytest.mark.parametrize("privacy, federation", [
+    ({"mechanism": "central", "clipping_norm": 1.0, "noise_multiplier": 1.0}, {}),
+    ({"secure_aggregation": "secagg_plus"}, {"clients_per_round": 4}),
+    ({}, {"mode": "async"}),
+])
+def test_where_each_sampled_client_must_answer_an_empty_client_is_refused(user_file, tmp_path, privacy, federation):
+    raw = {**_raw(user_file, tmp_path / "run", **federation), "privacy": privacy}
+    with pytest.raises(InputError, match=r"needs every client to hold training records; .* \(client\(s\) \[1\]: "
+                                         r".*set federation.num_clients: 1 or less"):
+        server.build_federation(parse_recipe(raw))
