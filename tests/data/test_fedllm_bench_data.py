@@ -211,3 +211,13 @@ def test_fedllm_bench_partition_on_disk_keeps_users_without_records(tokenizer, t
     assert again.clients == direct.clients and [len(ix) for ix in again.clients] == [0, 2, 0, 1, 3]
     with pytest.raises(PartitionError, match="manifest client 0 has no examples"):
         manifest_clients({**manifest, "method": "custom"})
+
+
+def test_fedllm_bench_recipe_check_counts_users_not_records(tmp_path):
+    """The recipe check that refuses more clients than records (before any model loads) lets natural on 'user'
+    through: 3 users, one without records, make 3 clients from 2 records."""
+    from fedllm.data.federated import split_problems
+
+    cfg = _user_file(tmp_path, {"u_1": SINGLE["u_03"], "u_2": [], "u_3": SINGLE["u_03"]})
+    assert split_problems(cfg, PartitionConfig(method="natural", column="user"), 3) == []
+    assert [p[0] for p in split_problems(cfg, PartitionConfig(method="iid"), 3)] == ["federation.num_clients"]
