@@ -221,3 +221,16 @@ def test_fedllm_bench_recipe_check_counts_users_not_records(tmp_path):
     cfg = _user_file(tmp_path, {"u_1": SINGLE["u_03"], "u_2": [], "u_3": SINGLE["u_03"]})
     assert split_problems(cfg, PartitionConfig(method="natural", column="user"), 3) == []
     assert [p[0] for p in split_problems(cfg, PartitionConfig(method="iid"), 3)] == ["federation.num_clients"]
+
+
+def test_fedllm_bench_numbering_survives_the_hold_out(tokenizer, tmp_path):
+    """A held-out share (data.eval_fraction) may take all of a user's records: that user stays its client (then
+    without records), so client k is still the file's k-th key."""
+    users = {f"u_{k}": [{"instruction": f"q{k} {i}", "response": "r"} for i in range(k % 3)] for k in range(9)}
+    cfg = _user_file(tmp_path, users)
+    cfg.eval_fraction = 0.5
+    fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), 9, tokenizer, 256, 0)
+    assert len(fed.clients) == 9 and sum(len(ix) for ix in fed.clients) == 9 - len(fed.eval_records) == 5
+    for k, members in enumerate(fed.clients):
+        assert all(f"q{k} " in tokenizer.decode(fed.examples[i]["input_ids"]) for i in members)
+    assert sum(1 for ix in fed.clients if not ix) > 3  # (u_0, u_3, u_6 have no records in the file)
