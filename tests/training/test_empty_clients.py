@@ -161,3 +161,18 @@ def test_where_each_sampled_client_must_answer_an_empty_client_is_refused(user_f
     with pytest.raises(InputError, match=r"needs every client to hold training records; .* \(client\(s\) \[1\]: "
                                          r".*set federation.num_clients: 1 or less"):
         server.build_federation(parse_recipe(raw))
+
+
+def test_a_resumed_run_with_an_empty_client_equals_the_whole_run(user_file, tmp_path, samples, crash_at_round):
+    """Cut in round 3 after a round of the empty client alone (round 2), resumed: the same model as the run that
+    was never cut (the checkpoint keeps the client sizes, 0 included)."""
+    from tests.conftest import cut_and_resume
+
+    samples.update({1: [0, 1], 2: [1], 3: [1, 2, 3]})
+    def recipe(out):
+        return parse_recipe({**_raw(user_file, out, "scaffold", rounds=3), "checkpoint": {"every": 1}})
+
+    whole = server.run(recipe(tmp_path / "whole"))
+    resumed = cut_and_resume(recipe(tmp_path / "cut"), crash_at_round, rnd=3)
+    assert _equal(whole.global_state, resumed.global_state)
+    assert _equal(whole.strategy.state_dict(), resumed.strategy.state_dict())
