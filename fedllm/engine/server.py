@@ -571,8 +571,8 @@ class RoundLoop:
                 self.store.put(cid, before[cid])
             if not secure_aggregation(recipe.privacy):  # the server sees no single update to measure
                 updates = self.screen_updates(rnd, updates, dropped, before)
-            if len(updates) >= min(fed.min_clients_per_round, len(training)) \
-                    and not (dropped and fed.on_client_error == "fail"):
+            needed = min(fed.min_clients_per_round, len(training)) if empty else fed.min_clients_per_round
+            if len(updates) >= needed and not (dropped and fed.on_client_error == "fail"):
                 dropped.update(empty)
                 break
             self.store.update(before)  # nothing of this sample is kept
@@ -733,8 +733,9 @@ def empty_clients(data: FederatedData, sampled: list[int]) -> dict[int, str]:
     without records, kept as a client by ``partition: natural`` on ``user`` (FedLLM-Bench numbers it). Such a client
     is not trained and sends nothing, whatever the strategy, as FedLLM-Bench's FedAvg gives it weight 0 (its
     sample count); its per-client state stays as it was. It is recorded under ``dropped`` in ``metrics.jsonl``, but
-    is no fault: it is not retried, ``on_client_error: fail`` does not stop the run for it, and
-    ``min_clients_per_round`` counts only the sampled clients that hold records."""
+    is no fault: it is not retried, ``on_client_error: fail`` does not stop the run for it, and a sample holding
+    one needs at most as many valid updates (``min_clients_per_round``) as it has clients with records (none when
+    all its clients are empty: the round then leaves the model as it was)."""
     return {cid: EMPTY_CLIENT for cid in sampled if not data.clients[cid]}
 
 

@@ -56,7 +56,11 @@ def _recipe(*args, **kwargs):
 def samples(monkeypatch):
     """``samples[rnd] = [clients]``: the sample of round ``rnd`` (the recipe's clients_per_round is not used)."""
     fixed = {}
-    monkeypatch.setattr(server, "sample_clients", lambda seed, rnd, *args, **kwargs: list(fixed[rnd]))
+
+    def sample(seed, rnd, num_clients, k, attempt=0, exclude=frozenset()):
+        return list(fixed.get((rnd, attempt), fixed[rnd]))  # (rnd, attempt): a retried sample
+
+    monkeypatch.setattr(server, "sample_clients", sample)
     return fixed
 
 
@@ -149,6 +153,23 @@ def test_min_clients_counts_the_sampled_clients_with_records(user_file, tmp_path
     run = server.run(_recipe(user_file, tmp_path / "min", rounds=1, min_clients_per_round=2))
     record = _records(run.run_dir)[0]
     assert set(record["client_loss"]) == {"0"} and "retries" not in record
+
+
+def test_a_faulty_client_beside_an_empty_one_is_retried(user_file, tmp_path, samples, monkeypatch):
+    """Clients 0 (which raises) and 1 (empty): no valid update from a client with records, so the round is tried
+    again with a fresh sample, as without the empty client (it is no reason to leave the model unchanged)."""
+    samples.update({1: [0, 1], (1, 1): [2, 3]})
+    original = server.run_client
+
+    def faulty(model, plan, *args, **kwargs):
+        if plan.client_id == 0:
+            raise RuntimeError("disk full")
+        return original(model, plan, *args, **kwargs)
+
+    monkeypatch.setattr(server, "run_client", faulty)
+    record = _records(server.run(_recipe(user_file, tmp_path / "retry", rounds=1)).run_dir)[0]
+    assert record["retries"][0]["clients"] == [0, 1] and set(record["retries"][0]["dropped"]) == {"0"}
+    assert record["clients"] == [2, 3] and set(record["client_loss"]) == {"2", "3"}
 
 
 @pytest.mark.parametrize("privacy, federation", [
