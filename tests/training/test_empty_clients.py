@@ -7,7 +7,8 @@ sample count (``sample_num_list``), 0 for the empty one, whose local state equal
 no step). fedllm trains the empty client not at all and sends it nothing, under every strategy: the round
 aggregates the other sampled clients, and a round whose sampled clients are all empty leaves the model as it was.
 The sample is fixed per round here (``server.sample_clients`` patched), so that the two runs compared differ only
-in the empty client being sampled.
+in the empty client being sampled. Also: a resumed run, Flower's apps (loopback grid), the refusals where every
+sampled client must answer (client-level DP, SecAgg+, async).
 """
 
 import json
@@ -197,3 +198,31 @@ def test_a_resumed_run_with_an_empty_client_equals_the_whole_run(user_file, tmp_
     resumed = cut_and_resume(recipe(tmp_path / "cut"), crash_at_round, rnd=3)
     assert _equal(whole.global_state, resumed.global_state)
     assert _equal(whole.strategy.state_dict(), resumed.strategy.state_dict())
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "frlora"])
+def test_flower_apps_with_an_empty_client_match_the_simulation(user_file, tmp_path, samples, strategy, monkeypatch):
+    """On Flower (the loopback grid of tests/test_flower_apps.py: the real ServerApp logic and ClientApp), the
+    empty client's node is never sent a train message, and a round of it alone leaves every node where the
+    simulation's is: adapter and base (FRLoRA's merges replayed on every node)."""
+    pytest.importorskip("flwr")
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedllm.flower.executor import FlowerExecutor
+    from tests.test_flower_apps import LoopbackGrid, assert_close, node_state, nodes, parts
+
+    for attr in ("_run_id", "_node_id", "_task_id"):  # (tests/test_flower_apps.py's flower_identity)
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    samples.update({1: [0, 1, 2], 2: [1], 3: [1, 3]})
+    sim = server.run(_recipe(user_file, tmp_path / "sim", strategy, rounds=3, clients_per_round=3))
+    grid = LoopbackGrid(nodes(tmp_path, 4))
+    flower = server.run(_recipe(user_file, tmp_path / "flower", strategy, rounds=3, clients_per_round=3),
+                        executor=FlowerExecutor(grid))
+    expected, got = parts(sim.run_dir), parts(flower.run_dir)
+    assert_close(expected["adapter"], got["adapter"], "global adapter")
+    for cid in range(4):
+        if "base" in expected:
+            assert_close(expected["base"], node_state(tmp_path, cid)["base"], f"base on node {cid}")
+    trained = [m.metadata.dst_node_id - 100 for m in grid.messages if m.metadata.message_type == "train"]
+    assert sorted(set(trained)) == [0, 2, 3]
+    assert [h["dropped"] for h in flower.history] == [{"1": server.EMPTY_CLIENT}] * 3
