@@ -34,6 +34,7 @@ from fedllm.engine.client import micro_batch_loss, run_client
 from fedllm.engine.compiled import compile_choice
 from fedllm.engine.compressed_rounds import Downlink
 from fedllm.engine.distributed import Dispatch
+from fedllm.engine.empty_clients import empty_clients, refuse_empty_clients
 from fedllm.engine.fedbuff import FedBuff
 from fedllm.engine.reference import (
     EVAL_REFERENCE_KEY,
@@ -166,25 +167,6 @@ def build_federation(recipe: Recipe) -> Federation:
     timings = {"tokenizer_seconds": t1 - t0, "data_seconds": t2 - t1, "model_seconds": time.perf_counter() - t2}
     return Federation(recipe, loaded, data, strategy, strategy.global_keys(loaded.model),
                       {k: round(v, 3) for k, v in timings.items()}, dtypes)
-
-
-def refuse_empty_clients(recipe: Recipe, data: FederatedData) -> None:
-    """Refuse clients without records (:func:`empty_clients`) where a round must hear from each sampled client:
-    client-level DP (a round of empty clients would release no noised aggregate), SecAgg+ (its masks pair the
-    sampled clients) and ``federation.mode: async`` (FedBuff trains every client it starts)."""
-    empty = [c for c, ix in enumerate(data.clients) if not ix]
-    pv, fed = recipe.privacy, recipe.federation
-    needs = [(key, value) for key, value, on in (
-        ("privacy.mechanism", pv.mechanism, pv.mechanism in ("central", "central_client_clipping")),
-        ("privacy.secure_aggregation", pv.secure_aggregation, secure_aggregation(pv)),
-        ("federation.mode", fed.mode, fed.mode == "async")) if on]
-    if empty and needs:
-        key, value = needs[0]
-        raise InputError(f"{recipe.source}: {key}: {value!r} needs every client to hold training records; "
-                         f"data.path={recipe.data.path!r} leaves {len(empty)} client(s) without any (client(s) "
-                         f"{empty[:5]}{' ...' if len(empty) > 5 else ''}: users of the user-keyed JSON without "
-                         f"records, kept by federation.partition natural on 'user'); remove those users from the "
-                         f"file, or set federation.num_clients: {empty[0]} or less (the first users)")
 
 
 def base_weights(model: torch.nn.Module) -> StateDict:
@@ -722,21 +704,6 @@ class RoundLoop:
             log.warning(comm_budget.over_budget_warning(summary["communication"]["total_mb"], budget, projected=False))
         ckpt_io.atomic_write_text(self.run_dir / "summary.json", strict_json.dumps(summary, indent=2))
         return summary
-
-
-EMPTY_CLIENT = "holds no training records (weight 0: the round aggregates the other sampled clients' updates)"
-"""The ``dropped`` reason of a sampled client without records (a user-keyed JSON's user, :func:`empty_clients`)."""
-
-
-def empty_clients(data: FederatedData, sampled: list[int]) -> dict[int, str]:
-    """``{client: why}`` of the ``sampled`` clients that hold no training record: a user of a user-keyed JSON
-    without records, kept as a client by ``partition: natural`` on ``user`` (FedLLM-Bench numbers it). Such a client
-    is not trained and sends nothing, whatever the strategy, as FedLLM-Bench's FedAvg gives it weight 0 (its
-    sample count); its per-client state stays as it was. It is recorded under ``dropped`` in ``metrics.jsonl``, but
-    is no fault: it is not retried, ``on_client_error: fail`` does not stop the run for it, and a sample holding
-    one needs at most as many valid updates (``min_clients_per_round``) as it has clients with records (none when
-    all its clients are empty: the round then leaves the model as it was)."""
-    return {cid: EMPTY_CLIENT for cid in sampled if not data.clients[cid]}
 
 
 def released_mean_loss(updates: list) -> Optional[float]:

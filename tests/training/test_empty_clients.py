@@ -18,6 +18,7 @@ import torch
 
 from fedllm.common.errors import InputError
 from fedllm.engine import server
+from fedllm.engine.empty_clients import EMPTY_CLIENT
 from fedllm.models.loading import read_state
 from fedllm.recipe.checks import parse_recipe
 from tests.conftest import arith_records
@@ -110,7 +111,7 @@ def test_a_round_that_samples_the_empty_client_equals_the_round_without_it(user_
     assert _equal(with_empty.clients.flat(), without.clients.flat())
     records = _records(with_empty.run_dir)
     assert [r["clients"] for r in records] == [[0, 1, 2], [1, 3]]
-    assert all(r["dropped"] == {"1": server.EMPTY_CLIENT} for r in records)
+    assert all(r["dropped"] == {"1": EMPTY_CLIENT} for r in records)
     assert set(records[0]["client_loss"]) == {"0", "2"} and set(records[1]["client_loss"]) == {"3"}
     if strategy == "fedavg":  # FedLLM-Bench's global_aggregate over clients_this_round = [0, 1, 2]
         start = read_state(server.build_federation(_recipe(user_file, tmp_path / "x")).loaded.model,
@@ -123,23 +124,42 @@ def test_a_round_that_samples_the_empty_client_equals_the_round_without_it(user_
         assert all(torch.allclose(round1.global_state[k], expected[k], atol=1e-7) for k in expected)
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "fedadam", "scaffold", "frlora"])
-def test_a_round_of_empty_clients_only_leaves_the_model_unchanged(user_file, tmp_path, samples, strategy):
-    """Round 1 samples only the empty client: nothing is trained or aggregated, and the round is neither retried
-    nor stopped (``on_client_error: fail``): after it the model (adapter and base: FRLoRA merges into the base) and
-    the server's state (FedAdam's moments, SCAFFOLD's c) are those before training; round 2 then trains."""
-    samples.update({1: [1], 2: [0, 2]})
-    fresh = server.build_federation(_recipe(user_file, tmp_path / "fresh", strategy))
-    start = _model(fresh.loaded.model, fresh.global_keys)
-    idle = server.run(_recipe(user_file, tmp_path / "idle", strategy, rounds=1, on_client_error="fail"))
-    assert _equal(_model(idle.model, fresh.global_keys), start)
+@pytest.mark.parametrize("strategy, args", [("fedavg", {}), ("fedadam", {}), ("scaffold", {}), ("frlora", {}),
+                                            ("fedloru", {"tau": 3})])  # (FedLoRU accumulates in round 3)
+def test_a_round_of_empty_clients_only_leaves_the_model_unchanged(user_file, tmp_path, samples, strategy, args):
+    """A round that samples only the empty client trains and aggregates nothing and is neither retried nor
+    stopped (``on_client_error: fail``): after it the model (adapter and base: FRLoRA and FedLoRU merge into the
+    base) and the server's state (FedAdam's moments, SCAFFOLD's c) are those before it: in round 1, those before
+    training; in round 3, those after round 2."""
+    samples.update({1: [1], 2: [0, 2], 3: [1]})
+
+    def run(name, rounds):
+        return server.run(_recipe(user_file, tmp_path / name, strategy, rounds=rounds, on_client_error="fail",
+                                  strategy_args=args))
+
+    fresh = server.build_federation(_recipe(user_file, tmp_path / "fresh", strategy, strategy_args=args))
+    keys = fresh.global_keys
+    idle = run("idle", 1)
+    assert _equal(_model(idle.model, keys), _model(fresh.loaded.model, keys))
     assert _equal(idle.strategy.state_dict(), fresh.strategy.state_dict())
-    run = server.run(_recipe(user_file, tmp_path / "two", strategy, on_client_error="fail"))
-    records = _records(run.run_dir)
-    assert [r["clients"] for r in records] == [[1], [0, 2]] and records[0]["dropped"] == {"1": server.EMPTY_CLIENT}
-    assert records[0]["client_loss"] == {} and "train_loss" not in records[0] and "retries" not in records[0]
-    assert set(records[1]["client_loss"]) == {"0", "2"}
-    assert not _equal(_model(run.model, fresh.global_keys), start)
+    two, three = run("two", 2), run("three", 3)
+    assert not _equal(_model(two.model, keys), _model(fresh.loaded.model, keys))  # round 2 trained
+    if strategy == "fedloru":  # its accumulation due in round 3 moves B·A into the base: the same function
+        assert not _equal(_model(three.model, keys), _model(two.model, keys))  # (it did accumulate)
+        assert torch.allclose(_logits(three.model), _logits(two.model), atol=1e-6)
+    else:
+        assert _equal(_model(three.model, keys), _model(two.model, keys))
+        assert _equal(three.strategy.state_dict(), two.strategy.state_dict())
+    records = _records(three.run_dir)
+    assert [r["clients"] for r in records] == [[1], [0, 2], [1]]
+    for r in (records[0], records[2]):
+        assert r["dropped"] == {"1": EMPTY_CLIENT} and r["client_loss"] == {} and "train_loss" not in r
+        assert "retries" not in r and r["bytes_up_total"] == 0
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(input_ids=torch.arange(3, 40).reshape(1, -1)).logits
 
 
 def _model(model, keys):
@@ -225,4 +245,4 @@ def test_flower_apps_with_an_empty_client_match_the_simulation(user_file, tmp_pa
             assert_close(expected["base"], node_state(tmp_path, cid)["base"], f"base on node {cid}")
     trained = [m.metadata.dst_node_id - 100 for m in grid.messages if m.metadata.message_type == "train"]
     assert sorted(set(trained)) == [0, 2, 3]
-    assert [h["dropped"] for h in flower.history] == [{"1": server.EMPTY_CLIENT}] * 3
+    assert [h["dropped"] for h in flower.history] == [{"1": EMPTY_CLIENT}] * 3
