@@ -30,9 +30,9 @@ import numpy as np
 
 from fedllm.data.errors import DataError, PartitionError
 from fedllm.data.formats import FORMAT_TASKS, Encoder, make_encoder, resolve_label_names
-from fedllm.data.loading import load_records
+from fedllm.data.loading import USER_COLUMN, load_records
 from fedllm.data.manifest import load_manifest, manifest_clients, partition_manifest, save_manifest
-from fedllm.data.partition import partition_records
+from fedllm.data.partition import partition_records, user_values
 from fedllm.data.templates import field_name
 from fedllm.data.token_cache import open_token_cache
 from fedllm.data.validation import bad_kinds, bad_record_kind, check_records
@@ -156,7 +156,8 @@ def split_problems(data_cfg: DataConfig, partition_cfg: PartitionConfig,
         return [("data.max_examples", data_cfg.max_examples, f"a number that keeps a training record: {where}")]
     if held >= kept:
         return [("data.eval_fraction", data_cfg.eval_fraction, f"a fraction that leaves a training record: {where}")]
-    if num_clients > kept - held:
+    users = partition_cfg.method == "natural" and partition_cfg.column == USER_COLUMN  # (user-keyed JSON: users
+    if num_clients > kept - held and not users:                                       # without records are clients)
         return [("federation.num_clients", num_clients,
                  f"at most {kept - held}, the training records to split (federation.partition.method="
                  f"{partition_cfg.method!r} gives every client at least one): {where}")]
@@ -183,9 +184,11 @@ def partition_ids(
         partition_cfg: Method and its options.
 
     Returns:
-        Sorted indices into ``records`` per client.
+        Sorted indices into ``records`` per client (empty for the users of a user-keyed JSON without training
+        records under ``natural`` on ``user``: :func:`~fedllm.data.partition.user_values`).
     """
-    parts = partition_records([records[i] for i in ids], num_clients, seed, partition_cfg)
+    parts = partition_records([records[i] for i in ids], num_clients, seed, partition_cfg,
+                              user_values(records, partition_cfg))
     return [sorted(ids[j] for j in part) for part in parts]
 
 
@@ -195,7 +198,7 @@ def split_client_eval(parts: list[list[int]], fraction: float, seed: int) -> tup
     Args:
         parts: Record ids per client.
         fraction: Share held out per client (0: none); at least one record and
-            at most all but one record are held out when positive.
+            at most all but one record are held out when positive (none of a client with no records).
         seed: Seed of the choice.
 
     Returns:
@@ -209,6 +212,10 @@ def split_client_eval(parts: list[list[int]], fraction: float, seed: int) -> tup
     rng = _rng(seed, _CLIENT_EVAL_STREAM)
     train, held = [], []
     for client, ids in enumerate(parts):
+        if not ids:  # a user-keyed JSON's user without records (natural on user): nothing to hold out
+            train.append([])
+            held.append([])
+            continue
         if len(ids) < 2:
             raise DataError(
                 f"client {client} has {len(ids)} record(s): too few to hold out a personal test split "
@@ -278,7 +285,7 @@ def _manifest_parts(manifest: dict, num_clients: int, num_records: int, where: s
     parts = manifest_clients(manifest)
     if len(parts) != num_clients:
         raise PartitionError(f"{where}: the manifest has {len(parts)} clients but num_clients is {num_clients}")
-    largest = max(max(p) for p in parts)
+    largest = max((max(p) for p in parts if p), default=-1)
     if largest >= num_records:
         raise PartitionError(
             f"{where}: the manifest refers to record {largest} but the data has {num_records} records "

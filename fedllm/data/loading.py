@@ -60,23 +60,39 @@ USER_COLUMN = "user"
 user}`` gives each key its own client)."""
 
 
-def user_keyed(obj: dict[str, list[dict]]) -> list[dict]:
+class UserKeyedRecords(list):
+    """The records of a user-keyed JSON (a list), with :attr:`users`: every key of the file in file order, those
+    without records included (None when records carry their own ``user`` column, which then decides the clients)."""
+
+    users: Optional[list[str]] = None
+
+
+def user_keyed(obj: dict[str, list[dict]]) -> UserKeyedRecords:
     """FedLLM-Bench's user-keyed JSON (``{client id: [records]}``) as one list, each record tagged with its key in
     :data:`USER_COLUMN` (a record's own ``user`` column is kept), in file order (``partition: natural`` numbers
     the users in that order, as FedLLM-Bench does). An object with a key of :data:`SPLIT_NAMES` is split-keyed
     instead (``{"train": [...], "test": [...]}``).
 
-    A key with no records is no client here (fedllm trains no client without data), while FedLLM-Bench's
-    ``get_fed_datasets`` numbers it: the users after it then number one less than FedLLM-Bench's, which a
-    warning names."""
+    The list's :attr:`UserKeyedRecords.users` holds every key, a key with no records included: FedLLM-Bench's
+    ``get_fed_datasets`` makes it a client with an empty data set, and so does ``partition: {method: natural, column:
+    user}`` (a client with no records: sampled, it trains nothing and sends nothing, so the round aggregates the
+    other sampled clients, as FedLLM-Bench's sample-count weight 0 does; a round whose sampled clients are all
+    empty leaves the global state as it was, :func:`fedllm.engine.server.empty_clients`), so that client ``k`` is
+    the file's ``k``-th key. Any other partition has no client for such a key (they are logged at INFO; the natural
+    partition warns for each client it keeps without records).
+
+    When records carry their own ``user`` column, that column decides the clients and :attr:`~UserKeyedRecords.users`
+    is None (a key without records is then no client)."""
+    users = [str(key) for key in obj]
     empty = [str(key) for key, records in obj.items() if not records]
-    if empty:
-        keys = [str(key) for key in obj]
-        log.warning("user-keyed JSON: %d user(s) without records (%s%s) are no clients; FedLLM-Bench numbers them, "
-                    "so from user %r (FedLLM-Bench's client %d) on, fedllm's client numbers are lower than "
-                    "FedLLM-Bench's", len(empty), ", ".join(map(repr, empty[:5])), " ..." if len(empty) > 5 else "",
-                    empty[0], keys.index(empty[0]))
-    return [{USER_COLUMN: str(key), **record} for key, records in obj.items() for record in records]
+    if empty:  # (the natural partition on 'user' warns for the clients it keeps without records)
+        log.info("user-keyed JSON: %d user(s) without records (%s%s): with federation.partition {method: natural, "
+                 "column: user} each is a client with no records, numbered as FedLLM-Bench numbers it (user %r is "
+                 "client %d); any other partition has no client for them", len(empty),
+                 ", ".join(map(repr, empty[:5])), " ..." if len(empty) > 5 else "", empty[0], users.index(empty[0]))
+    rows = UserKeyedRecords({USER_COLUMN: str(key), **record} for key, records in obj.items() for record in records)
+    rows.users = None if any(USER_COLUMN in r for records in obj.values() for r in records) else users
+    return rows
 
 
 def _read_jsonl(path: Path, split: str) -> list[Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fedllm.data.errors import PartitionError
+from fedllm.data.loading import USER_COLUMN
 
 MANIFEST_NAME = "manifest.json"
 
@@ -83,7 +84,8 @@ def manifest_clients(manifest: dict) -> list[list[int]]:
     """Record indices per client id ``0 .. num_clients - 1``.
 
     Raises:
-        PartitionError: Client ids are not ``0 .. n-1``, a list is not integers, or a client is empty.
+        PartitionError: Client ids are not ``0 .. n-1``, a list is not integers, or a client is empty (but in a
+            natural partition on ``user``: a user-keyed JSON's user without records).
     """
     clients = manifest.get("clients")
     if not isinstance(clients, dict):
@@ -98,8 +100,9 @@ def manifest_clients(manifest: dict) -> list[list[int]]:
         ids = clients[c].get("examples") if isinstance(clients[c], dict) else None
         if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
             raise PartitionError(f"manifest client {c}: 'examples' must be a list of record indices")
-        if not ids:
-            raise PartitionError(f"manifest client {c} has no examples")
+        if not ids and (manifest.get("method"), manifest.get("column")) != ("natural", USER_COLUMN):
+            raise PartitionError(f"manifest client {c} has no examples (only a natural partition on "
+                                 f"{USER_COLUMN!r}, of a user-keyed JSON, has clients without records)")
         parts.append(list(ids))
     return parts
 

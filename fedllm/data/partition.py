@@ -17,6 +17,7 @@ import numpy as np
 
 from fedllm.common.registry import partitioners, register_partitioner
 from fedllm.data.errors import PartitionError
+from fedllm.data.loading import USER_COLUMN
 from fedllm.data.manifest import load_manifest, manifest_clients, partition_manifest, save_manifest
 from fedllm.recipe.schema import PartitionConfig
 
@@ -34,6 +35,7 @@ __all__ = [
     "partition_records",
     "resolve_column",
     "save_manifest",
+    "user_values",
 ]
 
 #: Columns tried, in order, when ``PartitionConfig.column`` is not given.
@@ -162,7 +164,8 @@ def dirichlet(records: list[dict], num_clients: int, seed: int, cfg: PartitionCo
 
 
 @register_partitioner("natural")
-def natural(records: list[dict], num_clients: int, seed: int, cfg: PartitionConfig) -> list[list[int]]:
+def natural(records: list[dict], num_clients: int, seed: int, cfg: PartitionConfig,
+            values: Optional[list] = None) -> list[list[int]]:
     """One client per distinct value of ``cfg.column`` (a user, writer or category id), numbered in the order the
     values first appear in the records (file order), as FedLLM-Bench numbers its users (``get_fed_datasets``: one
     client per key of its user-keyed JSON, in file order, so that client ``k`` is its ``local<k>`` baseline's
@@ -174,6 +177,8 @@ def natural(records: list[dict], num_clients: int, seed: int, cfg: PartitionConf
         num_clients: At most the number of distinct values.
         seed: Unused.
         cfg: ``column``.
+        values: The column's values in client order, values no record holds included (a user-keyed JSON's keys,
+            :func:`user_values`): each of those is a client with no records, as in FedLLM-Bench.
 
     Returns:
         Sorted record indices per client.
@@ -181,9 +186,17 @@ def natural(records: list[dict], num_clients: int, seed: int, cfg: PartitionConf
     Raises:
         PartitionError: Missing column, or more clients than values.
     """
-    _check_counts(records, num_clients)
+    if values is None:
+        _check_counts(records, num_clients)
+    elif num_clients < 1:
+        raise PartitionError(f"num_clients must be >= 1; got {num_clients}")
     column = resolve_column(records, cfg.column)
     groups = _groups(records, column, order="first_seen")
+    if values is not None:
+        stray = [v for v in groups if v not in set(values)]
+        if stray:
+            raise PartitionError(f"natural partition on {column!r}: value {stray[0]!r} is not one of the file's keys")
+        groups = {v: groups.get(v, []) for v in values}
     if len(groups) < num_clients:
         raise PartitionError(
             f"natural partition on {column!r} gives {len(groups)} clients (one per distinct value) "
@@ -196,10 +209,29 @@ def natural(records: list[dict], num_clients: int, seed: int, cfg: PartitionConf
                     "the clients, the other %d values' %d record(s) are left out (as FedLLM-Bench takes its first "
                     "num_clients users); set federation.num_clients: %d to keep them all", column, len(parts),
                     num_clients, num_clients, len(parts) - num_clients, left, len(parts))
+    empty = [(c, v) for c, (v, members) in enumerate(list(groups.items())[:num_clients]) if not members]
+    if len(empty) == num_clients:
+        raise PartitionError(f"natural partition on {column!r}: none of the first {num_clients} values holds a "
+                             "training record")
+    if empty:
+        log.warning("natural partition on %r: %d client(s) without training records (%s%s), kept as FedLLM-Bench "
+                    "keeps them: a round that samples one aggregates the other sampled clients (its weight is its "
+                    "record count, 0)", column, len(empty), ", ".join(f"client {c} = {v!r}" for c, v in empty[:5]),
+                    " ..." if len(empty) > 5 else "")
     return parts[:num_clients]
 
 
-def partition_records(records: list[dict], num_clients: int, seed: int, cfg: PartitionConfig) -> list[list[int]]:
+def user_values(records: list[dict], cfg: PartitionConfig) -> Optional[list[str]]:
+    """The clients' values when ``cfg`` is ``natural`` on :data:`~fedllm.data.loading.USER_COLUMN` and ``records``
+    are a user-keyed JSON's (:class:`~fedllm.data.loading.UserKeyedRecords`): every key of the file, in file order,
+    those without records included; else None (a partition then gives no client without records)."""
+    if cfg.method != "natural" or cfg.column != USER_COLUMN:
+        return None
+    return getattr(records, "users", None)
+
+
+def partition_records(records: list[dict], num_clients: int, seed: int, cfg: PartitionConfig,
+                      values: Optional[list] = None) -> list[list[int]]:
     """Run the partitioner ``cfg.method`` and check its result.
 
     Args:
@@ -207,22 +239,30 @@ def partition_records(records: list[dict], num_clients: int, seed: int, cfg: Par
         num_clients: Number of clients.
         seed: Seed of the partitioner.
         cfg: The partition section of the recipe.
+        values: ``natural`` only: the clients' values, values no record holds included (:func:`user_values`);
+            their clients are the only ones allowed to be empty.
 
     Returns:
-        Sorted record indices per client: disjoint, in range, none empty.
+        Sorted record indices per client: disjoint, in range, none empty (but the clients of ``values`` no
+        record holds).
 
     Raises:
         PartitionError: Unknown method, or an impossible or invalid partition.
     """
     if cfg.method not in partitioners:
         raise PartitionError(f"unknown partition method {cfg.method!r}; known: {', '.join(partitioners.names())}")
-    _check_counts(records, num_clients)
-    parts = partitioners.get(cfg.method)(records, num_clients, seed, cfg)
+    if values is not None and cfg.method != "natural":
+        raise PartitionError(f"partition method {cfg.method!r} has no client values (only natural has)")
+    if values is None:
+        _check_counts(records, num_clients)
+        parts = partitioners.get(cfg.method)(records, num_clients, seed, cfg)
+    else:
+        parts = natural(records, num_clients, seed, cfg, values=values)
     if len(parts) != num_clients:
         raise PartitionError(f"partitioner {cfg.method!r} returned {len(parts)} clients, expected {num_clients}")
     seen: set[int] = set()
     for client, part in enumerate(parts):
-        if not part:
+        if not part and values is None:
             raise PartitionError(f"partitioner {cfg.method!r} left client {client} with no examples")
         if seen.intersection(part) or not all(0 <= i < len(records) for i in part):
             raise PartitionError(f"partitioner {cfg.method!r} gave client {client} repeated or out-of-range indices")

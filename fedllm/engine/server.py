@@ -34,6 +34,7 @@ from fedllm.engine.client import micro_batch_loss, run_client
 from fedllm.engine.compiled import compile_choice
 from fedllm.engine.compressed_rounds import Downlink
 from fedllm.engine.distributed import Dispatch
+from fedllm.engine.empty_clients import empty_clients, refuse_empty_clients
 from fedllm.engine.fedbuff import FedBuff
 from fedllm.engine.reference import (
     EVAL_REFERENCE_KEY,
@@ -152,6 +153,7 @@ def build_federation(recipe: Recipe) -> Federation:
     t1 = time.perf_counter()
     data = build_federated_data(recipe.data, recipe.federation.partition, recipe.federation.num_clients,
                                 tokenizer, recipe.train.max_length, recipe.seed, task)
+    refuse_empty_clients(recipe, data)
     t2 = time.perf_counter()
     num_labels = len(data.label_names) if data.label_names else 2
     loaded = load_model(recipe.model, recipe.lora, num_labels=num_labels, seed=recipe.seed,
@@ -461,6 +463,8 @@ class RoundLoop:
         try:
             if updates and isinstance(updates[0], SummedUpdate):  # secure aggregation: only the round's mean is known
                 aggregated = strategy.aggregate_mean(rnd, self.global_state, updates[0].state, updates)
+            elif not updates:  # every sampled client was empty (weight 0): the global state stays as it was
+                aggregated = dict(self.global_state)
             else:
                 aggregated = strategy.aggregate(rnd, self.global_state, updates)
             self.refuse_non_finite(rnd, aggregated)
@@ -542,12 +546,16 @@ class RoundLoop:
                                      recipe.sampled_per_round(), attempt, frozenset(failed))
             before = {cid: self.store.get(cid) for cid in sampled}
             self.late, self.deadline_s = {}, None  # set by drop_late, which the executor calls
-            updates, down, dropped = self.executor.train(self, rnd, sampled, lr, bar)
+            empty = empty_clients(self.fed.data, sampled)  # no records: nothing to train, nothing sent
+            training = [cid for cid in sampled if cid not in empty]
+            updates, down, dropped = self.executor.train(self, rnd, training, lr, bar) if training else ([], {}, {})
             for cid in self.late:  # a late client keeps its state from before the round: its next starts afresh
                 self.store.put(cid, before[cid])
             if not secure_aggregation(recipe.privacy):  # the server sees no single update to measure
                 updates = self.screen_updates(rnd, updates, dropped, before)
-            if len(updates) >= fed.min_clients_per_round and not (dropped and fed.on_client_error == "fail"):
+            needed = min(fed.min_clients_per_round, len(training)) if empty else fed.min_clients_per_round
+            if len(updates) >= needed and not (dropped and fed.on_client_error == "fail"):
+                dropped.update(empty)
                 break
             self.store.update(before)  # nothing of this sample is kept
             failed.update(dropped)
@@ -579,6 +587,8 @@ class RoundLoop:
         }
         if any(u.loss is None for u in updates):  # not uploaded (DP-SGD: no noise protects a client's loss)
             del record["client_loss"], record["train_loss"]
+        elif not updates:  # every sampled client was empty: no loss
+            del record["train_loss"]
         record.update(strategy.round_record(rnd))
         if secure_aggregation(recipe.privacy):
             record["secure_aggregation"] = self.secure_record
@@ -698,7 +708,7 @@ class RoundLoop:
 
 def released_mean_loss(updates: list) -> Optional[float]:
     """The example-weighted mean of the clients' uploaded losses (None when a client uploaded none)."""
-    if any(u.loss is None for u in updates):
+    if not updates or any(u.loss is None for u in updates):
         return None
     return sum(u.loss * u.num_examples for u in updates) / sum(u.num_examples for u in updates)
 

@@ -139,7 +139,98 @@ def test_fedllm_bench_chatbotpa_dpo_recipe_and_dynamic_local_steps(pairs):
 def test_fedllm_bench_user_without_records_is_named(caplog):
     from fedllm.data.loading import user_keyed
 
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         rows = user_keyed({"u_9": [{"instruction": "a"}], "u_2": [], "u_5": [{"instruction": "b"}]})
-    assert [r["user"] for r in rows] == ["u_9", "u_5"]
-    assert "1 user(s) without records ('u_2')" in caplog.text and "FedLLM-Bench's client 1" in caplog.text
+    assert [r["user"] for r in rows] == ["u_9", "u_5"] and rows.users == ["u_9", "u_2", "u_5"]
+    assert "1 user(s) without records ('u_2')" in caplog.text and "(user 'u_2' is client 1)" in caplog.text
+    # a record's own user column decides the clients: the keys are no client list then
+    assert user_keyed({"u_9": [{"instruction": "a", "user": "x"}], "u_2": []}).users is None
+
+
+#: SINGLE with FedLLM-Bench users without records, one first and one between (its clients 0 and 2)
+WITH_EMPTY = {"u_0": [], "u_17": SINGLE["u_17"], "u_9": [], "u_03": SINGLE["u_03"], "u_42": SINGLE["u_42"]}
+
+
+def _user_file(tmp_path, users):
+    path = tmp_path / "by_client.json"
+    path.write_text(json.dumps(users))
+    return DataConfig(path=str(path), format="instruction", template="openfedllm", fields={"output": "response"},
+                      cache=False)
+
+
+def test_fedllm_bench_users_without_records_are_clients_numbered_as_there(tokenizer, tmp_path):
+    """get_fed_datasets makes an empty Dataset for a user without records and ``dataset[:num_clients]`` keeps it:
+    client k is the file's k-th key, an empty user included (sample_num_list [0, 2, 0, 1, 3])."""
+    cfg = _user_file(tmp_path, WITH_EMPTY)
+    for num_clients in (5, 3):
+        fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), num_clients, tokenizer,
+                                   256, 0)
+        got = [[tokenizer.decode(fed.examples[i]["input_ids"]).split("### Instruction:\n")[1].split(" \n")[0]
+                for i in members] for members in fed.clients]
+        assert got == [[r["instruction"] for r in records] for records in WITH_EMPTY.values()][:num_clients]
+        assert [c["size"] for c in fed.manifest["clients"].values()] == [0, 2, 0, 1, 3][:num_clients]
+    # a personal test split holds nothing out of an empty client
+    fed = build_federated_data(_user_file(tmp_path, {**WITH_EMPTY, "u_03": SINGLE["u_42"]}),
+                               PartitionConfig(method="natural", column="user"), 5, tokenizer, 256, 0)
+    assert [len(ix) for ix in fed.clients] == [0, 2, 0, 3, 3]
+
+
+def test_fedllm_bench_users_without_records_only_under_natural_on_user(tokenizer, tmp_path):
+    """Only natural on 'user' of a user-keyed JSON has clients without records: natural on another column, iid and
+    dirichlet split the records (an empty part stays an error), and the first num_clients users must not all be
+    empty."""
+    from fedllm.data.partition import PartitionError, partition_records
+
+    cfg = _user_file(tmp_path, WITH_EMPTY)
+    fed = build_federated_data(cfg, PartitionConfig(method="natural", column="language"), 1, tokenizer, 256, 0)
+    assert [len(ix) for ix in fed.clients] == [6]
+    fed = build_federated_data(cfg, PartitionConfig(method="iid"), 3, tokenizer, 256, 0)
+    assert [len(ix) for ix in fed.clients] == [2, 2, 2]
+    with pytest.raises(PartitionError, match="cannot split 6 examples into 7 clients"):
+        build_federated_data(cfg, PartitionConfig(method="iid"), 7, tokenizer, 256, 0)
+    with pytest.raises(PartitionError, match="cannot split 6 examples into 7 clients"):
+        build_federated_data(cfg, PartitionConfig(method="dirichlet", column="language"), 7, tokenizer, 256, 0)
+    with pytest.raises(PartitionError, match="partition method 'iid' has no client values"):
+        partition_records([{"user": "a"}], 2, 0, PartitionConfig(method="iid"), values=["a", "b"])
+    with pytest.raises(PartitionError, match="none of the first 1 values holds a training record"):
+        build_federated_data(cfg, PartitionConfig(method="natural", column="user"), 1, tokenizer, 256, 0)
+
+
+def test_fedllm_bench_partition_on_disk_keeps_users_without_records(tokenizer, tmp_path):
+    """`fedllm partition` writes an empty client file for such a user, and training from its manifest gives the same
+    clients; a manifest of another method with an empty client is refused."""
+    from fedllm.data.federated import partition_to_disk
+    from fedllm.data.manifest import PartitionError, manifest_clients
+
+    cfg = _user_file(tmp_path, WITH_EMPTY)
+    natural = PartitionConfig(method="natural", column="user")
+    manifest = partition_to_disk(cfg, natural, 5, 0, tmp_path / "parts")
+    assert (tmp_path / "parts" / "client_000.jsonl").read_text() == ""
+    direct = build_federated_data(cfg, natural, 5, tokenizer, 256, 0)
+    again = build_federated_data(cfg, PartitionConfig(path=str(tmp_path / "parts")), 5, tokenizer, 256, 0)
+    assert again.clients == direct.clients and [len(ix) for ix in again.clients] == [0, 2, 0, 1, 3]
+    with pytest.raises(PartitionError, match="manifest client 0 has no examples"):
+        manifest_clients({**manifest, "method": "custom"})
+
+
+def test_fedllm_bench_recipe_check_counts_users_not_records(tmp_path):
+    """The recipe check that refuses more clients than records (before any model loads) lets natural on 'user'
+    through: 3 users, one without records, make 3 clients from 2 records."""
+    from fedllm.data.federated import split_problems
+
+    cfg = _user_file(tmp_path, {"u_1": SINGLE["u_03"], "u_2": [], "u_3": SINGLE["u_03"]})
+    assert split_problems(cfg, PartitionConfig(method="natural", column="user"), 3) == []
+    assert [p[0] for p in split_problems(cfg, PartitionConfig(method="iid"), 3)] == ["federation.num_clients"]
+
+
+def test_fedllm_bench_numbering_survives_the_hold_out(tokenizer, tmp_path):
+    """A held-out share (data.eval_fraction) may take all of a user's records: that user stays its client (then
+    without records), so client k is still the file's k-th key."""
+    users = {f"u_{k}": [{"instruction": f"q{k} {i}", "response": "r"} for i in range(k % 3)] for k in range(9)}
+    cfg = _user_file(tmp_path, users)
+    cfg.eval_fraction = 0.5
+    fed = build_federated_data(cfg, PartitionConfig(method="natural", column="user"), 9, tokenizer, 256, 0)
+    assert len(fed.clients) == 9 and sum(len(ix) for ix in fed.clients) == 9 - len(fed.eval_records) == 5
+    for k, members in enumerate(fed.clients):
+        assert all(f"q{k} " in tokenizer.decode(fed.examples[i]["input_ids"]) for i in members)
+    assert sum(1 for ix in fed.clients if not ix) > 3  # (u_0, u_3, u_6 have no records in the file)
