@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import re
 import resource
 import subprocess
@@ -61,9 +62,15 @@ def overrides(model_dir: Path, data: Path, out: Path) -> list[str]:
             "eval.tasks=[]", "checkpoint.every=0", f"output_dir={out / 'run'}", "logging.progress=false"]
 
 
-def dry_run_estimate(extra: list[str]) -> str:
-    out = subprocess.run([sys.executable, "-m", "fedllm", "train", str(RECIPE), *extra, "--dry-run"],
-                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
+def dry_run_estimate(extra: list[str], config: str) -> str:
+    """The dry run's peak-memory estimate of the same recipe on the meta device: the shipped config's hub id, offline,
+    so the estimate comes from the shapes alone (the random model has them) without loading 13.5 GB of weights and
+    timing a 7B step first."""
+    hub_id = config.replace("--", "/", 1)
+    meta = [f"model.name={hub_id}" if e.startswith("model.name=") else e for e in extra]
+    out = subprocess.run([sys.executable, "-m", "fedllm", "train", str(RECIPE), *meta, "--dry-run"],
+                         capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
     found = re.search(r"peak memory estimate[^:]*: ([0-9.,]+ [GM]B)", out)
     return found.group(1) if found else "?"
 
@@ -87,7 +94,7 @@ def main() -> None:
     records = [{**r, "question": " ".join([r["question"]] * 40)} for r in arith_records(8)]  # past 256 tokens
     data = write_jsonl(out.parent / f"{out.name}-arith.jsonl", records)
     extra = overrides(model_dir, data, out)
-    estimate = dry_run_estimate(extra)
+    estimate = dry_run_estimate(extra, args.config)
 
     from fedllm.engine.server import run
     from fedllm.export import export
