@@ -19,6 +19,8 @@ here. Both systems train, per workload:
   form (prompt string, chosen/rejected as user + assistant messages, from
   :mod:`fedllm.data.synthetic_preferences`) at ``data/HuggingFaceH4/ultrafeedback_binarized/``, with a one-split
   loading script there because OpenFedLLM asks for the split ``train_sft``; both render with ``vicuna_v1.1``;
+  With ``--long-answers`` every SFT answer is ~1,400 words, so every sequence is cut at ``--max-length`` in both
+  systems (the arithmetic answers are a few dozen tokens: batches pad only to their longest row, in both);
 - the same federation and training: clients (iid), clients per round, local steps, batch, max length, LoRA
   (r, alpha, dropout 0.05 and targets q/v: OpenFedLLM's ``config.py`` fixes dropout 0.05 and leaves PEFT's default
   targets), lr with OpenFedLLM's per-round cosine (fedllm ``lr_progress: openfedllm``, min 1e-6 SFT / 1e-5 DPO),
@@ -228,6 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--records", type=int, default=400, help="training records (pairs for DPO)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--long-answers", action="store_true",
+                   help="SFT answers past --max-length: every sequence fills it (memory at a shape)")
     p.add_argument("--mmap-threshold", type=int, help="MALLOC_MMAP_THRESHOLD_ for both systems (default: glibc's)")
     p.add_argument("--check", action="store_true", help="also check both tokenizers give the same ids")
     p.add_argument("--json", help="write every measurement here")
@@ -330,14 +334,22 @@ def write_model_dir(target: Path) -> Path:
     return target
 
 
-def write_data(root: Path, records: int) -> None:
-    """The SFT and DPO files (one each, read by both systems)."""
+def long_answer(i: int, words: int = 1400) -> str:
+    """An answer longer than any ``--max-length`` here (~1.3 tokens a word), different per record."""
+    vocab = "one two three four five six seven eight nine ten eleven twelve".split()
+    return " ".join(vocab[(i + k * 7) % len(vocab)] for k in range(words))
+
+
+def write_data(root: Path, records: int, long_answers: bool = False) -> None:
+    """The SFT and DPO files (one each, read by both systems); ``long_answers``: every SFT answer runs past the
+    maximum length, so that every sequence is cut at ``--max-length`` in both systems (a shape, not a task)."""
     from fedllm.data.synthetic import generate_arith
     from fedllm.data.synthetic_preferences import arith_preference_splits
 
     sft = root / OFL_DATASETS["sft"]
     sft.mkdir(parents=True, exist_ok=True)
-    rows = [{"instruction": r["question"], "input": "", "output": r["answer"]} for r in generate_arith(records, seed=0)]
+    rows = [{"instruction": r["question"], "input": "", "output": long_answer(i) if long_answers else r["answer"]}
+            for i, r in enumerate(generate_arith(records, seed=0))]
     (sft / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     dpo = root / OFL_DATASETS["dpo"]
     dpo.mkdir(parents=True, exist_ok=True)
@@ -463,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
         return _child(args.child, args.threads, rest)
     work = Path(args.work).resolve()
-    write_data(work / "data", args.records)
+    write_data(work / "data", args.records, args.long_answers)
     model_dir = write_model_dir(work / "model")
     if args.check:
         print(check_tokenizers(args, model_dir, work / "data"), flush=True)

@@ -132,3 +132,19 @@ def test_both_environments_get_the_same_allocator_setting(bench):
     assert fedllm["MALLOC_MMAP_THRESHOLD_"] == ofl["MALLOC_MMAP_THRESHOLD_"] == "131072"
     assert fedllm["OMP_NUM_THREADS"] == ofl["OMP_NUM_THREADS"] == "2" and "PYTHONPATH" not in ofl
     assert "MALLOC_MMAP_THRESHOLD_" not in bench.child_env(bench.parse_args(["--configs", "fedllm"]), True)
+
+
+def test_long_answers_fill_every_sequence_to_the_maximum_length(bench, tmp_path):
+    import json
+
+    from fedllm.models.loading import load_tokenizer
+    from fedllm.recipe.schema import ModelConfig
+
+    bench.write_data(tmp_path, 3, long_answers=True)
+    rows = [json.loads(x) for x in (tmp_path / bench.OFL_DATASETS["sft"] / "train.jsonl").read_text().splitlines()]
+    tok = load_tokenizer(ModelConfig(name="smollm2-135m-instruct"))
+    assert len(rows) == 3 and len({r["output"] for r in rows}) == 3
+    assert all(len(tok(r["output"])["input_ids"]) > 1024 for r in rows)  # past the longest --max-length measured
+    bench.write_data(tmp_path, 3)
+    short = [json.loads(x) for x in (tmp_path / bench.OFL_DATASETS["sft"] / "train.jsonl").read_text().splitlines()]
+    assert all(len(tok(r["output"])["input_ids"]) < 64 for r in short)
