@@ -43,11 +43,11 @@ Prints seconds and CPU-seconds per round (rounds >= 2, median over trials), the 
 **Peak memory**, one definition for both systems: *peak* = the child's ``VmHWM`` (the kernel's high-water mark of
 the whole process's RSS since its ``exec``: every thread, the imports, model load and the run), read from
 ``/proc/self/status`` by the last exit handler of the process, minus the *baseline* = the ``VmHWM`` of a bare
-``python -c "import torch"`` in the same environment (median of 3). (Not ``ru_maxrss`` from ``wait4``: Linux folds
-into it the RSS the child had before its ``exec``, i.e. the parent's at the fork.) So each system's own torch build (OpenFedLLM's
-pinned 2.0.1, fedllm's) is subtracted and what remains is what the run adds: its other imports (transformers, peft,
-datasets, trl / fedllm), tokenizer, data, weights, LoRA and optimizer state, activations and the allocator's
-retained memory. Both run with the same allocator settings: glibc's defaults, or ``--mmap-threshold N``
+``python -c "import torch"`` in the same environment (median of 3). (Not ``ru_maxrss`` from ``wait4``: Linux
+folds into it the RSS the child had before its ``exec``, i.e. the parent's at the fork.) So each system's own torch
+build (OpenFedLLM's pinned 2.0.1, fedllm's) is subtracted and what remains is what the run adds: its other
+imports (transformers, peft, datasets, trl / fedllm), tokenizer, data, weights, LoRA and optimizer state,
+activations and the allocator's retained memory. Both run with the same allocator settings: glibc's defaults, or ``--mmap-threshold N``
 (``MALLOC_MMAP_THRESHOLD_=N`` in both environments, as ``bench/memory_bound.py`` runs fedllm, so that RSS follows
 the live tensors). Neither system starts worker processes here (OpenFedLLM's data loader has none; fedllm trains
 every client in the one process), so the child's RSS is the run's.
@@ -123,7 +123,8 @@ def _child(kind: str, threads: int, argv: list[str]) -> int:
 
     def write() -> None:  # registered first, so it runs after every other exit handler
         Path(os.environ[MARK_ENV]).write_text(json.dumps(marks))
-        Path(os.environ[MARK_ENV]).with_suffix(".peak").write_text(str(vmhwm_kib(Path("/proc/self/status").read_text())))
+        peak = vmhwm_kib(Path("/proc/self/status").read_text())
+        Path(os.environ[MARK_ENV]).with_suffix(".peak").write_text(str(peak))
 
     atexit.register(write)
     if kind == "fedllm":
@@ -336,7 +337,7 @@ def write_model_dir(target: Path) -> Path:
 
 def long_answer(i: int, words: int = 1400) -> str:
     """An answer longer than any ``--max-length`` here (~1.3 tokens a word), different per record."""
-    vocab = "one two three four five six seven eight nine ten eleven twelve".split()
+    vocab = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
     return " ".join(vocab[(i + k * 7) % len(vocab)] for k in range(words))
 
 
@@ -456,7 +457,8 @@ def run_one(args: argparse.Namespace, workload: str, config: str, work: Path, tr
         raise SystemExit(f"{workload}/{config} failed (exit {rc}); see {out / 'log.txt'}")
     return {"rounds": round_times(json.loads(marks.read_text())), "process_wall": wall,
             "process_cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
-            "peak_kib": int(marks.with_suffix(".peak").read_text()), "baseline_kib": baselines[python], "losses": read_losses(config, out / "run")}
+            "peak_kib": int(marks.with_suffix(".peak").read_text()), "baseline_kib": baselines[python],
+            "losses": read_losses(config, out / "run")}
 
 
 def read_losses(config: str, run: Path) -> list[float]:
