@@ -19,6 +19,8 @@ here. Both systems train, per workload:
   form (prompt string, chosen/rejected as user + assistant messages, from
   :mod:`fedllm.data.synthetic_preferences`) at ``data/HuggingFaceH4/ultrafeedback_binarized/``, with a one-split
   loading script there because OpenFedLLM asks for the split ``train_sft``; both render with ``vicuna_v1.1``;
+  With ``--long-answers`` every SFT answer is ~1,400 words, so every sequence is cut at ``--max-length`` in both
+  systems (the arithmetic answers are a few dozen tokens: batches pad only to their longest row, in both);
 - the same federation and training: clients (iid), clients per round, local steps, batch, max length, LoRA
   (r, alpha, dropout 0.05 and targets q/v: OpenFedLLM's ``config.py`` fixes dropout 0.05 and leaves PEFT's default
   targets), lr with OpenFedLLM's per-round cosine (fedllm ``lr_progress: openfedllm``, min 1e-6 SFT / 1e-5 DPO),
@@ -29,13 +31,26 @@ here. Both systems train, per workload:
 Configurations (``--configs``), run interleaved trial after trial, each a fresh process:
 ``fedllm`` (its defaults: ``train.dtype: auto``, bf16 on a CPU with avx512_bf16/AMX), ``fedllm-fp32``,
 ``ofl`` (its defaults: fp32 — its scripts have no bf16 switch and 8-bit loading needs CUDA — with
-``gradient_checkpointing`` on, as ``config.py`` defaults), ``ofl-nogc`` (``--gradient_checkpointing False``).
+``gradient_checkpointing`` on, as ``config.py`` defaults), ``ofl-nogc`` (``--gradient_checkpointing False``);
+``fedllm-gc`` and ``fedllm-fp32-gc`` are the first two with ``train.gradient_checkpointing: true``.
 
 Each process records wall and CPU time (``getrusage`` of the process: every torch thread; there are no
 data-loader workers) at each round's boundary: fedllm around ``RoundLoop.run_round``; OpenFedLLM at the
 ``>> ==== Round k`` line its script prints when a round starts and at exit (a round includes its aggregation).
 Prints seconds and CPU-seconds per round (rounds >= 2, median over trials), the whole process
 (``RUSAGE_CHILDREN``), the final round's mean client loss, and ratios; ``--json`` writes everything.
+
+**Peak memory**, one definition for both systems: *peak* = the child's ``VmHWM`` (the kernel's high-water mark of
+the whole process's RSS since its ``exec``: every thread, the imports, model load and the run), read from
+``/proc/self/status`` by the last exit handler of the process, minus the *baseline* = the ``VmHWM`` of a bare
+``python -c "import torch"`` in the same environment (median of 3). (Not ``ru_maxrss`` from ``wait4``: Linux
+folds into it the RSS the child had before its ``exec``, i.e. the parent's at the fork.) So each system's own torch
+build (OpenFedLLM's pinned 2.0.1, fedllm's) is subtracted and what remains is what the run adds: its other
+imports (transformers, peft, datasets, trl / fedllm), tokenizer, data, weights, LoRA and optimizer state,
+activations and the allocator's retained memory. Both run with the same allocator settings: glibc's defaults, or ``--mmap-threshold N``
+(``MALLOC_MMAP_THRESHOLD_=N`` in both environments, as ``bench/memory_bound.py`` runs fedllm, so that RSS follows
+the live tensors). Neither system starts worker processes here (OpenFedLLM's data loader has none; fedllm trains
+every client in the one process), so the child's RSS is the run's.
 """
 
 from __future__ import annotations
@@ -55,7 +70,8 @@ MARK_ENV = "OFL_BENCH_MARKS"  # where a child writes its round marks
 ROUND_LINE = ">> ==================== Round "  # what OpenFedLLM's main_*.py prints as a round starts
 SCRIPTS = {"sft": "main_sft.py", "dpo": "main_dpo.py"}
 OFL_DATASETS = {"sft": "yahma/alpaca-cleaned", "dpo": "HuggingFaceH4/ultrafeedback_binarized"}
-CONFIGS = ("fedllm", "fedllm-fp32", "ofl", "ofl-nogc")
+CONFIGS = ("fedllm", "fedllm-fp32", "ofl", "ofl-nogc", "fedllm-gc", "fedllm-fp32-gc")
+BASELINE_CODE = "import torch"  # the baseline process: a bare torch import in the same environment
 MIN_LR = {"sft": 1e-6, "dpo": 1e-5}  # OpenFedLLM's cosine_learning_rate floors (main_sft.py, main_dpo.py)
 
 # A datasets loading script for the one split OpenFedLLM reads of UltraFeedback-binarized ("train_sft").
@@ -105,8 +121,10 @@ def _child(kind: str, threads: int, argv: list[str]) -> int:
         use = resource.getrusage(resource.RUSAGE_SELF)
         marks.append({"label": label, "wall": time.perf_counter(), "cpu": use.ru_utime + use.ru_stime})
 
-    def write() -> None:
+    def write() -> None:  # registered first, so it runs after every other exit handler
         Path(os.environ[MARK_ENV]).write_text(json.dumps(marks))
+        peak = vmhwm_kib(Path("/proc/self/status").read_text())
+        Path(os.environ[MARK_ENV]).with_suffix(".peak").write_text(str(peak))
 
     atexit.register(write)
     if kind == "fedllm":
@@ -171,7 +189,8 @@ def ofl_round_losses(training_loss: list[list[float]]) -> list[float]:
 
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over trials of the mean per-round wall/CPU over rounds >= 2, and the last trial's final loss."""
+    """Median over trials of the mean per-round wall/CPU over rounds >= 2 and of the peak memory above the baseline
+    (MiB), and the last trial's final loss."""
     def per_trial(key: str) -> list[float]:
         vals = []
         for t in trials:
@@ -187,6 +206,8 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
         "wall_trials": wall, "cpu_trials": cpu,
         "process_wall": statistics.median(t["process_wall"] for t in trials),
         "process_cpu": statistics.median(t["process_cpu"] for t in trials),
+        "peak_mib": statistics.median((t["peak_kib"] - t["baseline_kib"]) / 1024 for t in trials),
+        "peak_trials": [(t["peak_kib"] - t["baseline_kib"]) / 1024 for t in trials],
         "losses": trials[-1]["losses"],
     }
 
@@ -210,6 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--records", type=int, default=400, help="training records (pairs for DPO)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--long-answers", action="store_true",
+                   help="SFT answers past --max-length: every sequence fills it (memory at a shape)")
+    p.add_argument("--mmap-threshold", type=int, help="MALLOC_MMAP_THRESHOLD_ for both systems (default: glibc's)")
     p.add_argument("--check", action="store_true", help="also check both tokenizers give the same ids")
     p.add_argument("--json", help="write every measurement here")
     p.add_argument("--child", choices=["fedllm", "ofl"], help=argparse.SUPPRESS)
@@ -243,7 +267,8 @@ def ofl_argv(args: argparse.Namespace, workload: str, data_root: Path, model_dir
     return argv + (["--template", "alpaca"] if workload == "sft" else ["--template", "vicuna_v1.1"])
 
 
-def fedllm_recipe(args: argparse.Namespace, workload: str, data_root: Path, out: Path, dtype: str) -> dict:
+def fedllm_recipe(args: argparse.Namespace, workload: str, data_root: Path, out: Path, dtype: str,
+                  gradient_checkpointing: bool = False) -> dict:
     """The fedllm recipe of the same run."""
     if workload == "sft":
         data = {"path": str(data_root / OFL_DATASETS["sft"] / "train.jsonl"), "format": "instruction",
@@ -253,7 +278,8 @@ def fedllm_recipe(args: argparse.Namespace, workload: str, data_root: Path, out:
                 "template": "vicuna_v1.1"}
     train = {"local_steps": args.steps, "batch_size": args.batch, "lr": args.lr, "lr_schedule": "cosine",
              "min_lr": MIN_LR[workload], "lr_progress": "openfedllm", "max_grad_norm": 1.0,
-             "max_length": args.max_length, "dtype": dtype, "threads": args.threads}
+             "max_length": args.max_length, "dtype": dtype, "threads": args.threads,
+             "gradient_checkpointing": gradient_checkpointing}
     if workload == "dpo":
         train.update(objective="dpo", preference={"loss": "sigmoid", "beta": 0.1})
     return {"seed": 0, "output_dir": str(out), "model": {"name": "smollm2-135m-instruct"},
@@ -309,14 +335,22 @@ def write_model_dir(target: Path) -> Path:
     return target
 
 
-def write_data(root: Path, records: int) -> None:
-    """The SFT and DPO files (one each, read by both systems)."""
+def long_answer(i: int, words: int = 1400) -> str:
+    """An answer longer than any ``--max-length`` here (~1.3 tokens a word), different per record."""
+    vocab = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+    return " ".join(vocab[(i + k * 7) % len(vocab)] for k in range(words))
+
+
+def write_data(root: Path, records: int, long_answers: bool = False) -> None:
+    """The SFT and DPO files (one each, read by both systems); ``long_answers``: every SFT answer runs past the
+    maximum length, so that every sequence is cut at ``--max-length`` in both systems (a shape, not a task)."""
     from fedllm.data.synthetic import generate_arith
     from fedllm.data.synthetic_preferences import arith_preference_splits
 
     sft = root / OFL_DATASETS["sft"]
     sft.mkdir(parents=True, exist_ok=True)
-    rows = [{"instruction": r["question"], "input": "", "output": r["answer"]} for r in generate_arith(records, seed=0)]
+    rows = [{"instruction": r["question"], "input": "", "output": long_answer(i) if long_answers else r["answer"]}
+            for i, r in enumerate(generate_arith(records, seed=0))]
     (sft / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     dpo = root / OFL_DATASETS["dpo"]
     dpo.mkdir(parents=True, exist_ok=True)
@@ -356,24 +390,60 @@ def check_tokenizers(args: argparse.Namespace, model_dir: Path, data_root: Path)
 # --------------------------------------------------------------------------- one trial
 
 
-def run_one(args: argparse.Namespace, workload: str, config: str, work: Path, trial: int) -> dict[str, Any]:
-    """Run one configuration in a fresh process; its round times, process totals and losses."""
+def vmhwm_kib(status: str) -> int:
+    """``VmHWM`` (the process's peak RSS, KiB) from the text of ``/proc/<pid>/status``."""
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+
+
+def peak_of_code(python: str, code: str, env: dict[str, str]) -> int:
+    """Peak RSS (KiB) of ``python -c code``: its ``VmHWM``, read as its last statement."""
+    read = code + "\nprint(open('/proc/self/status').read())"
+    got = subprocess.run([python, "-c", read], env=env, capture_output=True, text=True, check=False)
+    if got.returncode != 0:
+        raise SystemExit(f"{python} -c {code!r} failed (exit {got.returncode}): {got.stderr[-2000:]}")
+    return vmhwm_kib(got.stdout)
+
+
+def baseline_kib(python: str, env: dict[str, str]) -> int:
+    """Peak RSS (KiB) of a bare ``import torch`` in that environment: the median of 3 fresh processes."""
+    return int(statistics.median(peak_of_code(python, BASELINE_CODE, env) for _ in range(3)))
+
+
+def child_env(args: argparse.Namespace, ofl: bool, marks: Path | None = None) -> dict[str, str]:
+    """The environment of a child: threads, offline, the allocator setting; no PYTHONPATH for OpenFedLLM's."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true"}
+    if marks is not None:
+        env[MARK_ENV] = str(marks)
+    if args.mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    if ofl:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+def run_one(args: argparse.Namespace, workload: str, config: str, work: Path, trial: int,
+            baselines: dict[str, int]) -> dict[str, Any]:
+    """Run one configuration in a fresh process; its round times, process totals, peak memory and losses."""
     out = work / "runs" / f"{workload}-{config}-{trial}"
     marks = out / "marks.json"
     (out / "run").mkdir(parents=True, exist_ok=True)  # OpenFedLLM's save_config makes one directory inside
-    env = {**os.environ, MARK_ENV: str(marks), "OMP_NUM_THREADS": str(args.threads),
-           "MKL_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true"}
+    ofl = config.startswith("ofl")
+    env = child_env(args, ofl, marks)
+    python = args.python if ofl else sys.executable
+    if python not in baselines:
+        baselines[python] = baseline_kib(python, env)
     me = str(Path(__file__).resolve())
-    if config.startswith("fedllm"):
+    if not ofl:
         import yaml
 
         recipe = out / "recipe.yaml"
-        dtype = "fp32" if config == "fedllm-fp32" else "auto"
-        recipe.write_text(yaml.safe_dump(fedllm_recipe(args, workload, work / "data", out / "run", dtype)))
+        dtype = "fp32" if config.startswith("fedllm-fp32") else "auto"
+        recipe.write_text(yaml.safe_dump(fedllm_recipe(args, workload, work / "data", out / "run", dtype,
+                                                       gradient_checkpointing=config.endswith("-gc"))))
         cmd = [sys.executable, me, "--child", "fedllm", "--threads", str(args.threads), "--", "train", str(recipe)]
     else:
-        env.pop("PYTHONPATH", None)
         cmd = [args.python, me, "--child", "ofl", "--threads", str(args.threads), "--", str(Path(args.openfedllm)),
                SCRIPTS[workload], *ofl_argv(args, workload, work / "data", work / "model", out / "run",
                                             config != "ofl-nogc")]
@@ -387,6 +457,7 @@ def run_one(args: argparse.Namespace, workload: str, config: str, work: Path, tr
         raise SystemExit(f"{workload}/{config} failed (exit {rc}); see {out / 'log.txt'}")
     return {"rounds": round_times(json.loads(marks.read_text())), "process_wall": wall,
             "process_cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+            "peak_kib": int(marks.with_suffix(".peak").read_text()), "baseline_kib": baselines[python],
             "losses": read_losses(config, out / "run")}
 
 
@@ -406,33 +477,38 @@ def main(argv: list[str] | None = None) -> int:
         rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
         return _child(args.child, args.threads, rest)
     work = Path(args.work).resolve()
-    write_data(work / "data", args.records)
+    write_data(work / "data", args.records, args.long_answers)
     model_dir = write_model_dir(work / "model")
     if args.check:
         print(check_tokenizers(args, model_dir, work / "data"), flush=True)
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
     results: dict[str, dict[str, list]] = {w: {c: [] for c in args.configs} for w in args.workloads}
+    baselines: dict[str, int] = {}
     for workload in args.workloads:
         for trial in range(args.trials):
             for config in args.configs:
-                res = run_one(args, workload, config, work, trial)
+                res = run_one(args, workload, config, work, trial, baselines)
                 res["load"] = os.getloadavg()[0]
                 results[workload][config].append(res)
                 later = [r for r in res["rounds"] if r["round"] >= 2]
                 print(f"{workload} trial {trial} {config:12s} "
                       + " ".join(f"r{r['round']} {r['wall']:.1f}s/{r['cpu']:.1f}cpu" for r in later)
                       + f"  process {res['process_wall']:.0f}s/{res['process_cpu']:.0f}cpu  "
+                      f"peak {res['peak_kib'] / 1024:.0f} - baseline {res['baseline_kib'] / 1024:.0f} MiB  "
                       f"losses {[round(x, 4) for x in res['losses']]}  load {res['load']:.1f}", flush=True)
     summary = {w: {c: summarize(t) for c, t in cfgs.items()} for w, cfgs in results.items()}
     for workload, cfgs in summary.items():
         base = cfgs.get("ofl")
         print(f"\n{workload}: per round (rounds >= 2, median of {args.trials} trials)")
-        print(f"{'config':14s} {'s/round':>8s} {'CPU-s/round':>12s} {'vs ofl wall':>11s} {'vs ofl CPU':>10s}  final loss")
+        print(f"{'config':14s} {'s/round':>8s} {'CPU-s/round':>12s} {'vs ofl wall':>11s} {'vs ofl CPU':>10s} "
+              f"{'peak MiB':>9s} {'vs ofl':>7s}  final loss")
         for config, s in cfgs.items():
             ratio = (f"{base['wall_per_round'] / s['wall_per_round']:10.2f}x {base['cpu_per_round'] / s['cpu_per_round']:9.2f}x"
                      if base else "")
-            print(f"{config:14s} {s['wall_per_round']:8.2f} {s['cpu_per_round']:12.2f} {ratio}  {s['losses'][-1]:.4f}")
+            peak = f"{s['peak_mib']:9.0f} " + (f"{s['peak_mib'] / base['peak_mib']:6.2f}x" if base else "")
+            print(f"{config:14s} {s['wall_per_round']:8.2f} {s['cpu_per_round']:12.2f} {ratio} {peak}  "
+                  f"{s['losses'][-1]:.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "rest"},
                                                "results": results, "summary": summary}, indent=1))

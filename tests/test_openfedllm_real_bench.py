@@ -49,14 +49,17 @@ def test_openfedllm_losses_average_the_clients_trained_each_round(bench):
 
 
 def test_summary_takes_rounds_from_the_second_on_and_the_median_over_trials(bench):
-    def trial(walls, cpus, loss):
+    def trial(walls, cpus, loss, peak_kib):
         return {"rounds": [{"round": i + 1, "wall": w, "cpu": c} for i, (w, c) in enumerate(zip(walls, cpus))],
-                "process_wall": sum(walls), "process_cpu": sum(cpus), "losses": [loss]}
+                "process_wall": sum(walls), "process_cpu": sum(cpus), "losses": [loss], "peak_kib": peak_kib,
+                "baseline_kib": 1024 * 300}
 
-    s = bench.summarize([trial([100, 4, 6], [50, 2, 4], 0.9), trial([100, 8, 8], [50, 5, 5], 0.8),
-                         trial([100, 20, 30], [50, 9, 11], 0.7)])
+    s = bench.summarize([trial([100, 4, 6], [50, 2, 4], 0.9, 1024 * 1300), trial([100, 8, 8], [50, 5, 5], 0.8,
+                                                                                1024 * 1100),
+                         trial([100, 20, 30], [50, 9, 11], 0.7, 1024 * 1500)])
     assert s["wall_trials"] == [5.0, 8.0, 25.0] and s["wall_per_round"] == 8.0
     assert s["cpu_trials"] == [3.0, 5.0, 10.0] and s["cpu_per_round"] == 5.0
+    assert s["peak_trials"] == [1000.0, 800.0, 1200.0] and s["peak_mib"] == 1000.0  # MiB above the baseline
     assert s["losses"] == [0.7]
 
 
@@ -96,3 +99,52 @@ def test_both_systems_get_the_same_federation_and_training_settings(bench, workl
         assert ofl["--template"] == recipe.data.template == "vicuna_v1.1"
     else:
         assert ofl["--template"] == "alpaca" and recipe.data.template == "openfedllm"
+
+
+def test_a_process_s_peak_is_its_own_high_water_mark_not_its_rss_at_exit_nor_its_parent_s(bench):
+    import sys
+
+    # 256 MiB touched then freed: the peak holds it, the RSS at exit does not; the parent (this test process,
+    # hundreds of MiB) does not count (wait4's ru_maxrss would fold in its RSS at the fork)
+    grow = "b = bytearray(256 * 1024 * 1024); b[::4096] = b'x' * len(b[::4096]); del b"
+    small = bench.peak_of_code(sys.executable, "pass", {})
+    big = bench.peak_of_code(sys.executable, grow, {})
+    assert small < 64 * 1024
+    assert 240 * 1024 <= big - small <= 300 * 1024  # (the interpreter's file pages may be evicted under pressure)
+    assert bench.vmhwm_kib("Name:\tpython\nVmPeak:\t  9000 kB\nVmHWM:\t  1234 kB\nVmRSS:\t  1000 kB\n") == 1234
+    with pytest.raises(SystemExit):
+        bench.peak_of_code(sys.executable, "raise SystemExit(3)", {})
+
+
+@pytest.mark.parametrize("config,dtype,gc", [("fedllm", "auto", False), ("fedllm-gc", "auto", True),
+                                             ("fedllm-fp32", "fp32", False), ("fedllm-fp32-gc", "fp32", True)])
+def test_fedllm_configurations_set_dtype_and_checkpointing(bench, config, dtype, gc, tmp_path):
+    args = bench.parse_args(["--configs", config])
+    assert args.configs == [config]
+    raw = bench.fedllm_recipe(args, "sft", tmp_path / "data", tmp_path / "out", dtype, gradient_checkpointing=gc)
+    recipe = parse_recipe(raw)
+    assert recipe.train.gradient_checkpointing is gc and recipe.train.dtype == dtype
+
+
+def test_both_environments_get_the_same_allocator_setting(bench):
+    args = bench.parse_args(["--configs", "fedllm", "--mmap-threshold", "131072", "--threads", "2"])
+    fedllm, ofl = bench.child_env(args, False), bench.child_env(args, True)
+    assert fedllm["MALLOC_MMAP_THRESHOLD_"] == ofl["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    assert fedllm["OMP_NUM_THREADS"] == ofl["OMP_NUM_THREADS"] == "2" and "PYTHONPATH" not in ofl
+    assert "MALLOC_MMAP_THRESHOLD_" not in bench.child_env(bench.parse_args(["--configs", "fedllm"]), True)
+
+
+def test_long_answers_fill_every_sequence_to_the_maximum_length(bench, tmp_path):
+    import json
+
+    from fedllm.models.loading import load_tokenizer
+    from fedllm.recipe.schema import ModelConfig
+
+    bench.write_data(tmp_path, 3, long_answers=True)
+    rows = [json.loads(x) for x in (tmp_path / bench.OFL_DATASETS["sft"] / "train.jsonl").read_text().splitlines()]
+    tok = load_tokenizer(ModelConfig(name="smollm2-135m-instruct"))
+    assert len(rows) == 3 and len({r["output"] for r in rows}) == 3
+    assert all(len(tok(r["output"])["input_ids"]) > 1024 for r in rows)  # past the longest --max-length measured
+    bench.write_data(tmp_path, 3)
+    short = [json.loads(x) for x in (tmp_path / bench.OFL_DATASETS["sft"] / "train.jsonl").read_text().splitlines()]
+    assert all(len(tok(r["output"])["input_ids"]) < 64 for r in short)
