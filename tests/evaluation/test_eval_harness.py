@@ -6,7 +6,6 @@ import copy
 import json
 import sys
 import textwrap
-from typing import Optional
 
 import pytest
 import torch
@@ -139,7 +138,7 @@ def test_local_data_replace_a_tasks_dataset(tokenizer, tiny_lm, tmp_path, harnes
     assert docs == [r["question"] for r in OTHER]
 
 
-def run_harness_cli(monkeypatch, argv: list[str], scanned: Optional[dict] = None) -> list:
+def run_harness_cli(monkeypatch, argv: list[str], scanned: dict | None = None) -> list:
     """The harness's command line: ``lm_eval.__main__.cli_evaluate``, the function its ``lm_eval`` console script
     runs, with ``argv`` (in this process: the interpreter start and the imports are shared with the test; the
     lm_eval logger is restored afterwards).
