@@ -53,3 +53,29 @@ def test_a_gguf_is_converted_once_and_read_back_bit_for_bit(smollm2_first_load, 
     with torch.no_grad():
         nxt = lm.model(**ids).logits[0, -1].argmax()
     assert "Paris" in lm.tokenizer.decode(nxt)
+
+
+def test_a_conversion_builds_each_gguf_tensor_name_map_once_with_the_same_mapping(monkeypatch):
+    """transformers' GGUF weight map rebuilds gguf's ``TensorNameMap`` for every submodule it walks; fedllm's
+    conversions (:func:`gguf_cache.tensor_name_maps_once`) build it once and map every tensor as before."""
+    gguf = pytest.importorskip("gguf")
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    built = []
+    real = gguf.get_tensor_name_map
+
+    def counted(arch, n_blocks):
+        built.append((arch, n_blocks))
+        return real(arch, n_blocks)
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2))
+    plain = get_gguf_hf_weights_map(model, TensorProcessor())
+    walked, built[:] = len(built), []
+    with gguf_cache.tensor_name_maps_once():
+        once = get_gguf_hf_weights_map(model, TensorProcessor())
+    assert once == plain and {"model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"} <= set(once.values())
+    assert walked == len(list(model.modules())) > 10 and built == [(gguf.MODEL_ARCH.LLAMA, 2)]
+    assert gguf.get_tensor_name_map is counted  # restored

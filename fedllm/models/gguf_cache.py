@@ -15,11 +15,12 @@ the weights are written with safetensors' ``save_model``, which keeps tied tenso
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 def converted_dir(directory: str, gguf_file: str) -> Path:
@@ -62,6 +63,28 @@ def keep_model(model: Any, directory: str, gguf_file: str) -> None:
         save_model(model, str(Path(target) / "model.safetensors"), metadata={"format": "pt"})
 
     _write_once(converted_dir(directory, gguf_file) / "model", write)
+
+
+@contextlib.contextmanager
+def tensor_name_maps_once() -> Iterator[None]:
+    """While a GGUF is converted: gguf's ``get_tensor_name_map`` built once per (architecture, layer count).
+
+    transformers' ``get_gguf_hf_weights_map`` walks every submodule and rebuilds gguf's ``TensorNameMap`` (a
+    dictionary of every known tensor name) for each: 397 times for SmolLM2-135M, about a third of its conversion
+    (docs/performance.md). The map is a pure function of its arguments and is only read, so one per key is kept
+    for the duration; the function is restored afterwards. Without the ``gguf`` package, nothing is changed.
+    """
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 def _write_once(target: Path, write: Callable[[str], None]) -> None:

@@ -10,6 +10,7 @@ project's own small tokenizer (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,8 +201,10 @@ def _model(name: str, gguf_file: Optional[str], cfg: ModelConfig, task: str, num
     auto = (transformers.AutoModelForSequenceClassification if task == "classification"
             else transformers.AutoModelForCausalLM)
     logs.quiet_loading_bars()
+    converting = gguf_cache.tensor_name_maps_once() if "gguf_file" in kwargs else contextlib.nullcontext()
     try:
-        model = auto.from_pretrained(kept or name, **kwargs)
+        with converting:
+            model = auto.from_pretrained(kept or name, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error(name, e) from None
     if cacheable and not kept and cfg.dtype == "fp32":

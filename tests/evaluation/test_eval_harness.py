@@ -138,15 +138,35 @@ def test_local_data_replace_a_tasks_dataset(tokenizer, tiny_lm, tmp_path, harnes
     assert docs == [r["question"] for r in OTHER]
 
 
-def run_harness_cli(monkeypatch, argv: list[str]) -> None:
+def run_harness_cli(monkeypatch, argv: list[str], scanned: dict | None = None) -> list:
     """The harness's command line: ``lm_eval.__main__.cli_evaluate``, the function its ``lm_eval`` console script
-    runs, with ``argv`` (in this process: the interpreter start, the imports and part of the task index are
-    shared with the test; the lm_eval logger is restored afterwards)."""
+    runs, with ``argv`` (in this process: the interpreter start and the imports are shared with the test; the
+    lm_eval logger is restored afterwards).
+
+    Args:
+        scanned: ``{tuple of folders: TaskManager}`` built before: where the CLI's own ``TaskManager`` scans
+            those folders (the harness's thousands of task YAML files: ~11 CPU-s), it is given a copy of that
+            manager's index instead, built from the same files; its manager is otherwise the CLI's own.
+
+    Returns:
+        The folder lists the CLI's managers scanned, each with whether its index was reused.
+    """
     import logging
 
     import lm_eval.utils
     from lm_eval.__main__ import cli_evaluate
+    from lm_eval.tasks._index import TaskIndex
 
+    scans = []
+    build = TaskIndex.build
+
+    def reuse(paths, **kwargs):
+        paths = tuple(str(p) for p in paths)
+        manager = (scanned or {}).get(paths)
+        scans.append((paths, manager is not None))
+        return dict(manager._index) if manager is not None else build(paths, **kwargs)
+
+    monkeypatch.setattr(TaskIndex, "build", staticmethod(reuse))
     logger = logging.getLogger("lm_eval")
     monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", True)           # no handler added to the logger
     monkeypatch.setattr(sys, "argv", ["lm_eval", *argv])
@@ -156,13 +176,16 @@ def run_harness_cli(monkeypatch, argv: list[str]) -> None:
         cli_evaluate()
     finally:
         logger.setLevel(level)
+    return scans
 
 
 @pytest.mark.slow
 def test_the_harness_cli_scores_the_export_as_fedllm_does(scored_export, harness_dir, tmp_path, monkeypatch):
     """The harness's own command line (``lm_eval``, which indexes every task the harness ships) on
     the exported merged model, both fixture tasks in one call; and gsm8k under the ``lm_eval`` protocol, whose
-    harness folder alone is indexed, run as with the whole index (built once here for the unknown task)."""
+    harness folder alone is indexed, run as with the whole index (built once here for the unknown task, and
+    given to the CLI's own manager, which would scan the same files again: ~11 CPU-s)."""
+    from fedllm.evaluation.harness import _harness_tasks_dir, task_manager_for
     from fedllm.evaluation.tasks.gsm8k import GSM8K
 
     model, tokenizer, _, ours, _, export = scored_export
@@ -186,10 +209,14 @@ def test_the_harness_cli_scores_the_export_as_fedllm_does(scored_export, harness
     assert json.loads((tmp_path / "gsm8k_all" / "gsm8k.json").read_text())["examples"]["gsm8k"] == samples
 
     out = tmp_path / "cli"
-    run_harness_cli(monkeypatch, ["--model", "hf", "--model_args", f"pretrained={export},dtype=float32",
-                                  "--tasks", ",".join(n.split(":")[1] for n in NAMES),
-                                  "--include_path", str(harness_dir / "tasks"), "--device", "cpu",
-                                  "--batch_size", "4", "--output_path", str(out)])
+    whole = task_manager_for("gsm8k", include["lm_eval"])                    # the index built above, every task
+    assert "gsm8k" in whole.task_index and "fedllm_tiny_mc" in whole.task_index
+    folders = (str(_harness_tasks_dir()), include["lm_eval"])                # what the CLI's manager scans
+    scans = run_harness_cli(monkeypatch, ["--model", "hf", "--model_args", f"pretrained={export},dtype=float32",
+                                          "--tasks", ",".join(n.split(":")[1] for n in NAMES),
+                                          "--include_path", str(harness_dir / "tasks"), "--device", "cpu",
+                                          "--batch_size", "4", "--output_path", str(out)], {folders: whole})
+    assert scans == [(folders, True)]                                       # its one scan: that index, reused
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     assert ours == harness_table(results)
     assert {"lm_eval:fedllm_tiny_mc/acc", "lm_eval:fedllm_tiny_mc/acc_norm", "lm_eval:fedllm_tiny_gen/exact_match"} \
