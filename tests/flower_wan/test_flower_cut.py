@@ -76,8 +76,8 @@ def test_a_cut_download_and_a_cut_upload_resume_and_the_run_equals_the_simulatio
     print(f"bytes by direction and path: {sent}; sent again to or by the cut node: {resent}; largest object: {largest}")
     # the object cut mid-request is sent again whole: more than nothing, at most one object (node 0 moves the same
     # objects uncut)
-    for path in resent:
-        assert 0 < resent[path] <= largest[path], (path, resent, largest)
+    for path, again in resent.items():
+        assert 0 < again <= largest[path], (path, resent, largest)
 
     sim = server.run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")})).run_dir
     assert_matches(sim, tmp_path / "flower-run", ["adapter"], "cut download and upload", exact=True)
