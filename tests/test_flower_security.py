@@ -139,12 +139,20 @@ def started(deployment, launch, tiny_recipe, tmp_path_factory, request):  # noqa
     return launch.items
 
 
+def refused(deployment, line: str) -> None:  # noqa: F811
+    """Wait for the SuperLink's terminal to print ``line`` (its ServerApp runner's refusal, told just before the run's
+    status): a file read, where each look at the status (:func:`finished_status`) is a ``flwr`` process."""
+    log = deployment.root / "superlink.log"
+    wait_until(lambda: logged(log, line), 120, f"the SuperLink refusing: {line}", log)
+
+
 def test_flower_security_foreign_app_runs_nowhere(started, deployment):  # noqa: F811
     where = started["where"]
     wait_until(lambda: "run-id" in (where / "foreign.json").read_text(), 120, "foreign run submitted",
                where / "foreign.json")
     text = (where / "foreign.json").read_text()
     run_id = str(json.loads(text[text.index("{"):])["run-id"])
+    refused(deployment, "app 'mallory/foreign' refused")
     status = finished_status(deployment.env, run_id, 120)
     assert status["status"] == "finished:failed", status
     assert "refused" in status.get("status-details", "") and "mallory/foreign" in status["status-details"]
@@ -157,6 +165,7 @@ def test_flower_security_unsigned_run_config_is_refused_before_any_file_is_read(
                where / "unsigned.json")
     text = (where / "unsigned.json").read_text()
     run_id = str(json.loads(text[text.index("{"):])["run-id"])
+    refused(deployment, "run refused: its run config is not signed")
     status = finished_status(deployment.env, run_id, 120)
     assert status["status"] == "finished:failed", status
     assert "not signed with this SuperLink operator's key" in status.get("status-details", ""), status

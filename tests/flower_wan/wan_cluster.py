@@ -3,7 +3,7 @@
 from contextlib import ExitStack, contextmanager
 
 from fedllm.flower.wan_proxy import WanProxy, running
-from tests.flower_cluster import env_for, free_port, port_open, start, stop, wait_until
+from tests.flower_cluster import env_for, free_port, port_open, start, stop, stop_all, wait_until
 
 
 @contextmanager
@@ -32,5 +32,6 @@ def wan_deployment(tmp_path, clients: int, observers=None):
                        f"supernode{cid}.log")
             yield port, proxies, env, launch
     finally:
-        for p in reversed(procs):
+        stop_all(procs[:0:-1])  # the SuperNodes and the run at once, then the SuperLink
+        for p in procs[:1]:
             stop(p)
