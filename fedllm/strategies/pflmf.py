@@ -172,6 +172,8 @@ class PFLMF(Strategy):
         self.model = model
         for owner, pieces in owners.items():
             model.get_submodule(owner).register_forward_hook(self._hook({p.attr: p for p in pieces}))
+        # the first step's copy of U is made before the decoder layers run (eagerly, outside train.compile's graphs)
+        model.get_input_embeddings().register_forward_pre_hook(self._capture_leaf)
         self._in_dora = False
         for owner, piece in dora.items():
             model.get_submodule(owner).register_forward_hook(self._dora_hook(piece), with_kwargs=True)
@@ -208,13 +210,20 @@ class PFLMF(Strategy):
 
         return factorised_magnitude
 
+    def _capture_leaf(self, *_) -> None:
+        """Before a forward pass of the first step: the copy of ``U`` that collects ``G_i`` (made here, on the input
+        embedding's call, rather than in a layer's hook: under ``train.compile`` making a leaf inside a compiled layer
+        broke its graph, and dynamo then traced every frame below the break, ~7x the compile time of one graph)."""
+        live = self._live
+        if live is not None and live["capture"] and live["leaf"] is None:
+            live["leaf"] = self.factors.U.detach().clone().requires_grad_(True)
+
     def _u(self) -> torch.Tensor:
         """``U`` as the hooks use it: during the first step a copy that collects ``G_i``."""
         live = self._live
         if not live["capture"]:
             return self.factors.U
-        if live["leaf"] is None:
-            live["leaf"] = self.factors.U.detach().clone().requires_grad_(True)
+        self._capture_leaf()  # made already, unless a model ran its layers without its input embedding
         return live["leaf"]
 
     def global_keys(self, model: torch.nn.Module) -> list[str]:

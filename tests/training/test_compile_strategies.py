@@ -1,13 +1,15 @@
 """train.compile with the strategies whose clients change what the decoder layers compute: forward hooks on the
 LoRA layers (FRLoRA's residual, pFedLoRU's private adapter, mFedLoRU's nested factors, Fed-SB's latent matrix,
 pFL^MF's factorised pieces, FlexLoRA's DoRA stacks) and factors trained one at a time (RoLoRA: requires_grad
-changing between rounds).
+changing between rounds); FRLoRA also with ``train.gradient_checkpointing`` (its hooks run again in the recompute).
 
 Under dynamo's ``eager`` backend (tracing, guards and graphs, no code generation) a compiled run's final adapter
 (and base, where the strategy merges into it) equals, bit for bit in fp32, the eager run that fuses its loss and
 AdamW as the compiled run does: dynamo traced the hooks and re-traced wherever a guard failed. (Inductor's kernels
 would round differently; the wiring is what this checks.) A second run in the same process never replays a graph
-traced with the first run's hooks (``skip_nnmodule_hook_guards`` off while a client trains).
+traced with the first run's hooks (``skip_nnmodule_hook_guards`` off while a client trains). No strategy's hook
+breaks the layer's graph: a break made dynamo trace every frame below it (pFL^MF's leaf copy of ``U``, made inside
+its hook, took 16 graphs and 34 frames where 3 graphs do).
 """
 
 import pytest
@@ -59,17 +61,30 @@ def _assert_equal(a, b):
         assert not differ, f"{f}: {differ[:3]}"
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+SECOND_RUN = ("mfedloru", "pfedloru")  # compared in test_a_second_run_does_not_replay_the_first_runs_hooks
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - set(SECOND_RUN)))
 def test_a_compiled_run_equals_the_eager_run(case, tiny_recipe, tmp_path, eager_compile):
     eager = _final(tiny_recipe, tmp_path / "eager", case)
     compiled_run = _final(tiny_recipe, tmp_path / "compiled", case, compile=True)
     assert eager_compile["stats"]["unique_graphs"] >= 1
+    assert not eager_compile["graph_break"], dict(eager_compile["graph_break"])
     _assert_equal(eager, compiled_run)
+    if case == "frlora":  # each compiled layer's call runs its checkpointed forward (its recompute in the backward):
+        both = _final(tiny_recipe, tmp_path / "both", case, compile=True, gradient_checkpointing=True)
+        assert both.keys() == eager.keys()  # within 1e-6 of each tensor's largest value (bit for bit on this CPU)
+        for f in eager:
+            assert both[f].keys() == eager[f].keys()
+            for k, a in eager[f].items():
+                torch.testing.assert_close(both[f][k], a, rtol=0, atol=1e-6 * float(a.abs().max()), msg=f"{f}:{k}")
 
 
 def test_a_second_run_does_not_replay_the_first_runs_hooks(tiny_recipe, tmp_path, eager_compile):
     """mFedLoRU hooks its nested factors on the LoRA layers; pFedLoRU then hooks private adapters on new layers of
-    the same class. With dynamo's default (hooks unguarded) pFedLoRU's compiled run replayed mFedLoRU's graph."""
-    _final(tiny_recipe, tmp_path / "first", "mfedloru", compile=True)
-    _assert_equal(_final(tiny_recipe, tmp_path / "eager", "pfedloru"),
-                  _final(tiny_recipe, tmp_path / "compiled", "pfedloru", compile=True))
+    the same class. With dynamo's default (hooks unguarded) pFedLoRU's compiled run replayed mFedLoRU's graph. Each
+    compiled run equals its eager run."""
+    for case in SECOND_RUN:
+        _assert_equal(_final(tiny_recipe, tmp_path / f"{case}-eager", case),
+                      _final(tiny_recipe, tmp_path / case, case, compile=True))
+    assert not eager_compile["graph_break"], dict(eager_compile["graph_break"])
