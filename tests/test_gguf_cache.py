@@ -79,3 +79,30 @@ def test_a_conversion_builds_each_gguf_tensor_name_map_once_with_the_same_mappin
     assert once == plain and {"model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"} <= set(once.values())
     assert walked == len(list(model.modules())) > 10 and built == [(gguf.MODEL_ARCH.LLAMA, 2)]
     assert gguf.get_tensor_name_map is counted  # restored
+
+
+@pytest.mark.slow
+def test_a_gguf_preset_loads_quantised_from_its_conversion(smollm2_first_load, monkeypatch):
+    """transformers quantises no GGUF file (it refuses a BitsAndBytesConfig beside one): a 4-bit load of a GGUF preset
+    quantises the kept fp32 conversion, and the quantised real model still answers as itself."""
+    from fedllm.models.supervised_loss import base_of
+
+    first = smollm2_first_load
+    monkeypatch.setenv("FEDLLM_CACHE_DIR", first.cache)
+    kept_model = gguf_cache.model_dir(first.directory, first.gguf)
+    sources = []
+    original = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, name, *args, **kwargs):
+        sources.append((kwargs.get("gguf_file") or name, type(kwargs.get("quantization_config")).__name__))
+        return original(cls, name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    lm = load_model(ModelConfig(name=first.cfg.name, dtype="bf16", quantization="4bit"), LoraConfig(r=8, alpha=16))
+    assert sources == [(kept_model, "BitsAndBytesConfig")]
+    base = base_of(lm.model)
+    assert type(base.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
+    ids = lm.tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        nxt = lm.model(**ids).logits[0, -1].argmax()
+    assert "Paris" in lm.tokenizer.decode(nxt)

@@ -13,9 +13,10 @@ and length, under the step's autocast and attention, and adds up the bytes of ev
 (``torch.autograd.graph.saved_tensors_hooks``), leaving out the parameters' own storages (the weights are counted
 once, as weights). The layer is built from the model's config with one layer and a vocabulary of 8, on
 uninitialised storage (``to_empty``: nothing is written), its parameters in the dtypes of the model's first layer,
-with the model's LoRA. A quantised linear layer is traced as a plain one in the compute dtype: bitsandbytes saves
-the same input for backward and dequantises its weight one layer at a time (the cost report adds the largest:
-:func:`fedllm.commands.cost_report.dequantised_bytes`).
+with the model's LoRA. A quantised linear layer is traced as a plain one in the compute dtype: like a frozen plain
+layer it keeps no input for backward (bitsandbytes' 4-bit matmul keeps its packed weight only; its 8-bit one kept
+its input until :mod:`fedllm.models.kbit_memory`), and it dequantises its weight one layer at a time (the cost
+report adds the largest: :func:`fedllm.commands.cost_report.dequantised_bytes`).
 
 With ``train.gradient_checkpointing`` (non-reentrant, per decoder layer: :mod:`fedllm.engine.checkpointed`) a
 checkpointed layer keeps only its input hidden state until backward recomputes it, one layer at a time

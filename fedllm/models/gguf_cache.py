@@ -54,15 +54,17 @@ def keep_tokenizer(tokenizer: Any, directory: str, gguf_file: str) -> None:
 
 def keep_model(model: Any, directory: str, gguf_file: str) -> None:
     """Keep an fp32 model just converted from ``directory/gguf_file`` (first writer wins; failures are ignored)."""
+    _write_once(converted_dir(directory, gguf_file) / "model", lambda target: write_model(model, target))
+
+
+def write_model(model: Any, target: str) -> None:
+    """Write a model converted from a GGUF file into the directory ``target`` as :func:`keep_model` keeps it."""
     from safetensors.torch import save_model
 
-    def write(target: str) -> None:
-        model.config.save_pretrained(target)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(target)
-        save_model(model, str(Path(target) / "model.safetensors"), metadata={"format": "pt"})
-
-    _write_once(converted_dir(directory, gguf_file) / "model", write)
+    model.config.save_pretrained(target)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(target)
+    save_model(model, str(Path(target) / "model.safetensors"), metadata={"format": "pt"})
 
 
 @contextlib.contextmanager

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import transformers
@@ -183,13 +184,21 @@ def _tokenizer(name: str, gguf_file: Optional[str], cfg: ModelConfig) -> Any:
     return tok
 
 
-def _model(name: str, gguf_file: Optional[str], cfg: ModelConfig, task: str, num_labels: int, tok: Any) -> Any:
+def _model(name: str, gguf_file: Optional[str], cfg: ModelConfig, task: str, num_labels: int, tok: Any,
+           config: Optional[Any] = None) -> Any:
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
                                   dtype=DTYPES[cfg.dtype])
+    if config is not None:
+        kwargs["config"] = config
     quant = _quantization(cfg)
     # a causal LM converted from this GGUF by an earlier fp32 load (the cast to another dtype is the same)
     cacheable = bool(gguf_file) and task == "causal_lm" and quant is None and cfg.device_map is None
     kept = gguf_cache.model_dir(name, gguf_file) if cacheable else None
+    if gguf_file and quant is not None and task == "causal_lm":  # transformers quantises no GGUF file: its conversion
+        with _gguf_converted(name, gguf_file, cfg, tok) as converted:
+            config = transformers.AutoConfig.from_pretrained(converted)
+            config.__dict__.pop("quantization_config", None)  # the GGUF's: the converted weights are plain fp32
+            return _model(converted, None, cfg, task, num_labels, tok, config)
     if gguf_file and not kept:
         kwargs["gguf_file"] = gguf_file
     if task == "classification":
@@ -212,6 +221,26 @@ def _model(name: str, gguf_file: Optional[str], cfg: ModelConfig, task: str, num
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
     return model
+
+
+@contextlib.contextmanager
+def _gguf_converted(name: str, gguf_file: str, cfg: ModelConfig, tok: Any) -> Iterator[str]:
+    """The directory of this GGUF causal LM's fp32 conversion, which bitsandbytes can quantise: the one an earlier
+    load kept (:mod:`fedllm.models.gguf_cache`), else converted and kept now; where the cache cannot be written, a
+    temporary directory fedllm removes afterwards."""
+    kept = gguf_cache.model_dir(name, gguf_file)
+    if kept is None:
+        plain = dataclasses.replace(cfg, dtype="fp32", quantization="none", device_map=None)
+        model = _model(name, gguf_file, plain, "causal_lm", 0, tok)  # converts, and keeps the conversion
+        kept = gguf_cache.model_dir(name, gguf_file)
+        if kept is None:
+            with tempfile.TemporaryDirectory(prefix="fedllm-gguf-") as tmp:
+                gguf_cache.write_model(model, tmp)
+                del model
+                yield tmp
+            return
+        del model
+    yield kept
 
 
 def _source(cfg: ModelConfig) -> Preset:
@@ -292,13 +321,21 @@ def prepare_kbit_base(model: Any, cfg: ModelConfig) -> Any:
     stream was fp32, and with the embedding/head doubled a 4-bit SmolLM2 (whose quantised layers hold 79 % of its
     weights) trained in more memory than bf16 (docs/performance.md, 4-bit and 8-bit memory).
     ``4bit-flowertune`` keeps PEFT's function, as FlowerTune's templates call it (fp32 compute there anyway).
+
+    Every k-bit base then holds its unquantised weights in memory of its own (no longer the loader's mapping of the
+    checkpoint file, whose pages bitsandbytes read to quantise), and an ``8bit`` base's layers keep no input for
+    backward (:mod:`fedllm.models.kbit_memory`).
     """
+    from fedllm.models.kbit_memory import int8_layers_keep_no_input, own_unquantised_weights
+
     if cfg.quantization == "4bit-flowertune":
         from peft import prepare_model_for_kbit_training
 
-        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     for param in model.parameters():
         param.requires_grad_(False)
+    own_unquantised_weights(model)
+    int8_layers_keep_no_input(model)
     return model
 
 
