@@ -34,7 +34,9 @@ JOBS_SCRIPT = Path(__file__).with_name("distributed_jobs.py")
 # 4 clients per round over 3 rounds some client is trained by different ranks in different rounds.
 STATEFUL = {
     "fedavg": ("fedavg", {}, {}),
-    "frlora-moments": ("frlora", {}, {"train": {"optimizer_state": "per_client"}}),
+    # with activation checkpointing on every rank: FRLoRA's residual hooks recomputed (and in fedavg-dp-sgd,
+    # opacus's recording paused in the recomputation)
+    "frlora-moments": ("frlora", {}, {"train": {"optimizer_state": "per_client", "gradient_checkpointing": True}}),
     "pfedloru": ("pfedloru", {"personal_r": 2, "personal_steps": 1, "tau": 2}, {}),
     "scaffold": ("scaffold", {}, {}),
     "fedloru": ("fedloru", {"tau": 2, "reinit": "momentum"}, {"train": {"optimizer_state": "per_client"}}),
@@ -46,7 +48,8 @@ STATEFUL = {
                                                           "adaptive_clipping": {"enabled": True, "count_stddev": 1}}}),
     # DP-SGD: Poisson batches and noise seeded per (noise_seed, round, client), whichever rank trains the client
     "fedavg-dp-sgd": ("fedavg", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8,
-                                                 "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5}}),
+                                                 "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5},
+                                     "train": {"gradient_checkpointing": True}}),
     # secure aggregation (SecAgg+): every process runs the protocol's server steps on the exchanged messages, the
     # masked words are gathered like updates, and the seeded quantisation makes the unmasked sum the same
     "fedadam-secagg-dp": ("fedadam", {"eta": 1e-2}, {"privacy": {
@@ -86,11 +89,6 @@ STATEFUL = {
        for name, args in (("hetlora", {"client_ranks": [4, 1, 2, 4], "gamma": 0.5, "prune_lambda": 5.0}),
                           ("rolora", {}), ("fedsvd", {}), ("fed_sb", {}))},
 }
-# activation checkpointing on every rank: FRLoRA's residual hooks recomputed, opacus's recording paused in it
-STATEFUL["frlora-moments-checkpointing"] = ("frlora", {}, {"train": {"optimizer_state": "per_client",
-                                                                     "gradient_checkpointing": True}})
-STATEFUL["fedavg-dp-sgd-checkpointing"] = ("fedavg", {}, {**STATEFUL["fedavg-dp-sgd"][2],
-                                                          "train": {"gradient_checkpointing": True}})
 RESUMED = ["frlora-moments", "scaffold"]  # checkpointed by 1 process and resumed by 2, and the reverse
 
 
