@@ -4,7 +4,6 @@ import pytest
 
 from fedllm import __version__
 
-
 HELPS = ["train", "eval", "export", "partition", "plot", "serve"]
 # Run in the ``fedllm --help`` process after the entry point: each subcommand's --help through the same entry point,
 # its exit code and output recorded (one launch for all: nothing heavy in sys.modules after all of them).
