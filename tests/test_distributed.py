@@ -30,11 +30,15 @@ from tests.conftest import arith_records, crashing_round, tiny_raw, write_jsonl
 LAUNCH_TIMEOUT_S = 2400  # a guard for every job of the launch together (~1 min idle, ~8 beside 4 busy loops)
 JOBS_SCRIPT = Path(__file__).with_name("distributed_jobs.py")
 
-# strategy, strategy_args, extra sections: each keeps per-client state across rounds, and with 3 of
-# 4 clients per round over 3 rounds some client is trained by different ranks in different rounds.
+# strategy, strategy_args, extra sections: each keeps per-client state across rounds. With 3 of 4 clients per round
+# (seed 0: clients 0,1,2 in round 1, then 1,2,3; rank r trains sample[r::2]) clients 1 and 2 change ranks between
+# rounds 1 and 2, so 2 rounds show the state following its client; a strategy with ``tau`` (2) runs 3 rounds, so
+# the round after its every-tau step trains on every rank as well.
 STATEFUL = {
     "fedavg": ("fedavg", {}, {}),
-    "frlora-moments": ("frlora", {}, {"train": {"optimizer_state": "per_client"}}),
+    # with activation checkpointing on every rank: FRLoRA's residual hooks recomputed (and in fedavg-dp-sgd,
+    # opacus's recording paused in the recomputation)
+    "frlora-moments": ("frlora", {}, {"train": {"optimizer_state": "per_client", "gradient_checkpointing": True}}),
     "pfedloru": ("pfedloru", {"personal_r": 2, "personal_steps": 1, "tau": 2}, {}),
     "scaffold": ("scaffold", {}, {}),
     "fedloru": ("fedloru", {"tau": 2, "reinit": "momentum"}, {"train": {"optimizer_state": "per_client"}}),
@@ -46,7 +50,8 @@ STATEFUL = {
                                                           "adaptive_clipping": {"enabled": True, "count_stddev": 1}}}),
     # DP-SGD: Poisson batches and noise seeded per (noise_seed, round, client), whichever rank trains the client
     "fedavg-dp-sgd": ("fedavg", {}, {"privacy": {"mechanism": "dp_sgd", "noise_multiplier": 0.8,
-                                                 "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5}}),
+                                                 "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5},
+                                     "train": {"gradient_checkpointing": True}}),
     # secure aggregation (SecAgg+): every process runs the protocol's server steps on the exchanged messages, the
     # masked words are gathered like updates, and the seeded quantisation makes the unmasked sum the same
     "fedadam-secagg-dp": ("fedadam", {"eta": 1e-2}, {"privacy": {
@@ -86,11 +91,6 @@ STATEFUL = {
        for name, args in (("hetlora", {"client_ranks": [4, 1, 2, 4], "gamma": 0.5, "prune_lambda": 5.0}),
                           ("rolora", {}), ("fedsvd", {}), ("fed_sb", {}))},
 }
-# activation checkpointing on every rank: FRLoRA's residual hooks recomputed, opacus's recording paused in it
-STATEFUL["frlora-moments-checkpointing"] = ("frlora", {}, {"train": {"optimizer_state": "per_client",
-                                                                     "gradient_checkpointing": True}})
-STATEFUL["fedavg-dp-sgd-checkpointing"] = ("fedavg", {}, {**STATEFUL["fedavg-dp-sgd"][2],
-                                                          "train": {"gradient_checkpointing": True}})
 RESUMED = ["frlora-moments", "scaffold"]  # checkpointed by 1 process and resumed by 2, and the reverse
 
 
@@ -102,7 +102,8 @@ def free_port() -> int:
 
 def stateful_raw(case: str, out, data, **extra) -> dict:
     strategy, args, sections, *federation = STATEFUL[case]  # (federation: extra keys of that section)
-    return tiny_raw(out, data, federation={"num_clients": 4, "clients_per_round": 3, "rounds": 3,
+    rounds = 3 if "tau" in args else 2
+    return tiny_raw(out, data, federation={"num_clients": 4, "clients_per_round": 3, "rounds": rounds,
                                            "strategy": strategy, "strategy_args": args, **(federation or [{}])[0]},
                     **sections, **extra)
 
@@ -172,9 +173,9 @@ def two_processes(tmp_path_factory):
         launch.add(f"stateful-{case}", stateful_raw(case, "-", launch.data))
     for case in RESUMED:
         raw = stateful_raw(case, "-", launch.data, checkpoint={"every": 1})
-        # 1 -> 2: one process crashes in round 3 (round 2 is checkpointed); two processes resume it
+        # 1 -> 2: one process crashes in the last round (the one before is checkpointed); two processes resume it
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(RoundLoop, "run_round", crashing_round(RoundLoop.run_round, 3))
+            patch.setattr(RoundLoop, "run_round", crashing_round(RoundLoop.run_round, raw["federation"]["rounds"]))
             with pytest.raises(RuntimeError, match="power cut"):
                 run(parse_recipe({**raw, "output_dir": str(launch.root / f"one-then-two-{case}")}))
         launch.add(f"one-then-two-{case}", raw, "--resume")
@@ -232,14 +233,16 @@ def test_per_client_state_follows_the_client_across_processes(case, two_processe
 def test_resume_with_a_different_number_of_processes(case, two_processes, tmp_path):
     """A run checkpointed by 1 process resumes on 2, and one checkpointed by 2 resumes on 1: same final state."""
     single = final_tensors(run(parse_recipe(two_processes.recipe(f"two-then-one-{case}", tmp_path / "one"))).run_dir)
-    # 1 -> 2: one process crashed in round 3 (round 2 is checkpointed); two processes resumed it
+    rounds = two_processes.raws[f"two-then-one-{case}"]["federation"]["rounds"]
+    # 1 -> 2: one process crashed in the last round (the one before is checkpointed); two processes resumed it
     assert_same(single, final_tensors(two_processes.run_dir(f"one-then-two-{case}")))
-    # 2 -> 1: a two-process run cut after round 2 (its round-3 results removed); one process resumes it
+    # 2 -> 1: a two-process run cut after the round before the last (its last round's results removed); one
+    # process resumes it
     cut = two_processes.run_dir(f"two-then-one-{case}")
     shutil.rmtree(cut / "final")
     resumed = run(parse_recipe(two_processes.recipe(f"two-then-one-{case}", cut)), resume=True)
     assert_same(single, final_tensors(resumed.run_dir))
-    assert [h["round"] for h in resumed.history if h.get("round")] == [1, 2, 3]
+    assert [h["round"] for h in resumed.history if h.get("round")] == list(range(1, rounds + 1))
 
 
 def test_pack_unpack_round_trips_every_dtype_and_shape():

@@ -18,6 +18,8 @@ Sample-level DP-SGD (``dp_sgd``) is accounted per client with opacus's RDP accou
 
 from __future__ import annotations
 
+import functools
+
 ORDERS = (1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 14.0, 16.0, 20.0, 24.0,
           28.0, 32.0, 40.0, 48.0, 56.0, 64.0, 80.0, 96.0, 128.0)
 """Rényi orders of the central accountant: dp_accounting's default list stops at 1024, and its without-replacement
@@ -79,14 +81,30 @@ def central_noise_multiplier(accounting: str, target_epsilon: float, delta: floa
 
 
 def dp_sgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
-    """A client's ε after ``steps`` DP-SGD steps on Poisson batches of rate ``sample_rate`` (opacus RDP)."""
+    """A client's ε after ``steps`` DP-SGD steps on Poisson batches of rate ``sample_rate`` (opacus RDP).
+
+    What ``opacus.accountants.RDPAccountant.get_epsilon`` gives for one ``(noise_multiplier, sample_rate, steps)``
+    entry, bit for bit: its RDP is ``steps`` times one step's, and one step's (seconds of fractional-order series per
+    call) is computed once per (noise multiplier, rate) and reused by every client and round."""
     if steps <= 0:
         return 0.0
+    import numpy as np
     from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp
 
-    acc = RDPAccountant()
-    acc.history = [(noise_multiplier, min(1.0, sample_rate), steps)]
-    return float(acc.get_epsilon(delta))
+    step = np.array(_dp_sgd_step_rdp(noise_multiplier, min(1.0, sample_rate)))
+    eps, _ = rdp.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=step * steps, delta=delta)
+    return float(eps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dp_sgd_step_rdp(noise_multiplier: float, sample_rate: float) -> tuple[float, ...]:
+    """One DP-SGD step's RDP at opacus's default orders (a tuple: cached values must not be mutable)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp
+
+    return tuple(rdp.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
+                                 orders=RDPAccountant.DEFAULT_ALPHAS).tolist())
 
 
 def dp_sgd_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:

@@ -3,8 +3,6 @@ held-out answers have a final-answer line — checked against the model's own lo
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -98,14 +96,12 @@ def test_held_out_default_run_then_fedllm_eval_of_the_run_gives_the_same_numbers
     recipe = tmp_path / "mine.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe(data={"eval_fraction": 0.125}, federation={"rounds": 1},
                                                  train={"dtype": "bf16"}, eval={"limit": 4, "max_new_tokens": 8})))
-    run = subprocess.run([sys.executable, "-m", "fedllm", "train", str(recipe)], capture_output=True, text=True,
-                         check=False, timeout=600)
-    assert run.returncode == 0, run.stderr
+    from fedllm.commands.cli import main  # in this process: the eval reads the run's checkpoint from disk
+
+    assert main(["train", str(recipe)]) == 0
     run_dir = tmp_path / "run"
     final = json.loads((run_dir / "summary.json").read_text())["final_eval"]
     assert set(final) == {"held_out/loss", "held_out/perplexity", "held_out/answer_accuracy"}, final
-    again = subprocess.run([sys.executable, "-m", "fedllm", "eval", str(run_dir), "--no-progress"],
-                           capture_output=True, text=True, check=False, timeout=600)
-    assert again.returncode == 0, again.stderr
+    assert main(["eval", str(run_dir), "--no-progress"]) == 0
     scored = json.loads((run_dir / "eval" / "held_out.json").read_text())["metrics"]
     assert (scored["loss"], scored["answer_accuracy"]) == (final["held_out/loss"], final["held_out/answer_accuracy"])
