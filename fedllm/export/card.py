@@ -223,7 +223,9 @@ def _export_facts(fmt: str, info: dict[str, Any]) -> str:
                          f"relative error ||dW - s*B@A||_F / ||dW||_F: max {info['rel_error_max']:.6g} over layers")
     else:
         lines.append(f"- {info['layers']} LoRA-wrapped layers merged in float64/fp32"
-                     + (f" (base dequantized from {info['dequantized_from']})" if info.get("dequantized_from") else ""))
+                     + (f" (base dequantized from {info['dequantized_from']})" if info.get("dequantized_from") else "")
+                     + (f", stored in the base's {info['merged_in']} (an fp32 copy of the base did not fit in memory)"
+                        if info.get("merged_in") else ""))
     check = "checked" if info.get("checked") else "reported"
     lines.append(f"- largest logit difference to the run's model on the probe text {PROBE_TEXT!r}: "
                  f"{info['max_logit_diff']:.3g} ({check})")

@@ -15,7 +15,7 @@ import torch
 
 from fedllm.export.dora import is_dora, merge_dora
 from fedllm.export.errors import ExportCheckError
-from fedllm.export.source import Source, probe_inputs, probe_logits, to_fp32
+from fedllm.export.source import Source, kept_dtype_of, probe_inputs, probe_logits, to_fp32
 from fedllm.export.weights import dequantize_linears, read_layers, relative_name, wrapped_layers
 from fedllm.models.state import DTYPES
 
@@ -68,19 +68,25 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
     reference = probe_logits(model, inputs)
     base = model.unload()  # drops the LoRA wrappers; the active classifier copy (modules_to_save) stays
     quantized = dequantize_linears(base) > 0
-    to_fp32(base)
+    kept_dtype = None if quantized else kept_dtype_of(base)  # a base left in its dtype by load_run_model
+    if kept_dtype is None:
+        to_fp32(base)
     for name, weight in merged.items():
         layer = base.get_submodule(name)
-        layer.weight.data = (weight.T if fan_in_fan_out[name] else weight).contiguous()
+        weight = (weight.T if fan_in_fan_out[name] else weight).contiguous()
+        layer.weight.data = weight if kept_dtype is None else weight.to(layer.weight.dtype)
+        del weight
+    merged.clear()
     got = probe_logits(base, inputs)
-    if quantized:  # the run computed in its bitsandbytes compute dtype: report, do not hold to fp32 tolerance
+    if quantized or kept_dtype:  # the run's own compute dtype, not fp32: report, do not hold to fp32 tolerance
         diff = float((got - reference).abs().max())
     else:
         diff = check_probe(reference, got, str(source.checkpoint))
     return save_merged(base, tokenizer, source, out, dtype, {
-        "layers": len(merged), "observed_layers": sum(not s.explained for s in layers.values()),
-        "max_logit_diff": diff, "checked": not quantized,
-        "dequantized_from": source.recipe.model.quantization if quantized else None})
+        "layers": len(layers), "observed_layers": sum(not s.explained for s in layers.values()),
+        "max_logit_diff": diff, "checked": not (quantized or kept_dtype),
+        "dequantized_from": source.recipe.model.quantization if quantized else None, "merged_in": kept_dtype})
+
 
 
 def save_merged(base: Any, tokenizer: Any, source: Source, out: Path, dtype: str,

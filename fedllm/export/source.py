@@ -186,9 +186,41 @@ def load_run_model(source: Source, client: Optional[int]) -> tuple[Any, Any, Any
         if "shape" not in str(e):
             raise
         raise ExportInputError(f"{source.checkpoint}: does not fit its recipe's model ({e})") from None
-    if source.recipe.model.quantization == "none":
+    if source.recipe.model.quantization == "none" and fp32_copy_fits(model):
         to_fp32(model)
     return model, tok, strategy
+
+
+def available_bytes() -> int:
+    """Memory the system can give this process now (``psutil``'s ``available``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def fp32_copy_fits(model: Any) -> bool:
+    """Whether casting ``model`` to fp32 for the merge maths fits in the memory available now, with a tenth to spare.
+
+    A 7B bf16 base needs 13.5 GB more as fp32 (27 GB in all), which a 24 GB machine that trained it does not have:
+    then the model stays in its dtype, each merged weight is computed in fp32 one layer at a time and stored in the
+    model's dtype, and the probe check is reported rather than held to fp32 tolerance (a warning says so)."""
+    extra = sum(p.numel() * (4 - p.element_size()) for p in model.parameters()
+                if p.is_floating_point() and p.element_size() < 4)
+    free = available_bytes()
+    if extra <= 0.9 * free:
+        return True
+    logging.getLogger("fedllm").warning(
+        "export: the fp32 copy of the model needs %.2f GB more and %.2f GB are available (GB = 1024**3 bytes): "
+        "merging each layer in fp32 and keeping the model in %s; the probe check is reported, not held to fp32 "
+        "tolerance", extra / 2**30, free / 2**30, kept_dtype_of(model))
+    return False
+
+
+def kept_dtype_of(model: Any) -> Optional[str]:
+    """The name of the model's floating dtype when it is not fp32 (``bfloat16``, ``float16``), else ``None``."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return None if dtypes <= {torch.float32} else str(max(dtypes, key=lambda d: d != torch.float32)).removeprefix(
+        "torch.")
 
 
 def to_fp32(model: Any) -> Any:
@@ -222,5 +254,9 @@ def probe_inputs(tokenizer: Any) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def probe_logits(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Float32 logits of ``model`` on the probe input."""
-    return model(**inputs).logits.float()
+    """Float32 logits of ``model`` on the probe input (under autocast to its dtype when :func:`load_run_model` left a
+    bf16/fp16 base beside fp32 adapters, as the run computed)."""
+    kept = kept_dtype_of(model)
+    device = next(model.parameters()).device.type
+    with torch.autocast(device, dtype=getattr(torch, kept or "bfloat16"), enabled=kept is not None):
+        return model(**inputs).logits.float()

@@ -156,12 +156,20 @@ def observed_addition(layer: Any) -> torch.Tensor:
     """
     base = layer.get_base_layer()
     ref = layer.lora_A[next(iter(layer.lora_A))].weight if len(layer.lora_A) else next(base.parameters())
-    columns = []
-    for start in range(0, layer.in_features, READOUT_BLOCK):
-        stop = min(start + READOUT_BLOCK, layer.in_features)
-        eye = torch.zeros(stop - start, layer.in_features, device=ref.device, dtype=torch.float32)
-        eye[:, start:stop] = torch.eye(stop - start, device=ref.device)
-        columns.append((layer(eye).float() - base(eye).float()).double().cpu())
+    half = [p for p in base.parameters(recurse=False) if p.dtype in (torch.bfloat16, torch.float16)]
+    kept = [p.data for p in half]
+    for p in half:  # a bf16/fp16 base left so by the export (no memory for an fp32 copy): this layer alone in fp32
+        p.data = p.data.float()
+    try:
+        columns = []
+        for start in range(0, layer.in_features, READOUT_BLOCK):
+            stop = min(start + READOUT_BLOCK, layer.in_features)
+            eye = torch.zeros(stop - start, layer.in_features, device=ref.device, dtype=torch.float32)
+            eye[:, start:stop] = torch.eye(stop - start, device=ref.device)
+            columns.append((layer(eye).float() - base(eye).float()).double().cpu())
+    finally:
+        for p, data in zip(half, kept):
+            p.data = data
     return torch.cat(columns, dim=0).T.contiguous()
 
 
