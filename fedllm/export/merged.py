@@ -16,7 +16,8 @@ import torch
 from fedllm.export.dora import is_dora, merge_dora
 from fedllm.export.errors import ExportCheckError
 from fedllm.export.source import Source, kept_dtype_of, probe_inputs, probe_logits, to_fp32
-from fedllm.export.weights import dequantize_linears, read_layers, relative_name, wrapped_layers
+from fedllm.export.weights import dequantize_linears, iter_layers, read_layers, relative_name, wrapped_layers
+from fedllm.models.lowrank import is_quantized
 from fedllm.models.state import DTYPES
 
 EXACT_TOLERANCE = 1e-4
@@ -60,22 +61,30 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
         return save_merged(base, tokenizer, source, out, dtype, {
             "layers": layers_merged, "observed_layers": 0, "max_logit_diff": diff, "checked": True,
             "dequantized_from": None, "use_dora": True})
-    layers = read_layers(model, strategy)  # before any probe forward: bitsandbytes repacks weights on CPU
-    fan_in_fan_out = {relative_name(n): bool(getattr(m, "fan_in_fan_out", False))
-                      for n, m in wrapped_layers(model).items()}
-    merged = {relative_name(n): state.effective().float() for n, state in layers.items()}
     inputs = probe_inputs(tokenizer)
-    reference = probe_logits(model, inputs)
+    wrapped = wrapped_layers(model)
+    quantized = any(is_quantized(module) for module in model.modules())
+    kept_dtype = None if quantized else kept_dtype_of(model)  # a base left in its dtype by load_run_model
+    merged: dict[str, torch.Tensor] = {}
+    if quantized:  # every layer read before any probe forward: bitsandbytes repacks weights on CPU
+        states = read_layers(model, strategy)
+        merged = {name: state.effective().float() for name, state in states.items()}
+        explained = [state.explained for state in states.values()]
+        del states
+        reference = probe_logits(model, inputs)
+    else:  # one layer at a time, written into its base layer (unload keeps the base layers, drops the adapters)
+        reference = probe_logits(model, inputs)
+        explained = []
+        for name, state in iter_layers(model, strategy):
+            explained.append(state.explained)
+            _store(wrapped[name].get_base_layer(), wrapped[name], state.effective(), kept_dtype)
+            del state
     base = model.unload()  # drops the LoRA wrappers; the active classifier copy (modules_to_save) stays
-    quantized = dequantize_linears(base) > 0
-    kept_dtype = None if quantized else kept_dtype_of(base)  # a base left in its dtype by load_run_model
+    dequantize_linears(base)
     if kept_dtype is None:
         to_fp32(base)
     for name, weight in merged.items():
-        layer = base.get_submodule(name)
-        weight = (weight.T if fan_in_fan_out[name] else weight).contiguous()
-        layer.weight.data = weight if kept_dtype is None else weight.to(layer.weight.dtype)
-        del weight
+        _store(base.get_submodule(relative_name(name)), wrapped[name], weight, None)
     merged.clear()
     got = probe_logits(base, inputs)
     if quantized or kept_dtype:  # the run's own compute dtype, not fp32: report, do not hold to fp32 tolerance
@@ -83,10 +92,15 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
     else:
         diff = check_probe(reference, got, str(source.checkpoint))
     return save_merged(base, tokenizer, source, out, dtype, {
-        "layers": len(layers), "observed_layers": sum(not s.explained for s in layers.values()),
+        "layers": len(explained), "observed_layers": sum(not e for e in explained),
         "max_logit_diff": diff, "checked": not (quantized or kept_dtype),
         "dequantized_from": source.recipe.model.quantization if quantized else None, "merged_in": kept_dtype})
 
+
+def _store(target: Any, wrapper: Any, weight: torch.Tensor, kept_dtype: Any) -> None:
+    """The effective ``out × in`` weight into ``target``'s weight, in fp32 or the kept base dtype."""
+    weight = (weight.T if getattr(wrapper, "fan_in_fan_out", False) else weight).contiguous()
+    target.weight.data = weight.float() if kept_dtype is None else weight.to(target.weight.dtype)
 
 
 def save_merged(base: Any, tokenizer: Any, source: Source, out: Path, dtype: str,

@@ -14,7 +14,7 @@ Weights are in the ``out × in`` orientation (GPT-2's ``Conv1D`` layers store th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -178,24 +178,29 @@ def read_layers(model: torch.nn.Module, strategy: Any) -> dict[str, LayerState]:
 
     Call it before any forward pass of a 4/8-bit model (bitsandbytes repacks weights for CPU kernels).
     """
+    return dict(iter_layers(model, strategy))
+
+
+def iter_layers(model: torch.nn.Module, strategy: Any) -> Iterator[tuple[str, LayerState]]:
+    """:func:`read_layers` one layer at a time: a 7B model's states together (fp32 base, float64 read-out) would
+    take 13 GB beside the model; the merged export uses each and lets it go."""
     layers = wrapped_layers(model)
     names = list(layers)
     kept = _checked(strategy.kept_factors() or {}, names, "factors", strategy)
     residuals = _checked(strategy.base_residuals() or {}, names, "residuals", strategy)
     kept_in_base = bool(getattr(strategy, "kept_in_base", False))
-    out = {}
     for name, layer in layers.items():
         adapter = adapter_pieces(name, layer)
         scale = adapter[0].scale if adapter else float(next(iter(layer.scaling.values()), 1.0))
         base = oriented(layer, dense_weight(layer.get_base_layer())).cpu()
         residual = residuals.get(name)
-        out[name] = state = LayerState(
+        state = LayerState(
             name=name, base=base, residual=None if residual is None else residual.detach().float().cpu(),
             adapter=adapter, kept=[LowRank(B.detach().float().cpu(), A.detach().float().cpu(), float(s))
                                    for B, A, s in kept.get(name, [])],
             kept_in_base=kept_in_base, observed=observed_addition(layer), scale=scale)
         state.check_explained()
-    return out
+        yield name, state
 
 
 @torch.no_grad()
