@@ -85,14 +85,15 @@ def main() -> None:
     if args.make_model:
         random_model(args.config, out / "model")
         return
-    from tests.conftest import arith_records, write_jsonl
+    from fedllm.data.synthetic import generate_arith  # not tests.conftest: importing it pins 1 OpenMP thread
 
     model_dir = out / "model"
     if not (model_dir / "config.json").is_file():  # in a child process: its peak is not this process's
         subprocess.run([sys.executable, __file__, "--config", args.config, "--out", args.out, "--make-model"],
                        check=True)
-    records = [{**r, "question": " ".join([r["question"]] * 40)} for r in arith_records(8)]  # past 256 tokens
-    data = write_jsonl(out.parent / f"{out.name}-arith.jsonl", records)
+    records = [{**r, "question": " ".join([r["question"]] * 12)} for r in generate_arith(8)]  # past 256 tokens
+    data = out.parent / f"{out.name}-arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
     extra = overrides(model_dir, data, out)
     estimate = dry_run_estimate(extra, args.config)
 
