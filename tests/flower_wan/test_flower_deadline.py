@@ -25,9 +25,7 @@ def _rounds(run_dir):
 @pytest.mark.slow
 def test_the_deadline_drops_a_slow_node_and_the_run_equals_the_simulation_without_it(tiny_recipe, tmp_path,
                                                                                     monkeypatch):
-    # "2x": the median of 3 is the later of the two fast uploads, so both are in time at any load; the slow reply
-    # needs minutes
-    raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 3, "rounds": 2, "round_deadline": "2x"},
+    raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 3, "rounds": 2, "round_deadline": "10x"},
                       train={"optimizer_state": "per_client"})
     raw["output_dir"] = str(tmp_path / "flower-run")
     recipe = tmp_path / "recipe.yaml"
@@ -45,7 +43,6 @@ def test_the_deadline_drops_a_slow_node_and_the_run_equals_the_simulation_withou
         assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
 
     first, second = _rounds(run_dir)
-    print(f"round 1 deadline: {first['round_deadline_s']} s")
     assert first["late"] == {"2": None} and first["dropped"]["2"].startswith("late: no upload by the round's deadline")
     assert set(first["client_loss"]) == {"0", "1"} and set(second["client_loss"]) == {"0", "1", "2"}
     assert second["late"] == {}
