@@ -139,7 +139,7 @@ def test_fedllm_bench_chatbotpa_dpo_recipe_and_dynamic_local_steps(pairs):
 def test_fedllm_bench_user_without_records_is_named(caplog):
     from fedllm.data.loading import user_keyed
 
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="fedllm"):  # an earlier in-process run may have quieted fedllm's logger
         rows = user_keyed({"u_9": [{"instruction": "a"}], "u_2": [], "u_5": [{"instruction": "b"}]})
     assert [r["user"] for r in rows] == ["u_9", "u_5"] and rows.users == ["u_9", "u_2", "u_5"]
     assert "1 user(s) without records ('u_2')" in caplog.text and "(user 'u_2' is client 1)" in caplog.text
