@@ -254,20 +254,31 @@ def smollm2_first_load(tmp_path_factory):
     cache = os.environ["FEDLLM_CACHE_DIR"]
     if gguf_cache.model_dir(directory, gguf) is not None:
         cache = str(tmp_path_factory.mktemp("smollm2-cache"))
-    sources = []
+    sources, parses = [], []
     original = transformers.AutoModelForCausalLM.from_pretrained.__func__
 
     def spy(cls, name, *args, **kwargs):
         sources.append(kwargs.get("gguf_file") or name)
         return original(cls, name, *args, **kwargs)
 
+    import gguf as gguf_package
+
+    real_reader = gguf_package.GGUFReader
+
+    def counted_reader(path, *args, **kwargs):
+        parses.append(str(path))
+        return real_reader(path, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FEDLLM_CACHE_DIR", cache)
         mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
-        tokenizer = load_tokenizer(cfg)
-        model = load_base_model(cfg, tokenizer)
+        mp.setattr(gguf_package, "GGUFReader", counted_reader)
+        with gguf_cache.one_parse_per_file():  # as fedllm's runs load a model: tokenizer, config, weights
+            tokenizer = load_tokenizer(cfg)
+            model = load_base_model(cfg, tokenizer)
     return SimpleNamespace(cfg=cfg, directory=directory, gguf=gguf, cache=cache, sources=sources, tokenizer=tokenizer,
-                           digests=tensor_digests(model), generation_config=model.generation_config.to_dict())
+                           digests=tensor_digests(model), generation_config=model.generation_config.to_dict(),
+                           parses=parses)
 
 
 def tensor_digests(model) -> dict:

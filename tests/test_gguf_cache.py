@@ -16,6 +16,7 @@ CHAT = [{"role": "user", "content": "What is 2 + 3?"}]
 def test_a_gguf_is_converted_once_and_read_back_bit_for_bit(smollm2_first_load, monkeypatch):
     first = smollm2_first_load  # the session's first load: converted from the GGUF, kept in first.cache
     assert first.sources == [first.gguf]
+    assert len(first.parses) == 1  # tokenizer, config and weights read from one parse (one_parse_per_file)
     monkeypatch.setenv("FEDLLM_CACHE_DIR", first.cache)
     kept_model, kept_tok = (gguf_cache.model_dir(first.directory, first.gguf),
                             gguf_cache.tokenizer_dir(first.directory, first.gguf))
@@ -106,3 +107,32 @@ def test_a_gguf_preset_loads_quantised_from_its_conversion(smollm2_first_load, m
     with torch.no_grad():
         nxt = lm.model(**ids).logits[0, -1].argmax()
     assert "Paris" in lm.tokenizer.decode(nxt)
+
+
+def test_one_parse_per_file_hands_a_files_first_parse_to_its_later_reads_until_the_scope_closes(tmp_path,
+                                                                                               monkeypatch):
+    """Inside :func:`gguf_cache.one_parse_per_file` a file is parsed once, a changed or another file anew; nested
+    scopes share the parses; after the outermost scope gguf's reader is restored and nothing is kept."""
+    gguf = pytest.importorskip("gguf")
+
+    class Reader:
+        made = []
+
+        def __init__(self, path, mode="r"):
+            self.path, self.mode = path, mode
+            Reader.made.append((str(path), mode))
+
+    monkeypatch.setattr(gguf, "GGUFReader", Reader)
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"a"), b.write_bytes(b"b")
+    with gguf_cache.one_parse_per_file():
+        first = gguf.GGUFReader(a)
+        with gguf_cache.one_parse_per_file():
+            assert gguf.GGUFReader(str(a)) is first and gguf.GGUFReader(b) is not first
+        assert gguf.GGUFReader(a) is first  # the inner scope's end keeps the outer one's parses
+        assert gguf.GGUFReader(a, "r+") is not first  # another mode is another reader
+        a.write_bytes(b"changed")
+        assert gguf.GGUFReader(a) is not first  # a changed file is parsed again
+    assert Reader.made == [(str(a), "r"), (str(b), "r"), (str(a), "r+"), (str(a), "r")]
+    assert gguf.GGUFReader is Reader and gguf_cache._parsed == {}
+    assert gguf.GGUFReader(a) is not gguf.GGUFReader(a)  # outside any scope: gguf's own reader, a parse a read

@@ -48,6 +48,7 @@ from fedllm.engine.secure_rounds import SecureRound, SummedUpdate
 from fedllm.engine.throughput import Throughput, round_text
 from fedllm.evaluation.personal import personal_stats
 from fedllm.evaluation.runner import eval_due
+from fedllm.models import gguf_cache
 from fedllm.models.hardware import resolve_auto_dtypes
 from fedllm.models.loading import (
     LoadedModel,
@@ -149,15 +150,16 @@ def build_federation(recipe: Recipe) -> Federation:
     t0 = time.perf_counter()
     dtypes = resolve_auto_dtypes(recipe)  # train.dtype / model.dtype: auto -> what this device computes natively
     task = resolve_task(recipe.model)
-    tokenizer = load_tokenizer(recipe.model)
-    t1 = time.perf_counter()
-    data = build_federated_data(recipe.data, recipe.federation.partition, recipe.federation.num_clients,
-                                tokenizer, recipe.train.max_length, recipe.seed, task)
-    refuse_empty_clients(recipe, data)
-    t2 = time.perf_counter()
-    num_labels = len(data.label_names) if data.label_names else 2
-    loaded = load_model(recipe.model, recipe.lora, num_labels=num_labels, seed=recipe.seed,
-                        source=recipe.source, tokenizer=tokenizer)
+    with gguf_cache.one_parse_per_file():  # a GGUF read for the tokenizer, the config and the weights: parsed once
+        tokenizer = load_tokenizer(recipe.model)
+        t1 = time.perf_counter()
+        data = build_federated_data(recipe.data, recipe.federation.partition, recipe.federation.num_clients,
+                                    tokenizer, recipe.train.max_length, recipe.seed, task)
+        refuse_empty_clients(recipe, data)
+        t2 = time.perf_counter()
+        num_labels = len(data.label_names) if data.label_names else 2
+        loaded = load_model(recipe.model, recipe.lora, num_labels=num_labels, seed=recipe.seed,
+                            source=recipe.source, tokenizer=tokenizer)
     strategy = with_privacy(get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args), recipe)
     strategy.recipe = recipe
     strategy.training_data = (data.examples, partial(collate, pad_id=loaded.tokenizer.pad_token_id, task=loaded.task),

@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from fedllm.common.errors import InputError
+from fedllm.models import gguf_cache
 from fedllm.models.hardware import resolve_auto_dtypes
 from fedllm.models.loading import load_model, load_tokenizer
 from fedllm.recipe.checks import parse_recipe
@@ -47,10 +48,11 @@ def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,
     resolve_auto_dtypes(recipe)  # a run stores its resolved dtypes; a recipe written by hand may say auto
     if quantization is not None:
         recipe.model.quantization = quantization
-    tok = load_tokenizer(recipe.model)
-    labels = ck.meta.get("label_names") or []
-    loaded = load_model(recipe.model, recipe.lora, num_labels=len(labels) or 2, seed=recipe.seed,
-                        source=recipe.source, tokenizer=tok)
+    with gguf_cache.one_parse_per_file():  # a GGUF read for the tokenizer, the config and the weights: parsed once
+        tok = load_tokenizer(recipe.model)
+        labels = ck.meta.get("label_names") or []
+        loaded = load_model(recipe.model, recipe.lora, num_labels=len(labels) or 2, seed=recipe.seed,
+                            source=recipe.source, tokenizer=tok)
     strategy = get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args)
     strategy.recipe = recipe
     torch.manual_seed(0)
@@ -91,8 +93,9 @@ def load_for_inference(path: str, dtype: Optional[str] = "fp32", client: Optiona
     cfg = ModelConfig(name=str(path), dtype=dtype, quantization=quantization)
     from fedllm.models.loading import load_base_model
 
-    tok = load_tokenizer(cfg)
-    return load_base_model(cfg, tok).eval(), tok
+    with gguf_cache.one_parse_per_file():
+        tok = load_tokenizer(cfg)
+        return load_base_model(cfg, tok).eval(), tok
 
 
 def _exported_base(p: Path, base_name: str, tok: Any, dtype: str) -> Optional[Any]:

@@ -403,9 +403,10 @@ def lora_layers(model: Any) -> dict[str, Any]:
 def load_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, num_labels: int = 2, seed: int = 0,
                source: str = "<recipe>", tokenizer: Any = None) -> LoadedModel:
     """Load base + tokenizer and attach LoRA (the one entry point the server uses)."""
-    tok = tokenizer if tokenizer is not None else load_tokenizer(model_cfg)
-    task = resolve_task(model_cfg)
-    base = load_base_model(model_cfg, tok, num_labels, seed)
+    with gguf_cache.one_parse_per_file():  # a GGUF read for the tokenizer, the config and the weights: parsed once
+        tok = tokenizer if tokenizer is not None else load_tokenizer(model_cfg)
+        task = resolve_task(model_cfg)
+        base = load_base_model(model_cfg, tok, num_labels, seed)
     torch.manual_seed(seed)  # LoRA A init shared by every client
     model = attach_lora(base, lora_cfg, task, source)
     return LoadedModel(model=model, tokenizer=tok, task=task, model_type=base.config.model_type)

@@ -88,17 +88,21 @@ def test_gemma3_270m_trains_a_round_and_its_exports_load_in_plain_transformers_a
     from tests.conftest import arith_records, write_jsonl
 
     directory, gguf = model_presets.get("gemma3-270m").location()  # the chunks, assembled (sha256 checked)
-    base = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
-    gguf_cache.keep_model(base, directory, gguf)  # fedllm's first fp32 load would keep the same (bit for bit)
-    assert gguf_cache.model_dir(directory, gguf) is not None
     data = write_jsonl(tmp_path / "arith.jsonl", arith_records(2))
-    result = run(parse_recipe({
-        "output_dir": str(tmp_path / "run"), "model": {"name": "gemma3-270m"},
-        "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-        "data": {"path": str(data), "template": "alpaca", "fields": {"instruction": "question", "output": "answer"}},
-        "federation": {"num_clients": 1, "rounds": 1}, "train": {"local_steps": 1, "batch_size": 2, "lr": 1e-2,
-                                                                 "max_length": 48, "dtype": "fp32"},  # exact logits
-        "logging": {"progress": False, "quiet": True}}))
+    with gguf_cache.one_parse_per_file():  # the GGUF's metadata parsed once for the base's config and weights and
+        # the run's tokenizer (each read parses the 262k-token vocabulary again otherwise: 14.8 CPU-s a parse)
+        base = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
+        gguf_cache.keep_model(base, directory, gguf)  # fedllm's first fp32 load would keep the same (bit for bit)
+        assert gguf_cache.model_dir(directory, gguf) is not None
+        result = run(parse_recipe({
+            "output_dir": str(tmp_path / "run"), "model": {"name": "gemma3-270m"},
+            "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+            "data": {"path": str(data), "template": "alpaca",
+                     "fields": {"instruction": "question", "output": "answer"}},
+            "federation": {"num_clients": 1, "rounds": 1}, "train": {"local_steps": 1, "batch_size": 2, "lr": 1e-2,
+                                                                     "max_length": 48, "dtype": "fp32"},  # exact logits
+            "logging": {"progress": False, "quiet": True}}))
+    assert not gguf_cache._parsed  # dropped with the scope
     record = result.history[-1]
     assert record["client_steps"] == {"0": 1} and 0 < record["client_loss"]["0"] < 20, record
     lora_b = [v for k, v in result.global_state.items() if "lora_B" in k]
