@@ -3,9 +3,9 @@
 Flower 1.42's real SuperNode message path (``_pull_and_store_message`` as :func:`fedllm.flower.supernode.
 quick_supernode` patches it) and its real Fleet connection pull from a real in-memory ``flower-superlink``:
 
-- a run the SuperLink does not know (a restarted SuperLink's, without its database): the SuperLink answers the pull
-  with an error, not "not available yet", and the node fails that message's task after one pull per object puller
-  instead of retrying each object up to ``PULL_MAX_TRIES_PER_OBJECT`` (500) times;
+- a run the SuperLink does not hold (never had, or no longer has): the SuperLink answers the pull with an error
+  (500), not "not available yet", and the node fails that message's task after one pull per object puller instead
+  of retrying each object up to ``PULL_MAX_TRIES_PER_OBJECT`` (500) times;
 - a node whose session the SuperLink no longer knows (a SuperLink restarted without its database knows neither the
   node nor its runs): the pull is refused (401) and Flower's connection signals its own SuperNode to shut down
   (SIGINT), after which ``fedllm flower supernode`` starts it again (:mod:`fedllm.flower.rejoin`).
