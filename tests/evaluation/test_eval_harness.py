@@ -142,7 +142,7 @@ def test_lm_eval_tasks_through_fedllm_equal_the_harness_on_the_merged_export(sco
 
 def test_local_data_replace_a_tasks_dataset(tokenizer, tiny_lm, tmp_path, harness_dir, monkeypatch):
     """... and fedllm's run of the harness asks for no environment report (``pip list`` and ten other programs)."""
-    import torch.utils.collect_env as collect_env
+    from torch.utils import collect_env
 
     reports = []
     monkeypatch.setattr(collect_env, "get_pretty_env_info", lambda: reports.append(1) or "")
