@@ -197,6 +197,21 @@ def _eval_mode(model) -> Iterator[None]:
         model.train(was_training)
 
 
+@contextlib.contextmanager
+def _no_environment_report() -> Iterator[None]:
+    """:func:`lm_eval.simple_evaluate` without the environment report it adds to its results (``add_env_info``:
+    torch's ``collect_env``, which runs ``pip list`` and ten other programs: ~0.8 CPU-s and a second or more of wall
+    per task); fedllm's result file keeps none of it (it records the harness's version itself)."""
+    from lm_eval import evaluator
+
+    add_env_info = evaluator.add_env_info
+    evaluator.add_env_info = lambda storage: None
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = add_env_info
+
+
 def run_harness_task(ctx: EvalContext, name: str, task: str, data_spec: Optional[str] = None,
                      home: Optional[str] = None, config_of: Optional[str] = None,
                      data_label: Optional[str] = None) -> dict[str, float]:
@@ -219,7 +234,7 @@ def run_harness_task(ctx: EvalContext, name: str, task: str, data_spec: Optional
     # a copy: the harness sets a pad token (or adds one) on the tokenizer it is given
     lm = HFLM(pretrained=ctx.model, tokenizer=copy.deepcopy(ctx.tokenizer), batch_size=ctx.cfg.batch_size)
     seed = ctx.cfg.seed
-    with _eval_mode(ctx.model):
+    with _eval_mode(ctx.model), _no_environment_report():
         results = lm_eval.simple_evaluate(model=lm, tasks=[spec], limit=ctx.cfg.limit, task_manager=manager,
                                           log_samples=True, bootstrap_iters=0, random_seed=seed,
                                           numpy_random_seed=seed, torch_random_seed=seed,

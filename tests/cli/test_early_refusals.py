@@ -3,6 +3,9 @@
 One fresh interpreter runs every case through fedllm's entry point in turn and reports, after each,
 which heavy modules are loaded: a case that loaded the model first shows up by name, whatever the
 machine's speed. The messages are checked too (what, where, the did-you-mean).
+
+The newcomer's mistakes that come after torch is imported run in this process (they are about the model loader,
+not imports: :func:`run_in_process`).
 """
 
 import json
@@ -13,17 +16,9 @@ import sys
 
 from tests.cli.conftest import HEAVY, clean_env
 
-# Runs ``main(case)`` for every case of argv[1] (a JSON list), capturing stderr and the CPU seconds per case. With
-# FEDLLM_TEST_FAILING_LOADER set, the model loader fails first (a refusal that comes after the load exits 1 naming it).
+# Runs ``main(case)`` for every case of argv[1] (a JSON list), capturing stderr and the CPU seconds per case.
 BATCH = """
 import contextlib, io, json, os, sys, time
-if os.environ.get("FEDLLM_TEST_FAILING_LOADER"):
-    import fedllm.engine.server
-
-    def never(*args, **kwargs):
-        raise RuntimeError("the model loader was reached")
-
-    fedllm.engine.server.load_model = never
 from fedllm.commands.cli import main
 heavy = %r
 report = []
@@ -47,6 +42,47 @@ def run_batch(cases, cwd, **env):
     lines = [x for x in out.stdout.splitlines() if x.startswith("@@BATCH@@")]
     assert lines, out.stderr[-3000:]
     return {r["name"]: r for r in json.loads(lines[-1][len("@@BATCH@@"):])}
+
+
+def run_in_process(cases, cwd, monkeypatch, hf_home) -> dict[str, dict]:
+    """``{name: {"code", "stderr", "cpu"}}`` of fedllm's entry point on each case, in this process, in ``cwd``, with
+    a Hugging Face home ``hf_home`` (offline), and a model loader that fails (a refusal that came after it would
+    exit 1 naming it); the environment and torch's threads the entry point sets are restored after."""
+    import contextlib
+    import io
+    import time
+
+    import torch
+    from huggingface_hub import constants
+
+    import fedllm.engine.server
+    from fedllm.commands.cli import main
+
+    def never(*args, **kwargs):
+        raise RuntimeError("the model loader was reached")
+
+    monkeypatch.setattr(fedllm.engine.server, "load_model", never)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    monkeypatch.setattr(constants, "HF_HOME", str(hf_home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    env, threads, report = dict(os.environ), torch.get_num_threads(), {}
+    try:
+        for name, argv in cases:
+            err = io.StringIO()
+            cpu = time.process_time()
+            with contextlib.redirect_stderr(err):
+                try:
+                    code = main(argv)
+                except SystemExit as e:
+                    code = e.code
+            report[name] = {"code": code, "stderr": err.getvalue(), "cpu": time.process_time() - cpu}
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+    return report
 
 
 def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
@@ -163,7 +199,7 @@ def test_refusals_that_need_no_model_come_before_torch(tmp_path, arith_file):
     assert not os.path.exists(work / "runs" / "new")
 
 
-def test_recipe_mistakes_are_refused_before_the_model_loads_each_in_seconds(tmp_path, arith_file):
+def test_recipe_mistakes_are_refused_before_the_model_loads_each_in_seconds(tmp_path, arith_file, monkeypatch):
     """The mistakes of a newcomer's trial (issue 52), each against a model whose loading fails: a strategy switched on
     the command line under the recipe's strategy_args, Krum under SecAgg+ (train and --dry-run), AdvBench offline
     without its data, an override out of range, a mistyped data file and column, an export of a directory that holds
@@ -192,7 +228,7 @@ def test_recipe_mistakes_are_refused_before_the_model_loads_each_in_seconds(tmp_
         ("export-not-a-run", ["export", "data", "--format", "adapter", "--out", "exported"]),
     ]
     empty_cache = tmp_path / "hf"  # no hub data set is cached here
-    got = run_batch(cases, work, HF_HOME=str(empty_cache), HF_HUB_OFFLINE="1", FEDLLM_TEST_FAILING_LOADER="1")
+    got = run_in_process(cases, work, monkeypatch, empty_cache)
     said = {name: " ".join(r["stderr"].split()) for name, r in got.items()}
     for name, _ in cases:
         assert got[name]["code"] == 2, (name, said[name])

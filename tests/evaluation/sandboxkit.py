@@ -3,6 +3,7 @@ to run programs in a sandbox started by an ordinary user (``nobody``) when the t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -33,6 +34,20 @@ def code_sandbox() -> CodeSandbox:
     if problem:
         pytest.skip(f"no code sandbox here: {problem}")
     return CodeSandbox()
+
+
+SHORT_TIMER_S = 1.0
+"""The Python timer of programs that run into it (the harness's is 3 s, checked by
+test_flowertune_python_time_limits_are_the_harness): what the timer and the kill ``grace_seconds`` after it do
+does not depend on its length, and every second of it is a second of CPU burnt by the looping program."""
+
+
+@pytest.fixture
+def short_python_timer(monkeypatch) -> float:
+    """Python programs run under a :data:`SHORT_TIMER_S` timer (the kill still ``grace_seconds`` after it)."""
+    python = code_sandbox_module.LANGUAGES["python"]
+    monkeypatch.setitem(code_sandbox_module.LANGUAGES, "python", dataclasses.replace(python, seconds=SHORT_TIMER_S))
+    return SHORT_TIMER_S
 
 
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"

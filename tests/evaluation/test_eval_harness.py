@@ -107,7 +107,17 @@ def scored_export(tokenizer_state, harness_dir, tmp_path_factory):
     return model, tokenizer, cfg, ours, root / "out", export
 
 
-def test_lm_eval_tasks_through_fedllm_equal_the_harness_on_the_merged_export(scored_export, harness_dir):
+@pytest.fixture
+def no_env_report(monkeypatch):
+    """The harness's own runs in these tests without its environment report (``pip list`` and ten other programs:
+    ~0.8 CPU-s a run), which fedllm's runs skip too and no score depends on."""
+    from lm_eval import evaluator
+
+    monkeypatch.setattr(evaluator, "add_env_info", lambda storage: None)
+
+
+def test_lm_eval_tasks_through_fedllm_equal_the_harness_on_the_merged_export(scored_export, harness_dir,
+                                                                                no_env_report):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -130,10 +140,16 @@ def test_lm_eval_tasks_through_fedllm_equal_the_harness_on_the_merged_export(sco
                                                                         rel=1e-3)
 
 
-def test_local_data_replace_a_tasks_dataset(tokenizer, tiny_lm, tmp_path, harness_dir):
+def test_local_data_replace_a_tasks_dataset(tokenizer, tiny_lm, tmp_path, harness_dir, monkeypatch):
+    """... and fedllm's run of the harness asks for no environment report (``pip list`` and ten other programs)."""
+    from torch.utils import collect_env
+
+    reports = []
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", lambda: reports.append(1) or "")
     name = "lm_eval:fedllm_tiny_mc"
     cfg = EvalConfig(tasks=[name], data={"lm_eval": str(harness_dir / "tasks"), name: str(harness_dir / "other.jsonl")})
     evaluate(tiny_lm, tokenizer, cfg, tmp_path, progress=False)
+    assert reports == []
     docs = [s["doc"]["question"] for s in json.loads((tmp_path / f"{name}.json").read_text())["examples"][name[8:]]]
     assert docs == [r["question"] for r in OTHER]
 
@@ -180,7 +196,8 @@ def run_harness_cli(monkeypatch, argv: list[str], scanned: dict | None = None) -
 
 
 @pytest.mark.slow
-def test_the_harness_cli_scores_the_export_as_fedllm_does(scored_export, harness_dir, tmp_path, monkeypatch):
+def test_the_harness_cli_scores_the_export_as_fedllm_does(scored_export, harness_dir, tmp_path, monkeypatch,
+                                                         no_env_report):
     """The harness's own command line (``lm_eval``, which indexes every task the harness ships) on
     the exported merged model, both fixture tasks in one call; and gsm8k under the ``lm_eval`` protocol, whose
     harness folder alone is indexed, run as with the whole index (built once here for the unknown task, and

@@ -23,6 +23,7 @@ from fedllm.evaluation.code_sandbox import LANGUAGES, NO_VERDICT_STATUS, VERDICT
 from fedllm.evaluation.flowertune_code_prompts import CODE_SETS, checked_program
 
 code_sandbox = sandboxkit.code_sandbox
+short_python_timer = sandboxkit.short_python_timer
 RECORDS = json.loads((Path(__file__).parent.parent / "assets" / "eval" / "flowertune" / "records.json").read_text())
 HUMANEVAL = next(cs for cs in CODE_SETS if cs.key == "humaneval")
 MBPP = next(cs for cs in CODE_SETS if cs.key == "mbpp")
@@ -77,8 +78,14 @@ def _harness_result(result) -> str:
     return next(line for line in result.stderr.splitlines() if line.startswith("failed: "))
 
 
+TIMED = {"loops_forever", "mbpp_correct_catches_the_timer"}
+"""Programs that run into the timer: run under a 1 s one (:func:`sandboxkit.short_python_timer`), same verdicts."""
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_flowertune_python_verdict_equals_the_harness(code_sandbox, name):
+def test_flowertune_python_verdict_equals_the_harness(code_sandbox, name, request):
+    if name in TIMED:
+        request.getfixturevalue("short_python_timer")
     cs, record, solution = CASES[name]
     result = code_sandbox.run("python", checked_program(solution, cs.test(record)))
     assert (result.passed, _harness_result(result)) == HARNESS[name]
