@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from flower_cluster import assert_matches, env_for, free_port, logged, start, stop, wait_until
+from flower_cluster import assert_matches, env_for, free_port, logged, start, stop_all, wait_until
 
 pytest.importorskip("flwr")
 
@@ -106,9 +106,9 @@ def test_flower_readme_section_runs_as_written_and_equals_one_process(tmp_path):
         for cid in clients:
             text = (tmp_path / f"node{cid}.log").read_text()
             assert "Failed to activate SuperNode" not in text and "takes nodes now" in text, text[-2000:]
-    finally:
-        for proc in reversed(procs):
-            stop(proc)
+    finally:  # the SuperNodes together (each takes seconds to sign off), then the SuperLink they sign off from
+        stop_all(procs[:len(clients)])
+        stop_all(procs[len(clients):])
     run_step(filled(steps["train"][0], port))
     flower_dir = tmp_path / next(a.split("=", 1)[1] for a in steps["run"][0] if a.startswith("output_dir="))
     assert (tmp_path / "superlink.db").exists()  # README's --database, kept across a SuperLink restart
