@@ -122,6 +122,8 @@ SHARED_GROUPS = {
     "tests/test_preference_quickstart.py": "smollm2",
     "tests/test_gguf_cache.py": "smollm2",
     "tests/reliability/test_offline_presets.py": "smollm2",
+    "tests/flower_wan/test_flower_cut.py": "flower-wan",  # one proxied deployment (tests/flower_wan/conftest.py)
+    "tests/flower_wan/test_flower_deadline.py": "flower-wan",
     # the sandbox tests check that no sandboxed process or scratch directory is left: no other sandbox beside them
     "tests/evaluation/test_flowertune_sandbox.py": "flowertune-sandbox",
     "tests/evaluation/test_flowertune_protocols.py": "flowertune-sandbox",
@@ -131,7 +133,7 @@ SHARED_GROUPS = {
 SHARED_PREFIXES = {"tests/export/": "export"}  # the exported runs of tests/export/conftest.py (`cases`)
 LONG_GROUPS_FIRST = ("flower-deployment", "smollm2", "tests/test_flower_readme.py", "tests/meta/test_meta_gemma3.py",
                      "tests/evaluation/test_eval_harness.py", "tests/test_distributed.py", "tests/test_flower_apps.py",
-                     "tests/flower_wan/test_flower_cut.py", "tests/flower_wan/test_flower_deadline.py",
+                     "flower-wan",
                      "export", "tests/strategies/test_e2e.py", "tests/cli/test_cli_startup.py")
 
 

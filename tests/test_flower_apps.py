@@ -124,8 +124,9 @@ CASES = {
     "fedsvd": ("fedsvd", {}, {"train": {"optimizer_state": "per_client"}}),  # A refactorised on the server, sent down
     "fed_sb": ("fed_sb", {}, {}),  # A and B reach a node once and stay in its client's state; R travels
     # train.compile on the nodes (dynamo's eager backend here): compiled layers, loss chunk and FRLoRA's residual
-    # hooks as in one process; each node's model compiles its own graphs (this loopback builds one per message, so
-    # 2 rounds, not 3: round 2's nodes already catch up on round 1's merges, and all 3 on the last after it)
+    # hooks as in one process; each node's model compiles its own graphs, once, kept warm between messages as
+    # fedllm's node worker keeps it (WorkerGrid); 2 rounds: round 2's nodes already catch up on round 1's merges, and
+    # all 3 on the last after it
     "frlora-compile": ("frlora", {}, {"train": {"compile": True}, "rounds": 2}),
     # activation checkpointing on the nodes: FRLoRA's residual hooks run again in each layer's recompute
     "frlora-checkpointing": ("frlora", {}, {"train": {"gradient_checkpointing": True}}),
@@ -137,18 +138,26 @@ def test_flower_apps_match_the_simulation(case, tiny_recipe, tmp_path, flower_id
     strategy, args, sections = CASES[case]
     sections = dict(sections)
     rounds = sections.pop("rounds", 3)
-    if sections.get("train", {}).get("compile"):
+    compile_ = bool(sections.get("train", {}).get("compile"))
+    if compile_:
         from fedllm.engine import compiled
 
         monkeypatch.setattr(compiled, "BACKEND", "eager")  # tracing and graphs, no inductor code generation
     fed = {"num_clients": 3, "clients_per_round": 2, "rounds": rounds, "strategy": strategy, "strategy_args": args}
     raw = tiny_recipe(federation=fed, **sections)
-    sim = run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")}))
-    grid = LoopbackGrid(nodes(tmp_path, 3))
+    # under train.compile the simulation runs eagerly: the compiled nodes must equal plain eager training
+    one_process = {**raw, "train": {**raw["train"], "compile": False}} if compile_ else raw
+    sim = run(parse_recipe({**one_process, "output_dir": str(tmp_path / "sim")}))
+    grid = (WorkerGrid if compile_ else LoopbackGrid)(nodes(tmp_path, 3))  # a node compiles once, not per message
     flower = run(parse_recipe({**raw, "output_dir": str(tmp_path / "flower")}), executor=FlowerExecutor(grid))
     expected, got = parts(sim.run_dir), parts(flower.run_dir)
     assert_close(expected["adapter"], got["adapter"], "global adapter")
     assert "clients" not in got  # per-client state never reaches the server
+    if compile_:  # the nodes trained compiled: every layer of a trained node's model holds its compiled call
+        from fedllm.engine.compiled import KEPT, repeated_blocks
+
+        models = [node.fed.loaded.model for cache in grid.caches.values() for node, _ in cache.nodes.values()]
+        assert sum(all(KEPT in layer.__dict__ for layer in repeated_blocks(m)) for m in models) >= 2  # round 1's two
     if "base" in expected:
         assert_close(expected["base"], got["base"], "server base")
     for cid in range(3):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from flower_cluster import assert_matches, env_for, free_port, logged, start, stop, wait_until
+from flower_cluster import assert_matches, env_for, free_port, logged, start, stop_all, wait_until
 
 pytest.importorskip("flwr")
 
@@ -90,26 +90,34 @@ def test_flower_readme_section_runs_as_written_and_equals_one_process(tmp_path):
     run_step(filled(steps["certs"][0], port))
     clients = [p.stem.split("-", 1)[1] for p in sorted((tmp_path / "certs" / "nodes").glob("client-*.key"))]
     assert clients == ["0", "1", "2", "3"]  # README's --clients 4, the recipe's num_clients
+    # the section's one-process run, side by side with the deployment (which mostly waits on its polls and timers);
+    # its result depends on the recipe alone
+    train = filled(steps["train"][0], port)
+    one_process_run = start(train, tmp_path / "train.log", env, tmp_path)
     procs = []
     try:
-        for cid in clients:  # the nodes first: each waits for the SuperLink, saying so
-            procs.append(start(filled(steps["supernode"][0], port, cid), tmp_path / f"node{cid}.log", env,
-                               tmp_path))
-        for cid in clients:
-            wait_until(lambda c=cid: logged(tmp_path / f"node{c}.log", "waiting for the SuperLink at "), 300,
-                       f"SuperNode {cid} waiting for the SuperLink", tmp_path / f"node{cid}.log")
-        link_log = tmp_path / "superlink.log"
-        procs.append(start(filled(steps["superlink"][0], port) + ["--port", str(port)], link_log, env, tmp_path))
-        wait_until(lambda: logged(link_log, "ready: SuperNodes may join"), 300, "the SuperLink, with the node keys "
-                   "registered", link_log)
-        run_step(filled(steps["run"][0], port))  # at once, as a user would: it waits --wait-nodes for the nodes
-        for cid in clients:
-            text = (tmp_path / f"node{cid}.log").read_text()
-            assert "Failed to activate SuperNode" not in text and "takes nodes now" in text, text[-2000:]
+        try:
+            for cid in clients:  # the nodes first: each waits for the SuperLink, saying so
+                procs.append(start(filled(steps["supernode"][0], port, cid), tmp_path / f"node{cid}.log", env,
+                                   tmp_path))
+            for cid in clients:
+                wait_until(lambda c=cid: logged(tmp_path / f"node{c}.log", "waiting for the SuperLink at "), 300,
+                           f"SuperNode {cid} waiting for the SuperLink", tmp_path / f"node{cid}.log")
+            link_log = tmp_path / "superlink.log"
+            procs.append(start(filled(steps["superlink"][0], port) + ["--port", str(port)], link_log, env, tmp_path))
+            wait_until(lambda: logged(link_log, "ready: SuperNodes may join"), 300, "the SuperLink, with the node "
+                       "keys registered", link_log)
+            run_step(filled(steps["run"][0], port))  # at once, as a user would: it waits --wait-nodes for the nodes
+            for cid in clients:
+                text = (tmp_path / f"node{cid}.log").read_text()
+                assert "Failed to activate SuperNode" not in text and "takes nodes now" in text, text[-2000:]
+        finally:  # the SuperNodes together (each takes seconds to sign off), then the SuperLink they sign off from
+            stop_all(procs[:len(clients)])
+            stop_all(procs[len(clients):])
+        done = one_process_run.wait(timeout=1800)  # a guard: ~1 min idle
+        assert done == 0, f"{shlex.join(train)}\n{(tmp_path / 'train.log').read_text()[-3000:]}"
     finally:
-        for proc in reversed(procs):
-            stop(proc)
-    run_step(filled(steps["train"][0], port))
+        stop_all([one_process_run])  # only if the test failed before it ended
     flower_dir = tmp_path / next(a.split("=", 1)[1] for a in steps["run"][0] if a.startswith("output_dir="))
     assert (tmp_path / "superlink.db").exists()  # README's --database, kept across a SuperLink restart
     one_process = tmp_path / yaml.safe_load((tmp_path / recipe).read_text())["output_dir"]

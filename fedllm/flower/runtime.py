@@ -131,8 +131,11 @@ def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[st
 # ----- the SuperLink side
 SERVER_APP_IMPORTS = ("flwr.server.run_serverapp", "flwr.superlink.grid", "fedllm.flower.server_app",
                       "fedllm.flower.executor", "fedllm.engine.server", "fedllm.models.loading", "peft")
-"""What every ServerApp task imports (torch, transformers and peft among them): imported once by the runner, at
-its first task, so that each task's forked child starts with them."""
+"""What every ServerApp task imports (torch, transformers and peft among them): imported once by the runner as it
+starts (while the SuperLink starts, registers node keys and the nodes join), so that each task's forked child starts
+with them and a run's task starts as soon as it is claimed. Imported after the claim instead (before), they held the
+first run back by their ~9 CPU-seconds, and past 30 s on a loaded machine Flower took the claimed task back (a claim
+not started within one heartbeat interval is pending again) and the first child was refused (401)."""
 
 
 def serve_serverapps(address: str, secret: bytes, root_certificates: str | None, node_keys: str | None,
@@ -155,12 +158,12 @@ def serve_serverapps(address: str, secret: bytes, root_certificates: str | None,
         children[:] = [c for c in children if c.poll() is None]
 
     def launch(token: str) -> None:
-        for name in SERVER_APP_IMPORTS:
-            importlib.import_module(name)
         reap()
         children.append(processes.Forked(lambda: run_server_task(address, token, root_certificates, node_keys,
                                                                  operator)))
 
+    for name in SERVER_APP_IMPORTS:  # before the first claim: a claim not started within 30 s is taken back
+        importlib.import_module(name)
     try:
         # runs start seldom: a claim every second costs little
         claim_loop(address, secret, TaskType.SERVER_APP, launch, root_certificates, poll_s=1.0, idle=reap)

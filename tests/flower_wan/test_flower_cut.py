@@ -7,6 +7,7 @@ import json
 import re
 import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -15,7 +16,7 @@ from fedllm.engine import server
 from fedllm.flower.wan_proxy import DOWN, UP
 from fedllm.recipe.checks import parse_recipe
 from tests.flower_cluster import assert_matches, wait_until
-from tests.flower_wan.wan_cluster import wan_deployment
+from tests.flower_wan.wan_cluster import logged_times
 
 REQUEST = re.compile(rb"(?:POST|GET) /[A-Za-z0-9_/\-]*?([a-z\-]+) HTTP")
 
@@ -44,13 +45,9 @@ class RequestBytes:
         return max((n for (p, *_), n in self.requests[direction].items() if p == path), default=0)
 
 
-def logged_times(path, text) -> int:
-    return path.read_text(errors="replace").count(text) if path.is_file() else 0
-
-
 @pytest.mark.slow
-def test_a_cut_download_and_a_cut_upload_resume_and_the_run_equals_the_simulation(tiny_recipe, tmp_path):
-    raw = tiny_recipe(federation={"num_clients": 2, "clients_per_round": 2, "rounds": 2}, lora={"r": 32, "alpha": 64})
+def test_a_cut_download_and_a_cut_upload_resume_and_the_run_equals_the_simulation(tiny_recipe, tmp_path, wan_runs):
+    raw = tiny_recipe(federation={"num_clients": 3, "clients_per_round": 3, "rounds": 2}, lora={"r": 32, "alpha": 64})
     raw["output_dir"] = str(tmp_path / "flower-run")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(raw))
@@ -58,16 +55,25 @@ def test_a_cut_download_and_a_cut_upload_resume_and_the_run_equals_the_simulatio
     # (direction, node 1's log line to arm the cut at, how many times logged by then, the Fleet API path cut)
     cuts_wanted = [(DOWN, "Sending: query.fedllm message", 1, "pull-object"),  # round 1: its polls, then its train
                    (UP, "Receiving: train message", 2, "push-object")]  # round 2: its reply (~57 kB of adapter)
-    with wan_deployment(tmp_path, 2, observers=taps) as (port, proxies, _, launch):
-        run = launch(["flower", "run", str(recipe), "--superlink", f"127.0.0.1:{port}", "--insecure", "--timeout",
-                      "600"], "run.log")
-        node_log = tmp_path / "supernode1.log"
-        for direction, armed_at, times, _ in cuts_wanted:
-            wait_until(lambda: logged_times(node_log, armed_at) >= times, 600, f"{armed_at} ({times})",  # noqa: B023
-                       node_log, every_s=0.02)
-            proxies[1].cut_after(direction, 16384)  # 16 kB into what node 1 sends or receives next
-        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
-        cuts = proxies[1].stats.cuts
+    node_log, proxy = wan_runs.node_log(1), wan_runs.proxies[1]
+    before = {armed_at: logged_times(node_log, armed_at) for _, armed_at, _, _ in cuts_wanted}  # earlier runs' lines
+    cuts_before = len(proxy.stats.cuts)
+    with ThreadPoolExecutor(1) as background:
+        try:
+            for cid, tap in taps.items():
+                wan_runs.proxies[cid].observer = tap
+            run = wan_runs.run(recipe, tmp_path / "run.log")
+            for direction, armed_at, times, _ in cuts_wanted:
+                wait_until(lambda: logged_times(node_log, armed_at) >= before[armed_at] + times,  # noqa: B023
+                           600, f"{armed_at} ({times})", node_log, every_s=0.02)
+                proxy.cut_after(direction, 16384)  # 16 kB into what node 1 sends or receives next
+            # the simulation meanwhile (node 1's cuts are armed: nothing here waits on a log line any more)
+            sim = background.submit(lambda: server.run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")})))
+            assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        finally:
+            wan_runs.fresh_links()
+        cuts = proxy.stats.cuts[cuts_before:]
+        sim_dir = sim.result().run_dir
     assert [c["direction"] for c in cuts] == [DOWN, UP], cuts
     sent = {d: {c: dict(t.bytes[d]) for c, t in taps.items()} for d in (UP, DOWN)}
     resent = {path: sent[d][1].get(path, 0) - sent[d][0].get(path, 0) for d, _, _, path in cuts_wanted}
@@ -78,6 +84,4 @@ def test_a_cut_download_and_a_cut_upload_resume_and_the_run_equals_the_simulatio
     # objects uncut)
     for path, again in resent.items():
         assert 0 < again <= largest[path], (path, resent, largest)
-
-    sim = server.run(parse_recipe({**raw, "output_dir": str(tmp_path / "sim")})).run_dir
-    assert_matches(sim, tmp_path / "flower-run", ["adapter"], "cut download and upload", exact=True)
+    assert_matches(sim_dir, tmp_path / "flower-run", ["adapter"], "cut download and upload", exact=True)
