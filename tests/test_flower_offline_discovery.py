@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.common.constant import ErrorCode  # noqa: E402
+from flwr.common.constant import ErrorCode
 
-from fedllm.flower.executor import FederationIncomplete, FlowerExecutor  # noqa: E402
+from fedllm.flower.executor import FederationIncomplete, FlowerExecutor
 
 
 class DeadNodeGrid:
