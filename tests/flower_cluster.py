@@ -220,11 +220,11 @@ class Deployment:
         self.stops = root / "stops"  # Deployment.stop_at's files
         self.stops.mkdir()
         try:
+            for cid in range(2):  # side by side with the SuperLink's start: each waits until it takes nodes
+                self.serve(cid)
             last = f"client-{self.CLIENT_KEYS - 1}.pub registered"
             wait_until(lambda: port_open(port) and logged(root / "superlink.log", last), 180,
                        "SuperLink with node keys registered", root / "superlink.log")
-            for cid in range(2):
-                self.serve(cid)
         except BaseException:
             self.close()
             raise

@@ -14,7 +14,7 @@ import re
 import signal
 
 import pytest
-from flower_cluster import assert_matches, deployment, launch, logged, stop, wait_until, worker_pid  # noqa: F401
+from flower_cluster import assert_matches, deployment, launch, logged, stop_all, wait_until, worker_pid  # noqa: F401
 from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
@@ -80,8 +80,7 @@ def test_secagg_on_a_real_deployment_survives_a_worker_killed_mid_round(deployme
         lost = history[rnd - 1]
         assert sorted(c for c in lost["clients"] if str(c) not in lost.get("dropped", {})) == [0, 1, 2]  # summed
     finally:
-        for proc in extra.values():
-            stop(proc)
+        stop_all(list(extra.values()))  # side by side: each signs off from the SuperLink
     # the one-process SecAgg+ run with client 3 lost in the same round: bit for bit
     assert_matches(secure.run_dir, run_.out, ["adapter"], "SecAgg+ with a killed worker", exact=True)
     # the plain run with the same loss: within the quantisation bound. Each round's mean is within one step Δ; later
