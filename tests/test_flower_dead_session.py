@@ -120,3 +120,15 @@ def test_a_key_the_superlink_does_not_know_is_refused_for_good_at_once(tmp_path,
     assert rejoin.serve_node(cmd, {}, tmp_path / "state", 5, refused_why=lambda: reach.refusal_cause("unknown")) == 1
     assert count.read_text() == "1"
     assert f"client 5's node: {reach.REFUSALS['unknown']}; giving up" in capsys.readouterr().err
+
+
+def test_a_new_node_refused_while_its_key_has_a_session_retries_until_that_session_times_out(tmp_path, monkeypatch):
+    """A node that never joined from this state directory, refused because a session of its key is online (started
+    from another state directory, or stopped without signing off: it times out within 2 x 30 s), keeps retrying
+    like a rejoining node (up to 150 s), not only the 30 s a key being registered gets."""
+    slept, sleep = [], rejoin.time.sleep
+    monkeypatch.setattr(rejoin.time, "sleep", lambda s: slept.append(s) if s >= 1 else sleep(s))
+    count = tmp_path / "attempts"
+    cmd = [sys.executable, "-S", "-c", FAKE_SUPERNODE, str(count), "6"]
+    assert rejoin.serve_node(cmd, {}, tmp_path / "state", 2, refused_why=lambda: reach.refusal_cause("online")) == 130
+    assert count.read_text() == "7" and slept == [2.0, 4.0, 8.0, 15.0, 15.0, 15.0]

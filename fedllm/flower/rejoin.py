@@ -13,7 +13,8 @@ so a node started before the SuperLink, or while it registers the keys, waits in
 never joined (the marker file below never written) and whose activation was refused all the same (a SuperLink that
 is not fedllm's) is retried the same way for up to :data:`REGISTER_S`, after which the refusal is final (a key the
 SuperLink was not given); at once when fedllm's SuperLink, which took nodes only once its keys were registered, says
-it does not know the key. Each refusal is told with its cause, asked of the SuperLink (the key's status there).
+it does not know the key; for up to :data:`REJOIN_S` when it says a session of the key is online (one started from
+another state directory, or stopped without signing off: it times out within 2 heartbeats). Each refusal is told with its cause, asked of the SuperLink (the key's status there).
 
 A node killed without signing off and restarted does not wait out its old session when the process that held it is
 gone: it ends that session itself and rejoins at once (:mod:`fedllm.flower.dead_session`; the marker file below
@@ -122,15 +123,20 @@ def serve_node(cmd: list[str], helpers: dict[str, Callable[[], subprocess.Popen]
         watch.read_all()
         if not watch.marker.exists():  # never joined: refused before its key was registered, else final
             why = refused_why() if watch.refused else ""
-            # a key fedllm's SuperLink does not know, asked once it took nodes (its keys registered), stays unknown
-            delay = next(first, None) if watch.refused and why != REFUSALS["unknown"] else None
+            if not watch.refused or why == REFUSALS["unknown"]:
+                delay = None  # fedllm's SuperLink took nodes once its keys were registered: an unknown key stays so
+            elif why == REFUSALS["online"]:
+                delay = next(delays, None)  # a session of this key (another state directory's, or not signed off)
+            else:
+                delay = next(first, None)
             if delay is None:
                 if watch.refused:
                     print(f"fedllm flower supernode: the SuperLink refused to activate client {client}'s node: {why}; "
                           "giving up", file=sys.stderr, flush=True)
                 return rc
             print(f"fedllm flower supernode: the SuperLink refused to activate client {client}'s node: {why}; "
-                  f"retrying in {delay:.0f} s (for up to {REGISTER_S:.0f} s)", file=sys.stderr, flush=True)
+                  f"retrying in {delay:.0f} s (for up to {REJOIN_S if why == REFUSALS['online'] else REGISTER_S:.0f} s)",
+                  file=sys.stderr, flush=True)
             time.sleep(delay)
             continue
         # Flower's SuperNode ended by itself: refused activation (exit 1), or told by the SuperLink that its session
