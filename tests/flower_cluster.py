@@ -60,17 +60,23 @@ def stop(proc, sig=signal.SIGTERM):
             proc.wait()
 
 
-def stop_all(procs, sig=signal.SIGTERM):
+def stop_all(procs, sig=signal.SIGTERM, grace_s=20.0):
     """:func:`stop` every process of ``procs`` at once (each SuperNode takes seconds to sign off: side by side, not
-    one after another)."""
+    one after another), each signalled once: a second SIGTERM reaches ``fedllm flower supernode`` while it stops its
+    worker, with Python's default handler back, and ends it at once; its SuperNode then did not sign off (seen at load
+    10-18: the session of its key stayed online for 60 s, refusing the next node of that key, a later module's)."""
     for proc in procs:
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
+    deadline = time.monotonic() + grace_s
     for proc in procs:
-        stop(proc, sig)  # waits for the exit (killed after 20 s)
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stop(proc, signal.SIGKILL)
 
 
 def wait_until(check, timeout_s, what, log_path=None, every_s=0.3):
@@ -220,11 +226,11 @@ class Deployment:
         self.stops = root / "stops"  # Deployment.stop_at's files
         self.stops.mkdir()
         try:
+            for cid in range(2):  # side by side with the SuperLink's start: each waits until it takes nodes
+                self.serve(cid)
             last = f"client-{self.CLIENT_KEYS - 1}.pub registered"
             wait_until(lambda: port_open(port) and logged(root / "superlink.log", last), 180,
                        "SuperLink with node keys registered", root / "superlink.log")
-            for cid in range(2):
-                self.serve(cid)
         except BaseException:
             self.close()
             raise

@@ -14,7 +14,7 @@ import re
 import signal
 
 import pytest
-from flower_cluster import assert_matches, deployment, launch, logged, stop, wait_until, worker_pid  # noqa: F401
+from flower_cluster import assert_matches, deployment, launch, logged, stop_all, wait_until, worker_pid  # noqa: F401
 from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
@@ -65,6 +65,11 @@ def test_secagg_on_a_real_deployment_survives_a_worker_killed_mid_round(deployme
         victim = int(stopped.read_text())
         assert victim == worker_pid(extra[3]) and journal.is_file() and last_stage(node_log) == (rnd, "training")
         os.kill(victim, signal.SIGKILL)
+        # the one-process runs to compare with, while node 3 restarts its worker (seconds of imports on one core) and
+        # the deployment finishes: the SecAgg+ run with client 3 lost in the same round, and the plain run (the
+        # server sees every update) with the same loss
+        secure = simulate(raw, tmp_path / "sim-secure", rnd, monkeypatch)
+        plain_dir = simulate({**raw, "privacy": {}}, tmp_path / "sim-plain", rnd, monkeypatch).run_dir
         run_.finish()
         assert logged(node_log, "node worker exited with code -9; restarting it")
         assert logged(node_log, f"no SecAgg+ secrets for round {rnd} on this node")
@@ -75,17 +80,13 @@ def test_secagg_on_a_real_deployment_survives_a_worker_killed_mid_round(deployme
         lost = history[rnd - 1]
         assert sorted(c for c in lost["clients"] if str(c) not in lost.get("dropped", {})) == [0, 1, 2]  # summed
     finally:
-        for proc in extra.values():
-            stop(proc)
+        stop_all(list(extra.values()))  # side by side: each signs off from the SuperLink
     # the one-process SecAgg+ run with client 3 lost in the same round: bit for bit
-    secure = simulate(raw, tmp_path / "sim-secure", rnd, monkeypatch)
     assert_matches(secure.run_dir, run_.out, ["adapter"], "SecAgg+ with a killed worker", exact=True)
-    # the plain run (the server sees every update) with the same loss: within the quantisation bound. Each round's
-    # mean is within one step Δ; later rounds start from states that differ by that much and AdamW's first steps
-    # amplify it where a gradient is near 0 (tests/privacy/test_secagg_run.py): within 2 % of the adapter's size
-    plain_raw = {**raw, "privacy": {}}
-    plain = load_file(str(simulate(plain_raw, tmp_path / "sim-plain", rnd, monkeypatch).run_dir / "final"
-                          / "adapter.safetensors"))
+    # the plain run with the same loss: within the quantisation bound. Each round's mean is within one step Δ; later
+    # rounds start from states that differ by that much and AdamW's first steps amplify it where a gradient is near 0
+    # (tests/privacy/test_secagg_run.py): within 2 % of the adapter's size
+    plain = load_file(str(plain_dir / "final" / "adapter.safetensors"))
     got = load_file(str(run_.out / "final" / "adapter.safetensors"))
     moved = max(float(v.abs().max()) for k, v in plain.items() if "lora_B" in k)
     diff = max(float((plain[k] - got[k]).abs().max()) for k in plain)

@@ -12,8 +12,10 @@
   another client's key is refused (the run goes on); node 1's worker is killed with ``kill -9`` in the middle
   of a round-2 message (``fedllm flower supernode`` restarts it and the new worker answers that message from
   its journal); node 1 is killed with ``kill -9`` (all its processes) after round 2 and restarted at once with
-  its state directory (it retries its activation until the SuperLink lets its old session go, then continues); client 2 is served by a ``--no-worker`` SuperNode (Flower's own ClientApp process
-  per message). The run equals the simulation.
+  its state directory (the SuperLink still counts its old session online: the node, whose old process is gone,
+  ends that session itself and joins at once, instead of being refused for 2 x 30 s), then continues; client 2
+  is served by a ``--no-worker`` SuperNode (Flower's own ClientApp process per message). The run equals the
+  simulation.
 """
 
 import json
@@ -251,9 +253,10 @@ def test_worker_killed_with_kill_9_mid_message_recovers(started, deployment, tmp
 @pytest.mark.slow
 def test_flower_security_second_claim_refused_and_restarted_node_rejoins(started, deployment, tmp_path):  # noqa: F811
     """A registered node claiming client 0 with client 3's key is refused (the run goes on); node 1, killed with
-    ``kill -9`` (every process of it) after round 2 and restarted at once with its state directory, is refused
-    activation while the SuperLink still counts its old session online, retries by itself, rejoins and serves
-    round 3; the run equals the simulation."""
+    ``kill -9`` (every process of it) after round 2 and restarted at once with its state directory, finds the
+    SuperLink still counting its old session online, ends that session itself (its process is gone:
+    fedllm.flower.dead_session) instead of being refused until it times out, rejoins and serves round 3; the run
+    equals the simulation."""
     run_, sim, *_ = disrupted(started, deployment, tmp_path)
     out = run_.log.read_text()
     assert "refused: it claims client 0 but did not authenticate with client 0's key" in out
@@ -261,6 +264,8 @@ def test_flower_security_second_claim_refused_and_restarted_node_rejoins(started
     assert [h["clients"] for h in history] == [[0, 1, 2]] * 3 and all("dropped" not in h for h in history)
     assert logged(deployment.logs[1], "SuperNode ID")  # the restarted node
     assert logged(deployment.logs[1], reach.PREVIOUS_SESSION)  # the cause, as the SuperLink tells it
+    assert logged(deployment.logs[1], "is gone: ended that session")  # ended by the node itself ...
+    assert not logged(deployment.logs[1], "Failed to activate SuperNode")  # ... before Flower's SuperNode started
     assert_matches(sim, run_.out, ["adapter"], "scaffold with a restarted node")
 
 

@@ -365,7 +365,12 @@ def _supernode(args: argparse.Namespace) -> int:
         key = public_bytes(Path(args.auth_key).expanduser()) if args.auth_key else b""
         return refusal_cause(key_status(args.superlink, args.root_certificates, key) if key else "")
 
-    return serve_node(cmd, helpers, state, args.client, superlink_ready, refused_why)
+    def end_dead_session(marker: Path) -> str:
+        from fedllm.flower.dead_session import end_if_dead
+
+        return end_if_dead(marker, args.superlink, args.root_certificates, args.auth_key)
+
+    return serve_node(cmd, helpers, state, args.client, superlink_ready, refused_why, end_dead_session)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -123,7 +123,9 @@ class FlowerExecutor:
             messages.append(Message(content, dst_node_id=node, message_type="query.fedllm"))
         claims: dict[int, int] = {}
         started = time.monotonic()
-        for m in self.send(messages, timeout):
+        # a node gone offline (killed without signing off, its session not yet timed out) is not waited for: back, it
+        # is a connected node again and asked then (before: each such node held the start for node_wait, 300 s)
+        for m in self.send(messages, timeout, node_wait=0.0):
             if m.has_error():
                 log.warning("node %s failed to say which client it serves: %s", m.metadata.src_node_id, m.error.reason)
                 continue
@@ -190,6 +192,7 @@ class FlowerExecutor:
                     self.claim(self.ask(unheard, self.timeout), keys, nodes, num_clients)
                     if not self._missing(nodes, num_clients):
                         return nodes
+                    keys = self.connected()  # without those gone offline meanwhile
                 status = self._status(keys, nodes, num_clients)
                 raise FederationIncomplete(f"{FederationIncomplete.MARKER}: {status} after {self.wait_nodes:.0f}s")
             if reported is None or now - reported >= self.report_s:
@@ -229,7 +232,7 @@ class FlowerExecutor:
                 print(note, flush=True)
 
     def send(self, messages: list[Message], timeout: float | None = None, deadline: Any = None,
-             arrived: dict[int, float] | None = None) -> list[Message]:
+             arrived: dict[int, float] | None = None, node_wait: float | None = None) -> list[Message]:
         """Push ``messages`` and collect their replies until all came, ``timeout`` or ``deadline(arrival times)`` (a
         round deadline: seconds from the push, given the replies' arrival times so far); each reply's arrival, in
         seconds from the push, goes into ``arrived`` by the node the message went to. Asking again after
@@ -238,7 +241,7 @@ class FlowerExecutor:
 
         A message whose SuperNode is offline (the SuperLink answers ``NODE_UNAVAILABLE``) is sent again when
         that client's node is back (the same node id, or a new node that claims the client), for up to
-        ``node_wait`` seconds; then its error is the reply. ``self.origin`` maps every message id to the
+        ``node_wait`` seconds (``self.node_wait`` unless given); then its error is the reply. ``self.origin`` maps every message id to the
         node it went to (the SuperLink's own error replies come from node 0).
         """
         from flwr.common.constant import ErrorCode
@@ -248,6 +251,7 @@ class FlowerExecutor:
         if not messages:
             return []
         timeout = self.timeout if timeout is None else timeout
+        node_wait = self.node_wait if node_wait is None else node_wait
         try:
             pending = self._push(messages)
         except NotImplementedError:  # a grid without the push/pull interface (tests' loopback grid)
@@ -263,7 +267,7 @@ class FlowerExecutor:
                         time.monotonic() - start
                 sent = pending.pop(m.metadata.reply_to_message_id, None)
                 if (m.has_error() and m.error.code == ErrorCode.NODE_UNAVAILABLE and sent is not None
-                        and time.monotonic() - start < min(timeout, self.node_wait)):
+                        and time.monotonic() - start < min(timeout, node_wait)):
                     offline[m.metadata.reply_to_message_id] = (sent, m)  # wait for the node to come back
                 else:
                     replies.append(m)
@@ -274,7 +278,7 @@ class FlowerExecutor:
                 if again:
                     wait.reset()
                 pending.update(again)
-            if offline and now - start >= min(timeout, self.node_wait):
+            if offline and now - start >= min(timeout, node_wait):
                 replies += [err for _, err in offline.values()]
                 offline = {}
             if (not pending and not offline) or now > deadline:

@@ -12,7 +12,13 @@ holds its Fleet API back until it has registered the node keys, a ``flwr superno
 so a node started before the SuperLink, or while it registers the keys, waits instead of being refused. A node that
 never joined (the marker file below never written) and whose activation was refused all the same (a SuperLink that
 is not fedllm's) is retried the same way for up to :data:`REGISTER_S`, after which the refusal is final (a key the
-SuperLink was not given). Each refusal is told with its cause, asked of the SuperLink (the key's status there).
+SuperLink was not given); at once when fedllm's SuperLink, which took nodes only once its keys were registered, says
+it does not know the key; for up to :data:`REJOIN_S` when it says a session of the key is online (one started from
+another state directory, or stopped without signing off: it times out within 2 heartbeats). Each refusal is told with its cause, asked of the SuperLink (the key's status there).
+
+A node killed without signing off and restarted does not wait out its old session when the process that held it is
+gone: it ends that session itself and rejoins at once (:mod:`fedllm.flower.dead_session`; the marker file below
+records which process holds the session).
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedllm.flower import processes
-from fedllm.flower.reach import refusal_cause
+from fedllm.flower import dead_session, processes
+from fedllm.flower.reach import REFUSALS, refusal_cause
 
 ACTIVATED = "SuperNode ID: "
 """What ``flower-supernode`` prints once the SuperLink has activated it."""
@@ -63,7 +69,11 @@ class ActivationWatch:
                 sys.stdout.flush()
                 if ACTIVATED in line:
                     self.activated = True
-                    self.marker.touch()
+                    node_id = line.split(ACTIVATED, 1)[1].strip()
+                    if node_id.isdigit():  # which process holds the session: fedllm.flower.dead_session
+                        dead_session.record(self.marker, int(node_id), proc.pid)
+                    else:
+                        self.marker.touch()
                 self.refused = self.refused or ACTIVATION_REFUSED in line
 
         self.reader = threading.Thread(target=copy, daemon=True)
@@ -87,40 +97,59 @@ def rejoin_delays(total_s: float = REJOIN_S, first_s: float = 2.0, cap_s: float 
 
 def serve_node(cmd: list[str], helpers: dict[str, Callable[[], subprocess.Popen]], state: Path, client: int,
                superlink_ready: Callable[[], bool] = lambda: True,
-               refused_why: Callable[[], str] = lambda: refusal_cause("")) -> int:
+               refused_why: Callable[[], str] = lambda: refusal_cause(""),
+               end_dead_session: Callable[[Path], str] = lambda marker: "") -> int:
     """Supervise Flower's SuperNode ``cmd`` (and ``helpers``: the node worker) until this command is stopped, starting
     it again when it leaves the federation by itself after having joined (see the module). Each start waits for
     ``superlink_ready()`` (:func:`fedllm.flower.reach.wait_for_superlink`; False: exit 1); ``refused_why()`` says why
-    the SuperLink refused to activate the node (:func:`fedllm.flower.reach.refusal_cause`). Returns the exit code."""
+    the SuperLink refused to activate the node (:func:`fedllm.flower.reach.refusal_cause`); ``end_dead_session(marker)``
+    ends the previous session recorded in ``marker`` when its process is gone and says so (else "":
+    :func:`fedllm.flower.dead_session.end_if_dead`), asked before a start until it has ended one, and again after each
+    outage. Returns the exit code."""
     state.mkdir(parents=True, exist_ok=True)
     watch = ActivationWatch(state / f".node-{client}.activated")
     delays, first = rejoin_delays(), rejoin_delays(REGISTER_S)
+    may_end = True  # the dead previous session may be ended (once per outage)
     while True:
         if not superlink_ready():
             return 1
+        ended = end_dead_session(watch.marker) if may_end and watch.marker.exists() else ""
+        if ended:  # not refused, and not waiting 2 x 30 s for the SuperLink to let it go
+            may_end = False
+            print(f"fedllm flower supernode: client {client}'s node: {ended}; joining now", file=sys.stderr, flush=True)
         rc = processes.supervise(lambda: watch.start(cmd), helpers)
         if rc >= 128:  # stopped by a signal to this command
             return rc
         watch.read_all()
         if not watch.marker.exists():  # never joined: refused before its key was registered, else final
-            delay = next(first, None) if watch.refused else None
+            why = refused_why() if watch.refused else ""
+            if not watch.refused or why == REFUSALS["unknown"]:
+                delay = None  # fedllm's SuperLink took nodes once its keys were registered: an unknown key stays so
+            elif why == REFUSALS["online"]:
+                delay = next(delays, None)  # a session of this key (another state directory's, or not signed off)
+            else:
+                delay = next(first, None)
             if delay is None:
+                if watch.refused:
+                    print(f"fedllm flower supernode: the SuperLink refused to activate client {client}'s node: {why}; "
+                          "giving up", file=sys.stderr, flush=True)
                 return rc
-            print(f"fedllm flower supernode: the SuperLink refused to activate client {client}'s node: {refused_why()}; "
-                  f"retrying in {delay:.0f} s (for up to {REGISTER_S:.0f} s)", file=sys.stderr, flush=True)
+            print(f"fedllm flower supernode: the SuperLink refused to activate client {client}'s node: {why}; "
+                  f"retrying in {delay:.0f} s (for up to {REJOIN_S if why == REFUSALS['online'] else REGISTER_S:.0f} s)",
+                  file=sys.stderr, flush=True)
             time.sleep(delay)
             continue
         # Flower's SuperNode ended by itself: refused activation (exit 1), or told by the SuperLink that its session
         # is unknown (a restarted SuperLink answers its heartbeat with 401, and it exits "gracefully", code 0)
         if watch.activated:  # it was serving: a new outage (a SuperLink restart), with a new allowance
-            delays = rejoin_delays()
+            delays, may_end = rejoin_delays(), True
+        why = (refused_why() if watch.refused else
+               f"Flower's SuperNode ended with code {rc} (the SuperLink restarted, or is unreachable)")
         delay = next(delays, None)
         if delay is None:
             print(f"fedllm flower supernode: client {client}'s node could not rejoin the SuperLink within "
                   f"{REJOIN_S:.0f} s; giving up", file=sys.stderr, flush=True)
             return rc
-        why = (refused_why() if watch.refused else
-               f"Flower's SuperNode ended with code {rc} (the SuperLink restarted, or is unreachable)")
         print(f"fedllm flower supernode: client {client}'s node left the federation: {why}; rejoining in "
               f"{delay:.0f} s (retrying for up to {REJOIN_S:.0f} s)", file=sys.stderr, flush=True)
         time.sleep(delay)
