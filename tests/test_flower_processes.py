@@ -158,3 +158,51 @@ def test_the_run_guard_stops_the_run_only_when_its_command_is_killed(tmp_path):
             if command.poll() is None:
                 os.killpg(command.pid, signal.SIGKILL)
                 command.wait()
+
+
+SIGNS_OFF = textwrap.dedent("""
+    import signal, sys, time
+    from pathlib import Path
+    marks = Path(sys.argv[1])
+    def sign_off(sig, frame):
+        (marks / "got-term").write_text(repr(time.monotonic()))
+        time.sleep(1.0)  # a SuperNode telling the SuperLink it leaves
+        (marks / "signed-off").write_text(repr(time.monotonic()))
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, sign_off)
+    (marks / "up").write_text("")
+    while True:
+        time.sleep(0.05)
+""")
+
+SUPERVISOR = textwrap.dedent("""
+    import sys
+    from fedllm.flower import processes
+    child = [sys.executable, "-c", sys.argv[1]]
+    main = lambda: processes.start([*child, sys.argv[2]])
+    sys.exit(processes.supervise(main, {"worker": lambda: processes.start([*child, sys.argv[3]])}))
+""")
+
+
+def test_a_second_sigterm_while_the_processes_sign_off_does_not_cut_them_short(tmp_path):
+    """``supervise``'s processes (a SuperNode and its worker) are stopped side by side, and a second SIGTERM (or
+    Ctrl-C) during their sign-off is told and ignored: both finish signing off and the command exits 128 + 15."""
+    marks = [tmp_path / "main", tmp_path / "worker"]
+    for m in marks:
+        m.mkdir()
+    cmd = [sys.executable, "-c", SUPERVISOR, SIGNS_OFF, *map(str, marks)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    deadline = time.monotonic() + 120
+    while not all((m / "up").exists() for m in marks):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    while not all((m / "got-term").exists() for m in marks):  # both asked to sign off at once
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # the impatient second signal, while both are signing off
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert all((m / "signed-off").exists() for m in marks)
+    got = [float((m / "got-term").read_text()) for m in marks]
+    assert max(got) < min(float((m / "signed-off").read_text()) for m in marks)  # side by side
+    assert proc.stderr.read().count("stopping already (SIGTERM ignored)") == 1

@@ -128,6 +128,40 @@ def stop(proc: subprocess.Popen | Forked, sig: int = signal.SIGTERM, grace_s: fl
         proc.wait()
 
 
+def stop_all(procs: list, sig: int = signal.SIGTERM, grace_s: float = GRACE_S) -> None:
+    """:func:`stop` every process of ``procs`` at once: ``sig`` to every group, then up to ``grace_s`` for all of them
+    together (a SuperNode and its worker sign off side by side, not one after the other); the groups still running
+    then are killed."""
+    live = [proc for proc in procs if proc.poll() is None]
+    for proc in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+    deadline = time.monotonic() + grace_s
+    for proc in live:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class AlreadyStopping:
+    """The signal handler while a command's processes sign off: a second Ctrl-C or SIGTERM is told, once, that the
+    command is stopping (its processes are killed after :data:`GRACE_S` at most), and does not cut the sign-off short
+    (before, it ended the command there: a SuperNode that had not signed off stayed online on the SuperLink for two
+    heartbeats, 60 s, and its restart was refused meanwhile)."""
+
+    def __init__(self) -> None:
+        self.told = False
+
+    def __call__(self, sig: int, _frame) -> None:
+        if not self.told:
+            self.told = True
+            print(f"fedllm: stopping already ({signal.Signals(sig).name} ignored): each process has up to "
+                  f"{GRACE_S:.0f} s to sign off, then it is killed", file=sys.stderr, flush=True)
+
+
 class Stopped(Exception):
     """A forwarded signal ended the command."""
 
@@ -172,10 +206,14 @@ def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[
             on_stop()
         return 128 + stopped.sig
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for proc in reversed(list(procs.values())):
-            stop(proc)
+        stopping = AlreadyStopping()
+        for sig in previous:
+            signal.signal(sig, stopping)
+        try:
+            stop_all(list(reversed(procs.values())))
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 PRIVATE_PREFIX = "fedllm-superlink-"
