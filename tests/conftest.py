@@ -127,6 +127,9 @@ SHARED_GROUPS = {
     "tests/evaluation/test_flowertune_protocols.py": "flowertune-sandbox",
     "tests/evaluation/test_flowertune_tasks.py": "flowertune-sandbox",
     "tests/evaluation/test_flowertune_python_harness.py": "flowertune-sandbox",
+    # the session's one torchrun launch of 2 processes (tests/test_distributed.py's shared_launch)
+    "tests/test_preference_distributed.py": "tests/test_distributed.py",
+    "tests/training/test_compression.py": "tests/test_distributed.py",
 }
 SHARED_PREFIXES = {"tests/export/": "export"}  # the exported runs of tests/export/conftest.py (`cases`)
 LONG_GROUPS_FIRST = ("flower-deployment", "smollm2", "tests/test_flower_readme.py", "tests/meta/test_meta_gemma3.py",
