@@ -237,6 +237,17 @@ def crashing_round(original, rnd: int):
 
 
 @pytest.fixture(scope="session")
+def two_processes(request):
+    """The session's one torchrun launch of 2 gloo processes, running the jobs of every collected test that uses
+    this fixture (tests/test_distributed.py's ``shared_launch``)."""
+    from tests.test_distributed import shared_launch
+
+    launch = shared_launch(request)
+    yield launch
+    launch.stop()
+
+
+@pytest.fixture(scope="session")
 def smollm2_first_load(tmp_path_factory):
     """The session's first load of the real SmolLM2 preset (slow tests), observed: the GGUF converted into the
     session's cache, which the later SmolLM2 loads of the session read instead of converting again (each

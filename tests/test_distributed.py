@@ -7,9 +7,9 @@ continues from exactly what it kept (DESIGN.md §3).
 Every two-process run of the session is a job of ONE torchrun launch (tests/distributed_jobs.py: the
 same two gloo processes run the ``fedllm train`` commands one after another), started when the first
 test needs it; each test computes its single-process reference meanwhile and waits only for its jobs.
-The launch runs the jobs of every collected test that uses the ``two_processes`` fixture, in this module and
-in the modules that define it the same way (tests/test_preference_distributed.py,
-tests/training/test_compression.py): each such module queues its tests' jobs in ``two_process_jobs``.
+The launch (tests/conftest.py's session fixture ``two_processes``) runs the jobs of every collected test that
+uses it, in this module, tests/test_preference_distributed.py and tests/training/test_compression.py: each
+such module queues its tests' jobs in ``two_process_jobs``.
 Starting a launch (torchrun's agent, two processes importing torch, transformers and fedllm) costs ~15-16 CPU-s
 before the first job, a launch per module paid it three times.
 """
@@ -176,26 +176,19 @@ class TwoProcessLaunch:
             self.proc.wait()
 
 
-LAUNCH = pytest.StashKey[TwoProcessLaunch]()
-
-
 def shared_launch(request) -> TwoProcessLaunch:
-    """The session's one :class:`TwoProcessLaunch`, started on the first call: the jobs of every collected test that
-    uses the ``two_processes`` fixture, queued by its module's ``two_process_jobs(launch, tests)`` in collection
-    order (so the first tests' jobs are done first); stopped when the session ends."""
-    session = request.session
-    if LAUNCH not in session.stash:
-        launch = TwoProcessLaunch(request.getfixturevalue("tmp_path_factory").mktemp("two-processes"))
-        by_module: dict = {}
-        for item in session.items:
-            if "two_processes" in getattr(item, "fixturenames", ()):
-                by_module.setdefault(item.module, []).append(item)
-        for module, tests in by_module.items():
-            module.two_process_jobs(launch, tests)
-        launch.start()
-        session.stash[LAUNCH] = launch
-        request.config.add_cleanup(launch.stop)
-    return session.stash[LAUNCH]
+    """The session's one :class:`TwoProcessLaunch` (tests/conftest.py's ``two_processes``), started: the jobs of
+    every collected test that uses the ``two_processes`` fixture, queued by its module's
+    ``two_process_jobs(launch, tests)`` in collection order (so the first tests' jobs are done first)."""
+    launch = TwoProcessLaunch(request.getfixturevalue("tmp_path_factory").mktemp("two-processes"))
+    by_module: dict = {}
+    for item in request.session.items:
+        if "two_processes" in getattr(item, "fixturenames", ()):
+            by_module.setdefault(item.module, []).append(item)
+    for module, tests in by_module.items():
+        module.two_process_jobs(launch, tests)
+    launch.start()
+    return launch
 
 
 def two_process_jobs(launch: TwoProcessLaunch, tests: list) -> None:
@@ -217,11 +210,6 @@ def two_process_jobs(launch: TwoProcessLaunch, tests: list) -> None:
             # 2 -> 1: a two-process run, cut and resumed by one process in the test
             launch.add(f"two-then-one-{case}", raw)
 
-
-@pytest.fixture(scope="module")
-def two_processes(request):
-    """The session's :class:`TwoProcessLaunch` (:func:`shared_launch`), running."""
-    return shared_launch(request)
 
 
 def final_tensors(run_dir) -> dict[str, dict[str, torch.Tensor]]:

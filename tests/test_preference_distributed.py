@@ -3,7 +3,7 @@
 Each process computes the reference log-probabilities of its share of the clients before round 1 and every
 process gathers all of them (:mod:`fedllm.engine.reference`); a client trained by rank 1 in one round and by
 rank 0 in the next uses the same reference. The session's one torchrun launch runs the jobs
-(tests/distributed_jobs.py, tests/test_distributed.py's ``shared_launch``).
+(tests/distributed_jobs.py, tests/conftest.py's ``two_processes``).
 """
 
 import pytest
@@ -12,7 +12,7 @@ from fedllm.engine.server import run
 from fedllm.recipe.checks import parse_recipe
 from tests.conftest import tiny_raw, write_jsonl
 from tests.preference_helpers import preference_records
-from tests.test_distributed import TwoProcessLaunch, assert_same, final_tensors, shared_launch
+from tests.test_distributed import TwoProcessLaunch, assert_same, final_tensors
 
 #: DP-SGD (a pair is one example: clipped per pair): Poisson draws and noise seeded per (noise_seed, round, client)
 DP_SGD = {"mechanism": "dp_sgd", "noise_multiplier": 0.8, "clipping_norm": 0.5, "delta": 1e-3, "noise_seed": 5}
@@ -42,11 +42,6 @@ def two_process_jobs(launch: TwoProcessLaunch, tests: list) -> None:
     for test in tests:
         case = test.callspec.params["case"]
         launch.add(f"dpo-{case}", dpo_raw(data, *CASES[case]))
-
-
-@pytest.fixture(scope="module")
-def two_processes(request):
-    return shared_launch(request)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

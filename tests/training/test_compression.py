@@ -173,8 +173,8 @@ def test_compression_and_dora_on_flower_carry_codes_and_match_the_simulation(tin
         assert dtypes == {"codes": "uint8", "absmax": "float32"}
 
 
-# the session's one launch of 2 processes runs them (tests/test_distributed.py's ``shared_launch``); 2 rounds of 3 of
-# 4 clients: clients 1 and 2 change ranks between them
+# the session's one launch of 2 processes runs them (tests/conftest.py's ``two_processes``); 2 rounds of 3 of 4
+# clients: clients 1 and 2 change ranks between them
 TWO_PROCESS_JOBS = {
     # DoRA: residuals follow each client across ranks (gathered with its entry), magnitude vectors averaged alike
     "dora-fedavg": ({"strategy": "fedavg", "compression": {"upload": "fp4", "download": "nf4"}},
@@ -195,14 +195,6 @@ def two_process_jobs(launch, tests: list) -> None:
         launch.add(f"compression-{job}", tiny_raw("-", launch.data, federation={
             "num_clients": 4, "clients_per_round": 3, "rounds": 2, **federation},
             train={"optimizer_state": "per_client"}, **sections))
-
-
-@pytest.fixture(scope="module")
-def two_processes(request):
-    """The session's running launch of 2 gloo processes (tests/test_distributed.py)."""
-    from tests.test_distributed import shared_launch
-
-    return shared_launch(request)
 
 
 @pytest.mark.parametrize("job", sorted(TWO_PROCESS_JOBS))
