@@ -129,6 +129,9 @@ SHARED_GROUPS = {
     "tests/evaluation/test_flowertune_protocols.py": "flowertune-sandbox",
     "tests/evaluation/test_flowertune_tasks.py": "flowertune-sandbox",
     "tests/evaluation/test_flowertune_python_harness.py": "flowertune-sandbox",
+    # the session's one torchrun launch of 2 processes (tests/test_distributed.py's shared_launch)
+    "tests/test_preference_distributed.py": "tests/test_distributed.py",
+    "tests/training/test_compression.py": "tests/test_distributed.py",
 }
 SHARED_PREFIXES = {"tests/export/": "export"}  # the exported runs of tests/export/conftest.py (`cases`)
 LONG_GROUPS_FIRST = ("flower-deployment", "smollm2", "tests/test_flower_readme.py", "tests/meta/test_meta_gemma3.py",
@@ -233,6 +236,17 @@ def crashing_round(original, rnd: int):
         return original(self, r, bar)
 
     return crash
+
+
+@pytest.fixture(scope="session")
+def two_processes(request):
+    """The session's one torchrun launch of 2 gloo processes, running the jobs of every collected test that uses
+    this fixture (tests/test_distributed.py's ``shared_launch``)."""
+    from tests.test_distributed import shared_launch
+
+    launch = shared_launch(request)
+    yield launch
+    launch.stop()
 
 
 @pytest.fixture(scope="session")

@@ -4,11 +4,17 @@ Per-client state (optimizer moments, private factors, control variates) is gathe
 process after each round, so a client trained by rank 1 in one round and by rank 0 in the next
 continues from exactly what it kept (DESIGN.md §3).
 
-Every two-process run of this module is a job of ONE torchrun launch (tests/distributed_jobs.py: the
+Every two-process run of the session is a job of ONE torchrun launch (tests/distributed_jobs.py: the
 same two gloo processes run the ``fedllm train`` commands one after another), started when the first
 test needs it; each test computes its single-process reference meanwhile and waits only for its jobs.
+The launch (tests/conftest.py's session fixture ``two_processes``) runs the jobs of every collected test that
+uses it, in this module, tests/test_preference_distributed.py and tests/training/test_compression.py: each
+such module queues its tests' jobs in ``two_process_jobs``.
+Starting a launch (torchrun's agent, two processes importing torch, transformers and fedllm) costs ~15-16 CPU-s
+before the first job, a launch per module paid it three times.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -159,33 +165,51 @@ class TwoProcessLaunch:
         return text[at:at + 4000] if at >= 0 else text[-4000:]
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """Wait for the processes to exit once every job is done (each rank wrote its exit code); else kill them."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if all((self.root / f"{name}.rank{r}.rc").is_file() for name in self.jobs for r in (0, 1)):
+            with contextlib.suppress(subprocess.TimeoutExpired):  # only the process group's teardown is left
+                self.proc.wait(timeout=60)
+        if self.proc.poll() is None:
             os.killpg(self.proc.pid, 9)
             self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    """The module's :class:`TwoProcessLaunch`, running: every job of the tests below."""
-    launch = TwoProcessLaunch(tmp_path_factory.mktemp("distributed"))
-    launch.add("match-one", tiny_raw("-", launch.data, federation={"rounds": 2, "clients_per_round": 3}))
-    for case in sorted(STATEFUL):
-        launch.add(f"stateful-{case}", stateful_raw(case, "-", launch.data))
-    for case in RESUMED:
-        raw = stateful_raw(case, "-", launch.data, checkpoint={"every": 1})
-        # 1 -> 2: one process crashes in the last round (the one before is checkpointed); two processes resume it
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(RoundLoop, "run_round", crashing_round(RoundLoop.run_round, raw["federation"]["rounds"]))
-            with pytest.raises(RuntimeError, match="power cut"):
-                run(parse_recipe({**raw, "output_dir": str(launch.root / f"one-then-two-{case}")}))
-        launch.add(f"one-then-two-{case}", raw, "--resume")
-        # 2 -> 1: a two-process run, cut and resumed by one process in the test
-        launch.add(f"two-then-one-{case}", raw)
+def shared_launch(request) -> TwoProcessLaunch:
+    """The session's one :class:`TwoProcessLaunch` (tests/conftest.py's ``two_processes``), started: the jobs of
+    every collected test that uses the ``two_processes`` fixture, queued by its module's
+    ``two_process_jobs(launch, tests)`` in collection order (so the first tests' jobs are done first)."""
+    launch = TwoProcessLaunch(request.getfixturevalue("tmp_path_factory").mktemp("two-processes"))
+    by_module: dict = {}
+    for item in request.session.items:
+        if "two_processes" in getattr(item, "fixturenames", ()):
+            by_module.setdefault(item.module, []).append(item)
+    for module, tests in by_module.items():
+        module.two_process_jobs(launch, tests)
     launch.start()
-    try:
-        yield launch
-    finally:
-        launch.stop()
+    return launch
+
+
+def two_process_jobs(launch: TwoProcessLaunch, tests: list) -> None:
+    """Queue the jobs of this module's ``tests`` (see :func:`shared_launch`)."""
+    for test in tests:
+        case = test.callspec.params.get("case") if hasattr(test, "callspec") else None
+        if test.originalname == "test_two_processes_match_one":  # FedAvg: the job of the stateful case
+            launch.add("stateful-fedavg", stateful_raw("fedavg", "-", launch.data))
+        elif test.originalname == "test_per_client_state_follows_the_client_across_processes":
+            launch.add(f"stateful-{case}", stateful_raw(case, "-", launch.data))
+        elif test.originalname == "test_resume_with_a_different_number_of_processes":
+            raw = stateful_raw(case, "-", launch.data, checkpoint={"every": 1})
+            # 1 -> 2: one process crashes in the last round (the one before is checkpointed); two processes resume it
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(RoundLoop, "run_round", crashing_round(RoundLoop.run_round, raw["federation"]["rounds"]))
+                with pytest.raises(RuntimeError, match="power cut"):
+                    run(parse_recipe({**raw, "output_dir": str(launch.root / f"one-then-two-{case}")}))
+            launch.add(f"one-then-two-{case}", raw, "--resume")
+            # 2 -> 1: a two-process run, cut and resumed by one process in the test
+            launch.add(f"two-then-one-{case}", raw)
+
 
 
 def final_tensors(run_dir) -> dict[str, dict[str, torch.Tensor]]:
@@ -202,8 +226,8 @@ def assert_same(single: dict, other: dict, tol: float = 1e-6) -> None:
 
 
 def test_two_processes_match_one(two_processes, tmp_path):
-    single = run(parse_recipe(two_processes.recipe("match-one", tmp_path / "one")))
-    two = two_processes.run_dir("match-one")
+    single = run(parse_recipe(two_processes.recipe("stateful-fedavg", tmp_path / "one")))
+    two = two_processes.run_dir("stateful-fedavg")
     a = load_file(str(single.run_dir / "final" / "adapter.safetensors"))
     b = load_file(str(two / "final" / "adapter.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

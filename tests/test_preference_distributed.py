@@ -2,7 +2,8 @@
 
 Each process computes the reference log-probabilities of its share of the clients before round 1 and every
 process gathers all of them (:mod:`fedllm.engine.reference`); a client trained by rank 1 in one round and by
-rank 0 in the next uses the same reference. One torchrun launch runs the three jobs (tests/distributed_jobs.py).
+rank 0 in the next uses the same reference. The session's one torchrun launch runs the jobs
+(tests/distributed_jobs.py, tests/conftest.py's ``two_processes``).
 """
 
 import pytest
@@ -34,23 +35,19 @@ def dpo_raw(data, strategy: str, args: dict, train: dict, privacy: dict | None =
     )
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    launch = TwoProcessLaunch(tmp_path_factory.mktemp("preference-distributed"))
+def two_process_jobs(launch: TwoProcessLaunch, tests: list) -> None:
+    """Queue the jobs of this module's ``tests`` in the session's launch (tests/test_distributed.py's
+    :func:`~tests.test_distributed.shared_launch`)."""
     data = write_jsonl(launch.root / "pairs.jsonl", preference_records(40))
-    for name, case in CASES.items():
-        launch.add(f"dpo-{name}", dpo_raw(data, *case))
-    launch.start()
-    try:
-        yield launch
-    finally:
-        launch.stop()
+    for test in tests:
+        case = test.callspec.params["case"]
+        launch.add(f"dpo-{case}", dpo_raw(data, *CASES[case]))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_preference_two_processes_match_one(case, launch, tmp_path):
-    one = run(parse_recipe(launch.recipe(f"dpo-{case}", tmp_path / "one")))
-    two = final_tensors(launch.run_dir(f"dpo-{case}"))
+def test_preference_two_processes_match_one(case, two_processes, tmp_path):
+    one = run(parse_recipe(two_processes.recipe(f"dpo-{case}", tmp_path / "one")))
+    two = final_tensors(two_processes.run_dir(f"dpo-{case}"))
     assert any(k.endswith("reference/logps") for k in two["clients"])  # every client's reference, gathered
     assert (one.history[-1].get("epsilon", 0) > 0) == ("dp-sgd" in case)
     assert_same(final_tensors(one.run_dir), two)

@@ -173,7 +173,8 @@ def test_compression_and_dora_on_flower_carry_codes_and_match_the_simulation(tin
         assert dtypes == {"codes": "uint8", "absmax": "float32"}
 
 
-# one launch of 2 processes runs them all; 2 rounds of 3 of 4 clients: clients 1 and 2 change ranks between them
+# the session's one launch of 2 processes runs them (tests/conftest.py's ``two_processes``); 2 rounds of 3 of 4
+# clients: clients 1 and 2 change ranks between them
 TWO_PROCESS_JOBS = {
     # DoRA: residuals follow each client across ranks (gathered with its entry), magnitude vectors averaged alike
     "dora-fedavg": ({"strategy": "fedavg", "compression": {"upload": "fp4", "download": "nf4"}},
@@ -186,30 +187,25 @@ TWO_PROCESS_JOBS = {
 }
 
 
-@pytest.fixture(scope="module")
-def compression_two_processes(tmp_path_factory):
-    """One running launch of 2 gloo processes with every job of :data:`TWO_PROCESS_JOBS`."""
-    from tests.test_distributed import TwoProcessLaunch
-
-    launch = TwoProcessLaunch(tmp_path_factory.mktemp("compression-two"))
-    for name, (federation, sections) in TWO_PROCESS_JOBS.items():
-        launch.add(name, tiny_raw("-", launch.data, federation={
+def two_process_jobs(launch, tests: list) -> None:
+    """Queue the :data:`TWO_PROCESS_JOBS` of this module's ``tests`` in the session's launch."""
+    for test in tests:
+        job = test.callspec.params["job"]
+        federation, sections = TWO_PROCESS_JOBS[job]
+        launch.add(f"compression-{job}", tiny_raw("-", launch.data, federation={
             "num_clients": 4, "clients_per_round": 3, "rounds": 2, **federation},
             train={"optimizer_state": "per_client"}, **sections))
-    launch.start()
-    yield launch
-    launch.stop()
 
 
 @pytest.mark.parametrize("job", sorted(TWO_PROCESS_JOBS))
-def test_compression_on_two_processes_matches_one(job, compression_two_processes, tmp_path):
+def test_compression_on_two_processes_matches_one(job, two_processes, tmp_path):
     """Two gloo processes (one torchrun launch) with compressed updates: the server's download residual is the same
     on every rank and each rank's aggregation reads the same dequantised download: the final state (adapter,
     per-client residuals, server residual and moments, base) equals one process's (tol 0)."""
     from tests.test_distributed import assert_same, final_tensors
 
-    one = run(parse_recipe(compression_two_processes.recipe(job, tmp_path / "one")))
-    two = compression_two_processes.run_dir(job)
+    one = run(parse_recipe(two_processes.recipe(f"compression-{job}", tmp_path / "one")))
+    two = two_processes.run_dir(f"compression-{job}")
     single = final_tensors(one.run_dir)
     assert any("/compression/" in k for k in single["clients"]) == (job != "frlora")
     assert any(k.startswith("compression/") for k in single["strategy"])
