@@ -123,6 +123,7 @@ def test_runner_reports_a_killed_serverapp_and_leaves_finished_runs_alone(tmp_pa
     finally:
         processes.stop(runner)
         api.shutdown()
+        api.server_close()
     assert api.finished[:2] == [("completed", SubStatus.COMPLETED, "the child: completed"),
                                 ("reported", SubStatus.FAILED, "the child: reported")]
     token, sub_status, details = api.finished[2]
