@@ -13,6 +13,12 @@ flower supernode`` restarts it; ``rejoined``: the new SuperLink activated it).
 
     python bench/flower_restart_pull.py --database no
     python bench/flower_restart_pull.py --database yes
+
+``--kill-serverapp`` instead kills (SIGKILL) the run's ServerApp process, the child of fedllm's ServerApp runner, and
+leaves the SuperLink up; it prints when the node dropped the message and when ``flwr ls`` first listed the run as
+finished (``finished``), in seconds after the kill:
+
+    python bench/flower_restart_pull.py --database no --kill-serverapp
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--database", choices=("yes", "no"), required=True, help="restart the SuperLink on its database")
     p.add_argument("--wait", type=float, default=400, help="seconds to wait for the node after the restart")
+    p.add_argument("--kill-serverapp", action="store_true", help="kill -9 the ServerApp, keep the SuperLink up")
     args = p.parse_args()
 
     import yaml
@@ -136,6 +143,8 @@ def main() -> None:
             raise SystemExit(f"flower_restart_pull: the run ended first: {(work / 'run.log').read_text()[-2000:]}")
         time.sleep(2)  # the node pulls objects that stay "not available yet"
         seen_before = node_log.read_text(errors="replace")
+        if args.kill_serverapp:
+            return kill_serverapp(link, node_log, seen_before, env, args.wait, work)
         family = subprocess.run(["pgrep", "-g", str(link.pid)], capture_output=True, text=True, check=False).stdout.split()
         stopped = time.monotonic()
         os.kill(link.pid, signal.SIGTERM)
@@ -163,6 +172,43 @@ def main() -> None:
     finally:
         for proc in reversed(procs):
             stop(proc)
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
+    return [int(x) for x in out.split()]
+
+
+def kill_serverapp(link: subprocess.Popen, node_log: Path, seen_before: str, env: dict, wait_s: float,
+                   work: Path) -> None:
+    """SIGKILL the ServerApp (the runner's child), keep the SuperLink up; when the node drops the message and when the
+    run is listed finished."""
+    runner = [p for p in children(link.pid)
+              if "serverapps" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+    apps = [c for r in runner for c in children(r)]
+    if len(apps) != 1:
+        raise SystemExit(f"flower_restart_pull: expected one ServerApp process under the runner {runner}, found {apps}")
+    killed = time.monotonic()
+    os.kill(apps[0], signal.SIGKILL)
+    at: dict[str, float] = {}
+
+    def watch() -> bool:
+        text = node_log.read_text(errors="replace")[len(seen_before):]
+        if "dropped" not in at and any(m in text for m in EVENTS["dropped"]):
+            at["dropped"] = time.monotonic() - killed
+        if "finished" not in at:
+            flwr = str(Path(sys.executable).parent / "flwr")
+            listed = subprocess.run([flwr, "ls", "fedllm", "--format", "json"], capture_output=True, text=True, env=env,
+                                    check=False).stdout
+            runs = json.loads(listed[listed.find("{"):] or "{}").get("runs") or []
+            if runs and all(str(r.get("status", "")).startswith("finished") for r in runs):
+                at["finished"] = time.monotonic() - killed
+                at["status: " + ", ".join(str(r.get("status")) for r in runs)] = at["finished"]
+        return "dropped" in at and "finished" in at
+
+    wait_for(watch, wait_s, "the node dropping the message and the run finished", every_s=0.5)
+    events = ", ".join(f"{name} {t:.1f}" for name, t in sorted(at.items(), key=lambda kv: kv[1]))
+    print(f"ServerApp killed: {events} (s after the kill; {os.getloadavg()[0]:.1f} load); logs in {work}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ them with the two runners here instead of Flower's ``flower-superexec``:
 - :func:`serve_serverapps` (beside ``flower-superlink``, started by ``fedllm flower superlink``): each
   ServerApp task runs in a child forked from the runner (:func:`run_server_task`) that executes fedllm's installed
   :mod:`fedllm.flower.server_app` — never code from the submitted FAB — and refuses any FAB that is not
-  fedllm's app, which then fails with that reason on the SuperLink (``flwr ls``/``flwr log``).
+  fedllm's app, which then fails with that reason on the SuperLink (``flwr ls``/``flwr log``). A child that dies
+  before reporting its run's outcome (killed, out of memory) has its run ended as failed at once
+  (:func:`fail_dead_task`).
 - :func:`serve_clientapps` (the node *worker*, beside ``flower-supernode``, started by
   ``fedllm flower supernode``): one long-lived process answering the node's ClientApp tasks with fedllm's
   installed :mod:`fedllm.flower.client_app` and keeping each run's federation (model, data, strategy) in
@@ -100,11 +102,12 @@ def _certificates(root_certificates: str | None) -> bytes | None:
     return Path(root_certificates).read_bytes() if root_certificates else None
 
 
-def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[str], None],
+def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[str, object], None],
                root_certificates: str | None = None, poll_s: float = 0.05,
                idle: Callable[[], None] | None = None, wait: Callable[[float], object] = time.sleep) -> None:
-    """Claim ``task_type`` tasks from the Runtime API at ``address`` forever; ``handle(token)`` each one
-    (``idle()`` whenever there is none, then ``wait(poll_s)``: a sleep, or a wait for a wake)."""
+    """Claim ``task_type`` tasks from the Runtime API at ``address`` forever; ``handle(token, task)`` each one
+    (``task``: Flower's ``Task`` message; ``idle()`` whenever there is none, then ``wait(poll_s)``: a sleep, or a wait
+    for a wake)."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
@@ -121,7 +124,7 @@ def claim_loop(address: str, secret: bytes, task_type: str, handle: Callable[[st
             time.sleep(1.0)
             continue
         if res.HasField("task") and res.token:
-            handle(res.token)
+            handle(res.token, res.task)
         else:
             if idle is not None:
                 idle()
@@ -139,8 +142,12 @@ not started within one heartbeat interval is pending again) and the first child 
 
 
 def serve_serverapps(address: str, secret: bytes, root_certificates: str | None, node_keys: str | None,
-                     operator=None) -> None:
+                     operator=None, poll_s: float = 1.0) -> None:
     """Claim every ServerApp task of the SuperLink at ``address``; run each in a child forked from this runner.
+
+    Every ``poll_s`` (runs start seldom: a claim every second costs little) it also collects the children that ended;
+    one that ended without reporting its run's outcome (killed, out of memory, a crash) has its task reported failed
+    (:func:`fail_dead_task`), which ends its run on the SuperLink at once.
 
     The runner imports the ServerApp's modules once (:data:`SERVER_APP_IMPORTS`) and runs no torch operation and no
     other thread itself, so each child starts without paying those imports again (about 9 CPU-seconds a run on a
@@ -152,29 +159,84 @@ def serve_serverapps(address: str, secret: bytes, root_certificates: str | None,
 
     from fedllm.flower import processes
 
-    children: list[processes.Forked] = []
+    children: dict[str, tuple[processes.Forked, int]] = {}  # by task token: the child and its run
 
     def reap() -> None:  # a finished child is collected at once, not left <defunct> until the next run
-        children[:] = [c for c in children if c.poll() is None]
+        for token, (child, run_id) in list(children.items()):
+            if child.poll() is not None:
+                del children[token]
+                if child.returncode != 0:  # 0: it reported its run's outcome; otherwise it died before
+                    fail_dead_task(address, token, root_certificates, run_id, child.returncode)
 
-    def launch(token: str) -> None:
+    def launch(token: str, task) -> None:
         reap()
-        children.append(processes.Forked(lambda: run_server_task(address, token, root_certificates, node_keys,
-                                                                 operator)))
+        children[token] = (processes.Forked(lambda: run_server_task(address, token, root_certificates, node_keys,
+                                                                    operator)), task.run_id)
 
     for name in SERVER_APP_IMPORTS:  # before the first claim: a claim not started within 30 s is taken back
         importlib.import_module(name)
     try:
-        # runs start seldom: a claim every second costs little
-        claim_loop(address, secret, TaskType.SERVER_APP, launch, root_certificates, poll_s=1.0, idle=reap)
+        claim_loop(address, secret, TaskType.SERVER_APP, launch, root_certificates, poll_s=poll_s, idle=reap)
     finally:
-        for child in children:
+        for child, _ in children.values():
             processes.stop(child)
+
+
+def exit_cause(returncode: int) -> str:
+    """``returncode`` of a child (negative: the signal that ended it) in words: "killed by SIGKILL", "exit code 1"."""
+    import signal
+
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def fail_dead_task(address: str, token: str, root_certificates: str | None, run_id: int, returncode: int) -> bool:
+    """Report the ServerApp task ``token`` (of run ``run_id``) whose child ended with ``returncode`` as failed on the
+    SuperLink at ``address``, in case the child died before reporting it itself (killed, out of memory, a crash); True
+    when the SuperLink took the report (the run is then finished:failed, and one line on stderr says so).
+
+    Without it the run stays "running" until Flower ends the task for missing heartbeats (minutes under fedllm's
+    :data:`~fedllm.flower.task_patience.PATIENCE`), and a node pulling one of the run's messages keeps asking for
+    objects nobody will push. Reported, every pull of the run is refused at once (Flower's ``check_abort``). A task
+    the child finished itself (a run that completed, or failed and said so) has its token revoked by then: the
+    SuperLink refuses this report, and nothing is touched.
+    """
+    import httpx
+    from flwr.common.constant import SubStatus
+    from flwr.proto.runtime_pb2 import PushTaskOutputRequest  # pylint: disable=E0611
+    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    cause = exit_cause(returncode)
+    client = RuntimeHttpClient.from_server_address(
+        server_address=address, insecure=root_certificates is None, root_certificates=_certificates(root_certificates),
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"),
+                      RuntimeTokenHttpInterceptor(token)])
+    try:
+        client.PushTaskOutput(PushTaskOutputRequest(sub_status=SubStatus.FAILED,
+                                                    details=f"ServerApp process {cause} (fedllm's ServerApp runner)"))
+    except (httpx.HTTPStatusError, httpx.TransportError) as e:  # 401: the child finished its task itself
+        log.debug("ServerApp of run %s %s; its task is not open (%s): nothing reported", run_id, cause, e)
+        return False
+    finally:
+        client.close()
+    print(f"fedllm: the ServerApp of run {run_id} died ({cause}): run {run_id} stopped on the SuperLink "
+          "(finished:failed); continue it with fedllm flower run ... --resume",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def run_server_task(address: str, token: str, root_certificates: str | None, node_keys: str | None,
                     operator=None) -> int:
-    """One ServerApp task: pull its input, refuse a foreign FAB, run fedllm's ServerApp, report the outcome."""
+    """One ServerApp task: pull its input, refuse a foreign FAB, run fedllm's ServerApp, report the outcome.
+
+    Returns 0 once the outcome (completed or failed) has reached the SuperLink, 1 when it could not be reported: the
+    runner then reports the task as failed itself (:func:`fail_dead_task`), as it does for a child that was killed.
+    """
     from queue import Queue
 
     from flwr.common.config import get_fused_config_from_fab
@@ -201,7 +263,7 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
                     root_certificates=_certificates(root_certificates), token=token)
     heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(grid._runtime_client))
     heartbeat.start()
-    uploader, context = None, None
+    uploader, context, reported = None, None, False
     status, details = SubStatus.FAILED, "ServerApp task failed"
     try:
         res = grid._runtime_client.PullTaskInput(PullTaskInputRequest())
@@ -244,6 +306,7 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
         try:
             grid._runtime_client.PushTaskOutput(PushTaskOutputRequest(
                 context=context_to_proto(context) if context else None, sub_status=status, details=details))
+            reported = True
         except Exception as e:  # noqa: BLE001
             print(f"fedllm: could not report the task's outcome: {e}", file=sys.stderr)
         if uploader is not None:
@@ -251,7 +314,7 @@ def run_server_task(address: str, token: str, root_certificates: str | None, nod
         heartbeat.stop()
         grid.close()
         restore_output()
-    return 0 if status == SubStatus.COMPLETED else 1
+    return 0 if reported else 1
 
 
 # ----- the SuperNode side: the worker
@@ -276,7 +339,7 @@ def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, p
     if journal is not None and journal.is_file():
         replay_journal(address, cache, journal)
     wakeup = wake.Wakeup(secret)
-    claim_loop(address, secret, TaskType.CLIENT_APP, lambda token: run_client_task(address, token, cache, journal),
+    claim_loop(address, secret, TaskType.CLIENT_APP, lambda token, _: run_client_task(address, token, cache, journal),
                poll_s=poll_s if wakeup.sock is None else wake.FALLBACK_S, idle=import_ahead, wait=wakeup.wait)
 
 
