@@ -142,7 +142,11 @@ def quick_supernode(module: ModuleType, secret: bytes | None) -> QuickWaits:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``flower-supernode`` with :func:`quick_supernode` (``argv``: its arguments)."""
+    """``flower-supernode`` with :func:`quick_supernode` and a message's objects moved at once
+    (:func:`fedllm.flower.object_concurrency.lift`; ``argv``: its arguments)."""
+    from fedllm.flower.object_concurrency import lift
+
+    lift()  # before Flower's import: it reads its object concurrency then
     from flwr.supernode import start_client_internal
     from flwr.supernode.cli import flower_supernode
 
