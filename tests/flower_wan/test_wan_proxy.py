@@ -67,6 +67,27 @@ def test_throughput_follows_the_token_bucket():
     assert model * 0.97 <= elapsed <= model * 1.3, (elapsed, model)
 
 
+def test_connections_at_once_share_the_bandwidth():
+    """4 connections of 125 kB up at once, 8 Mbit/s, a 64 KiB bucket: the last byte arrives after (500 000 - 65 536)
+    / 1e6 s + 10 ms, as for one connection of 500 kB (not a quarter of it: one bucket per connection)."""
+    size, link = 125_000, Link(latency_ms=10, mbit_s=8)
+    model = (4 * size - link.burst_bytes) / link.bytes_per_s + 0.010
+
+    async def one(proxy):
+        reader, writer = await asyncio.open_connection(*proxy.address)
+        writer.write(b"y" * size)
+        await reader.readexactly(size)
+        writer.close()
+
+    async def body(proxy):
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(proxy) for _ in range(4)))
+        return time.monotonic() - t0
+
+    elapsed = asyncio.run(_with_proxy(_echo, {"up": link}, body))
+    assert model * 0.97 <= elapsed <= model * 1.3, (elapsed, model)
+
+
 def test_a_cut_at_byte_n_delivers_exactly_n_bytes_then_resets_both_ends():
     received = bytearray()
 
