@@ -6,7 +6,7 @@ workers, each behind its own :class:`fedllm.flower.wan_proxy.WanProxy` timing ev
 :class:`fedllm.flower.request_log.RequestLog`). Client 0 is *before*: its SuperNode and worker run with
 ``FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS=2`` and ``_PUSHES=2``, Flower's defaults, which fedllm keeps when a user sets
 them (Flower also caps them at the core count: on any machine of 2 cores or more that is the same 2). Client 1 is
-*after*: fedllm's default, 16. Both train in every round, so each round gives one message of each, side by side; runs
+*after*: fedllm's default, 20. Both train in every round, so each round gives one message of each, side by side; runs
 alternate the links' round trip (``--rtts``, e.g. 200, 80, 200, 80, ...). The payload is small (the tests' tiny LLaMA,
 LoRA r 4: a few kB an object) and the bandwidth unlimited, so round trips dominate and the machine's load barely moves
 the figures.
@@ -40,7 +40,7 @@ from tests.conftest import arith_records, tiny_raw, write_jsonl  # noqa: E402
 from tests.flower_wan.wan_cluster import wan_deployment  # noqa: E402
 
 BEFORE = {"FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS": "2", "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES": "2"}
-NODES = {0: "before (2 at a time)", 1: "after (fedllm: 16)"}
+NODES = {0: "before (2 at a time)", 1: "after (fedllm: 20)"}
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ request each, at most ``FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS`` / ``_PUSHES`` at
 ``flwr.supercore.constant`` is imported, bound then as the default of ``pull_objects``, ``push_objects`` and
 ``push_object_contents_from_iterable`` in ``flwr/supercore/inflatable/inflatable_utils.py``), and no more than
 ``os.cpu_count()`` at a time (``get_num_workers``). A SuperNode 200 ms from its SuperLink thus paid 4 round trips to
-pull a train message's 7 objects and 3 to push its reply's, where 1 each would do.
+pull a train message's 6 objects and 3 to push its reply's, where 1 each would do.
 
 :func:`lift`, called first by fedllm's entry points that move objects (``python -m fedllm.flower.supernode``: the
 SuperNode, over the network; ``python -m fedllm.flower.runtime``: the ServerApp runner and the node worker, on their
@@ -26,8 +26,10 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-OBJECT_CONCURRENCY = 16
-"""Objects moved at once: more than a fedllm message holds (6-7; a 7B adapter's 67 MB is 14 chunks of 5 MiB)."""
+OBJECT_CONCURRENCY = 20
+"""Objects moved at once: all of a fedllm message's (6 for the quickstart's adapter; 18 for the 7B recipe's 67 MB,
+13 of them 5 MiB chunks of its one ``Array``), and no more connections than Flower's HTTP client keeps alive
+(httpx's default pool: 20), so that they are reused from one message to the next rather than opened again."""
 VARIABLES = ("FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS", "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES")
 """Flower's variables, read once when ``flwr.supercore.constant`` is imported."""
 DEFAULTS = (("pull_objects", "max_concurrent_pulls", VARIABLES[0]),

@@ -14,6 +14,8 @@ of a connection is one :class:`Link`:
 - **loss** as a stall: a segment is lost with probability ``loss`` and delivered ``stall_ms`` later (a
   retransmission), holding everything behind it (head-of-line blocking) and pausing the sender as long (so
   the stalls of a stream add up);
+- **connection set-up**: a connection's first bytes up leave one round trip (both latencies) after it was opened,
+  as after TCP's handshake (:attr:`WanProxy.handshake`; a TLS handshake, carried as bytes, costs its own round trips);
 - **cuts** (:class:`Cut`): after a chosen number of bytes in one direction, or a chosen time, the proxy
   delivers what it promised and then resets the connection (both sides see it closed); later connections pass.
 
@@ -181,6 +183,7 @@ class WanProxy:
         self.observer = observer  # sees (connection, direction, bytes) of everything forwarded (a bench's tap)
         self.stats = Stats()
         self.buckets: dict[str, tuple[Link, TokenBucket]] = {}  # per direction: one for all connections
+        self.handshake = True  # a new connection's first bytes up wait one round trip (TCP's handshake)
         self.server: asyncio.base_events.Server | None = None
         self.started = 0.0
         self.open: set[asyncio.Task] = set()
@@ -290,6 +293,8 @@ class WanProxy:
         offset, last_due = 0, 0.0
         read_size = max(1, min(link.segment_bytes, link.burst_bytes))
         try:
+            if direction == UP and self.handshake:  # SYN, SYN-ACK: the client sends one round trip after connecting
+                await asyncio.sleep((self.links[UP].latency_ms + self.links[DOWN].latency_ms) / 1e3)
             while not cut.is_set():
                 if self.links[direction] is not link:  # changed between runs (a bench's next profile)
                     link = self.links[direction]

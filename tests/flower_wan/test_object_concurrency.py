@@ -1,5 +1,5 @@
 """fedllm's processes move a message's objects all at once (fedllm/flower/object_concurrency.py): Flower's
-``pull_objects`` and ``push_object_contents_from_iterable`` run 16 requests at a time even where the core count would
+``pull_objects`` and ``push_object_contents_from_iterable`` run 20 requests at a time even where the core count would
 cap them (a 1-core machine here), a count the user set is kept, and a bad one exits 2 naming it. Each case runs in a
 fresh interpreter: Flower reads its concurrency when it is first imported."""
 
@@ -53,11 +53,11 @@ def _probe(objects: int, pulls: int, pushes: int, **env: str) -> subprocess.Comp
                           text=True, timeout=120, cwd=ROOT, env={**clean, "PYTHONPATH": str(ROOT), **env})
 
 
-def test_a_message_s_objects_move_16_at_a_time_whatever_the_core_count():
-    done = _probe(20, 16, 16)
+def test_a_message_s_objects_move_20_at_a_time_whatever_the_core_count():
+    done = _probe(24, 20, 20)
     assert done.returncode == 0, done.stderr[-3000:]
-    # 20 objects, 16 at once: 16 threads (Flower's default: min(2, 1 core) = 1)
-    assert json.loads(done.stdout) == {"pulls": {"peak": 16, "threads": 16}, "pushes": {"peak": 16, "threads": 16}}
+    # 24 objects, 20 at once: 20 threads (Flower's default: min(2, 1 core) = 1)
+    assert json.loads(done.stdout) == {"pulls": {"peak": 20, "threads": 20}, "pushes": {"peak": 20, "threads": 20}}
 
 
 def test_a_count_the_user_set_is_kept():

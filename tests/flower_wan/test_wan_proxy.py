@@ -49,6 +49,19 @@ def test_a_round_trip_costs_both_directions_latency():
     assert sorted(times)[1] < 0.050 + 0.040, times  # and close to it (a loaded machine adds scheduling delays)
 
 
+def test_a_new_connection_costs_a_round_trip_before_its_first_bytes_leave():
+    up, down = Link(latency_ms=30), Link(latency_ms=20)
+
+    async def body(proxy):
+        t0 = time.monotonic()
+        times = await _round_trips(proxy, 2)
+        return time.monotonic() - t0, times
+
+    total, times = asyncio.run(_with_proxy(_echo, {"up": up, "down": down}, body))
+    assert times[0] >= 2 * 0.050 - 1e-3 and times[1] < 0.050 + 0.040, times  # handshake + round trip; then 1
+    assert total >= 3 * 0.050 - 1e-3, total
+
+
 def test_throughput_follows_the_token_bucket():
     """500 kB up at 8 Mbit/s (1 MB/s) with a 64 KiB bucket: (500 000 - 65 536) / 1e6 s + 10 ms latency."""
     size, link = 500_000, Link(latency_ms=10, mbit_s=8)

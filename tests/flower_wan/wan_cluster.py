@@ -54,10 +54,10 @@ class WanRuns:
         return self.root / f"supernode{cid}.log"
 
     def fresh_links(self) -> None:
-        """Loopback links and no observer on every proxy (a test's slow link or tap gone)."""
+        """Loopback links, TCP's handshake and no observer on every proxy (a test's slow link or tap gone)."""
         for proxy in self.proxies:
             proxy.links = {direction: Link() for direction in proxy.links}
-            proxy.observer = None
+            proxy.handshake, proxy.observer = True, None
 
     def run(self, recipe: Path, log: Path):
         """``fedllm flower run RECIPE`` on this deployment, logging to ``log``."""
