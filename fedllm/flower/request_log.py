@@ -7,7 +7,9 @@ the SuperLink sends it (the first bytes downward on that connection after the re
 SuperNode the link's down latency later. A request *depends on* another when it left after that one's answer had
 reached the SuperNode (less half the down latency, so that requests sent together never count as one after the
 other); the *serial round trips* of a set of requests are its longest chain of dependent requests. With latency L
-each way, requests sent together cost one round trip whatever their number; N objects moved 2 at a time cost N/2.
+each way, requests sent together cost one round trip whatever their number; N objects moved 2 at a time cost N/2. A
+request that opens its connection (the first one seen on it) costs one round trip more when the proxy charges TCP's
+handshake (:attr:`~fedllm.flower.wan_proxy.WanProxy.handshake`): its bytes left that much after the node began it.
 
 A SuperNode's message, as Flower 1.42 moves it (``flwr/supernode/start_client_internal.py``): received by a
 ``pull-messages`` that returns it (a ``get-run``/``get-fab`` for a run's first message), one ``pull-object`` per
@@ -39,6 +41,12 @@ class Request:
     sent: float
     answered: float | None = None  # the first bytes of its answer reach the SuperNode (None: not yet)
     latency_s: float = 0.0  # the down latency when it was answered
+    opening_s: float = 0.0  # the first request of its connection: the handshake's round trip before it left
+
+    @property
+    def begun(self) -> float:
+        """When the SuperNode began it (opened its connection, for the first request of one)."""
+        return self.sent - self.opening_s
 
 
 @dataclass
@@ -63,6 +71,7 @@ class RequestLog:
         self.lock = threading.Lock()
         self.requests: list[Request] = []
         self.waiting: dict[int, Request] = {}  # connection -> its request not answered yet
+        self.connections: set[int] = set()  # those that carried a request
 
     def __call__(self, connection: int, direction: str, data: bytes) -> None:
         now = self.clock()
@@ -70,6 +79,9 @@ class RequestLog:
             if direction == UP:
                 for match in REQUEST_LINE.finditer(data):
                     request = Request(connection, match.group(1).decode(), now)
+                    if connection not in self.connections and self.proxy is not None and self.proxy.handshake:
+                        request.opening_s = sum(link.latency_ms for link in self.proxy.links.values()) / 1e3
+                    self.connections.add(connection)
                     self.requests.append(request)
                     self.waiting[connection] = request
             elif connection in self.waiting:
@@ -86,19 +98,20 @@ class RequestLog:
 
 
 def serial_round_trips(requests: list[Request]) -> int:
-    """The longest chain of requests each of which left after the previous one's answer had reached the SuperNode
-    (less half the down latency: requests sent together are never in one chain)."""
-    ordered = sorted(requests, key=lambda r: r.sent)
+    """The longest chain of requests each of which was begun after the previous one's answer had reached the
+    SuperNode (less half the down latency: requests sent together are never in one chain); a request that opened its
+    connection counts 2 (the handshake, then itself)."""
+    ordered = sorted(requests, key=lambda r: r.begun)
     depth: list[int] = []
     for j, later in enumerate(ordered):
-        before = [depth[i] for i, r in enumerate(ordered[:j]) if later.sent >= r.answered - r.latency_s / 2]
-        depth.append(1 + max(before, default=0))
+        before = [depth[i] for i, r in enumerate(ordered[:j]) if later.begun >= r.answered - r.latency_s / 2]
+        depth.append(1 + (later.opening_s > 0) + max(before, default=0))
     return max(depth, default=0)
 
 
 def _transfer(kind: str, requests: list[Request], object_path: str) -> Transfer:
     objects = [r for r in requests if r.path == object_path]
-    return Transfer(kind, len(objects), max(r.answered for r in requests) - min(r.sent for r in requests),
+    return Transfer(kind, len(objects), max(r.answered for r in requests) - min(r.begun for r in requests),
                     serial_round_trips(requests), serial_round_trips(objects))
 
 

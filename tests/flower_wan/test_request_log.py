@@ -23,6 +23,11 @@ def test_requests_sent_together_cost_one_round_trip_and_a_pool_of_2_costs_n_over
     # one request sent 0.2 s after another left (before its answer came back) does not wait for it
     assert serial_round_trips([_request("a", 0.0), _request("b", 0.2)]) == 1
     assert serial_round_trips([]) == 0
+    # 3 objects on open connections and 3 that open theirs (one round trip of handshake before their bytes leave)
+    opening = [_request("pull-object", 0.3 + 0.001 * i, 3 + i) for i in range(3)]
+    for r in opening:
+        r.opening_s = 2 * ONE_WAY
+    assert serial_round_trips([_request("pull-object", 0.001 * i, i) for i in range(3)] + opening) == 2
 
 
 def test_transfers_are_a_received_message_and_a_sent_reply_heartbeats_and_idle_polls_aside():
@@ -42,9 +47,10 @@ def test_transfers_are_a_received_message_and_a_sent_reply_heartbeats_and_idle_p
 
 def test_the_log_reads_request_lines_and_dates_answers_by_the_down_latency():
     class Proxy:
-        links = {DOWN: type("L", (), {"latency_ms": 150.0})()}
+        links = {UP: type("L", (), {"latency_ms": 100.0})(), DOWN: type("L", (), {"latency_ms": 150.0})()}
+        handshake = True
 
-    clock = iter([1.0, 1.1, 1.2, 1.3, 1.35]).__next__
+    clock = iter([1.0, 1.1, 1.2, 1.3, 1.35, 1.4]).__next__
     log = RequestLog(Proxy(), clock=clock)
     log(0, UP, b"POST /api/v0/fleet/pull-object HTTP/1.1\r\nhost: x\r\n\r\nbody")
     log(1, UP, b"POST /api/v0/fleet/pull-object HTTP/1.1\r\n\r\n")
@@ -54,3 +60,6 @@ def test_the_log_reads_request_lines_and_dates_answers_by_the_down_latency():
     done = log.take()
     assert [(r.connection, r.path, r.sent, r.answered) for r in done] == [(0, "pull-object", 1.0, 1.2 + 0.15)]
     assert [r.connection for r in log.requests] == [1]  # still waiting for its answer
+    assert done[0].opening_s == 0.25 and done[0].begun == 0.75  # it opened connection 0: a round trip before
+    log(0, UP, b"POST /api/v0/fleet/confirm-message-received HTTP/1.1\r\n\r\n")  # connection 0 again, at 1.4
+    assert log.requests[-1].opening_s == 0.0
