@@ -1,11 +1,11 @@
 """A message's objects move all at once, not 2 at a time: fewer round trips per message over a wide-area link.
 
-Flower 1.42 sends a message as its objects (fedllm: 6-7 per message, one ``Array`` per record) and moves them one
+Flower 1.42 sends a message as its objects (fedllm: 6 per train message, one ``Array`` per record) and moves them one
 request each, at most ``FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS`` / ``_PUSHES`` at a time (default 2, read when
 ``flwr.supercore.constant`` is imported, bound then as the default of ``pull_objects``, ``push_objects`` and
 ``push_object_contents_from_iterable`` in ``flwr/supercore/inflatable/inflatable_utils.py``), and no more than
-``os.cpu_count()`` at a time (``get_num_workers``). A SuperNode 200 ms from its SuperLink thus paid 4 round trips to
-pull a train message's 6 objects and 3 to push its reply's, where 1 each would do.
+``os.cpu_count()`` at a time (``get_num_workers``). A SuperNode 200 ms from its SuperLink thus paid 3 round trips to
+pull a train message's 6 objects and 3 to push its reply's, where 1 each would do (``bench/wan_objects.py``).
 
 :func:`lift`, called first by fedllm's entry points that move objects (``python -m fedllm.flower.supernode``: the
 SuperNode, over the network; ``python -m fedllm.flower.runtime``: the ServerApp runner and the node worker, on their
