@@ -8,15 +8,17 @@ workers, each behind its own :class:`fedllm.flower.wan_proxy.WanProxy` timing ev
 them (Flower also caps them at the core count: on any machine of 2 cores or more that is the same 2). Client 1 is
 *after*: fedllm's default, 20. Both train in every round, so each round gives one message of each, side by side; runs
 alternate the links' round trip (``--rtts``, e.g. 200, 80, 200, 80, ...). The payload is small (the tests' tiny LLaMA,
-LoRA r 4: a few kB an object) and the bandwidth unlimited, so round trips dominate and the machine's load barely moves
-the figures.
+LoRA r 4: a few kB an object) and the bandwidth unlimited, so the serial round trips do not depend on the machine's
+load; the seconds do, by each request's local handling (on a loaded 2-core machine 0.1-1.6 s a message beyond its
+round trips). The proxies charge TCP's handshake to a new connection.
 
-Prints, per round trip time and node, over every message of rounds >= 2 (a run's first message also fetches the run
-and its app: ``get-run``, ``get-fab``): messages, objects per message, serial round trips to receive a message (the
-``pull-messages`` that returns it, its objects, its confirmation) and to send its reply (``push-messages``, its
-objects), the object requests' own serial round trips, and the seconds, also in RTTs.
+Prints, per round trip time and node, medians over every train message (a run's first message, the discovery query,
+which also fetches the run and its app, left out): messages, objects per message, serial round trips to receive a
+message (the ``pull-messages`` that returns it, its objects, its confirmation) and to send its reply
+(``push-messages``, its objects), the object requests' own serial round trips, and the seconds, also in RTTs; every
+request's timing goes to ``requests.json`` in the work directory.
 
-    python bench/wan_objects.py --trials 2 --rounds 3 --rtts 200,80
+    python bench/wan_objects.py --trials 3 --rounds 3 --rtts 200,80
 """
 
 from __future__ import annotations
