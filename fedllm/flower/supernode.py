@@ -19,7 +19,8 @@ three of its waits shortened, each inside the SuperNode process only:
 Neither wait is an option or an environment variable of Flower's: the module's ``time`` is replaced by
 :class:`QuickWaits`, which passes every other use through. And once a message is stored (its task created), the
 SuperNode wakes its node worker (:mod:`fedllm.flower.wake`) instead of letting it poll. Its worker's task stays
-alive through 3 minutes without a heartbeat, not 60 s (:mod:`fedllm.flower.task_patience`).
+alive through 3 minutes without a heartbeat, not 60 s (:mod:`fedllm.flower.task_patience`). A message's objects
+are pulled and its reply's pushed all at once, not 2 at a time (:mod:`fedllm.flower.object_concurrency`).
 """
 
 from __future__ import annotations
@@ -142,7 +143,11 @@ def quick_supernode(module: ModuleType, secret: bytes | None) -> QuickWaits:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``flower-supernode`` with :func:`quick_supernode` (``argv``: its arguments)."""
+    """``flower-supernode`` with :func:`quick_supernode` and a message's objects moved at once
+    (:func:`fedllm.flower.object_concurrency.lift`; ``argv``: its arguments)."""
+    from fedllm.flower.object_concurrency import lift
+
+    lift()  # before Flower's import: it reads its object concurrency then
     from flwr.supernode import start_client_internal
     from flwr.supernode.cli import flower_supernode
 

@@ -4,7 +4,8 @@ The kernel here has no ``netem``, so tests and benches put this proxy between a 
 any TCP client and server on this machine) to see what a federation across the internet costs. Each direction
 of a connection is one :class:`Link`:
 
-- **bandwidth**: a token bucket of ``burst_bytes`` filled at ``mbit_s``; the proxy reads no faster than the
+- **bandwidth**: a token bucket of ``burst_bytes`` filled at ``mbit_s``, one per direction for all the proxy's
+  connections together (parallel connections share the link, as on a real one); the proxy reads no faster than the
   bucket drains, so the sender feels the link's rate through TCP's own back-pressure;
 - **latency**: every byte is delivered ``latency_ms`` after it left the bucket (one way; a round trip through
   the proxy costs the sum of both directions' latencies);
@@ -13,6 +14,8 @@ of a connection is one :class:`Link`:
 - **loss** as a stall: a segment is lost with probability ``loss`` and delivered ``stall_ms`` later (a
   retransmission), holding everything behind it (head-of-line blocking) and pausing the sender as long (so
   the stalls of a stream add up);
+- **connection set-up**: a connection's first bytes up leave one round trip (both latencies) after it was opened,
+  as after TCP's handshake (:attr:`WanProxy.handshake`; a TLS handshake, carried as bytes, costs its own round trips);
 - **cuts** (:class:`Cut`): after a chosen number of bytes in one direction, or a chosen time, the proxy
   delivers what it promised and then resets the connection (both sides see it closed); later connections pass.
 
@@ -179,6 +182,8 @@ class WanProxy:
         self.pending_cuts = list(cuts)
         self.observer = observer  # sees (connection, direction, bytes) of everything forwarded (a bench's tap)
         self.stats = Stats()
+        self.buckets: dict[str, tuple[Link, TokenBucket]] = {}  # per direction: one for all connections
+        self.handshake = True  # a new connection's first bytes up wait one round trip (TCP's handshake)
         self.server: asyncio.base_events.Server | None = None
         self.started = 0.0
         self.open: set[asyncio.Task] = set()
@@ -268,21 +273,32 @@ class WanProxy:
     def _byte_cut(self, direction: str) -> Cut | None:
         return next((c for c in self.pending_cuts if c.direction == direction and c.at_byte is not None), None)
 
+    def _bucket(self, direction: str, link: Link, now: float) -> TokenBucket:
+        """``direction``'s token bucket, one for every connection of the proxy: a link's bandwidth is shared by the
+        connections over it (a client that moves several objects at once, each on its own connection, gets no more
+        of it); a new, full one when the link is replaced."""
+        held = self.buckets.get(direction)
+        if held is None or held[0] is not link:
+            held = self.buckets[direction] = (link, TokenBucket(link.bytes_per_s, link.burst_bytes, now))
+        return held[1]
+
     async def _pump(self, number: int, direction: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     cut: asyncio.Event) -> None:
         """Move one direction: read what the bucket lets go, deliver it ``latency`` (+ jitter, stalls) later."""
         link, loop = self.links[direction], asyncio.get_running_loop()
-        bucket = TokenBucket(link.bytes_per_s, link.burst_bytes, loop.time())
+        bucket = self._bucket(direction, link, loop.time())
         draws = Segments(link, (self.seed, number, direction))
         queue: asyncio.Queue = asyncio.Queue()
         deliver = asyncio.create_task(self._deliver(queue, writer))
         offset, last_due = 0, 0.0
         read_size = max(1, min(link.segment_bytes, link.burst_bytes))
         try:
+            if direction == UP and self.handshake:  # SYN, SYN-ACK: the client sends one round trip after connecting
+                await asyncio.sleep((self.links[UP].latency_ms + self.links[DOWN].latency_ms) / 1e3)
             while not cut.is_set():
                 if self.links[direction] is not link:  # changed between runs (a bench's next profile)
                     link = self.links[direction]
-                    bucket = TokenBucket(link.bytes_per_s, link.burst_bytes, loop.time())
+                    bucket = self._bucket(direction, link, loop.time())
                     draws = Segments(link, (self.seed, number, direction, offset))
                     read_size = max(1, min(link.segment_bytes, link.burst_bytes))
                 pending = self._byte_cut(direction)

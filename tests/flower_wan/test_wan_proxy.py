@@ -49,6 +49,19 @@ def test_a_round_trip_costs_both_directions_latency():
     assert sorted(times)[1] < 0.050 + 0.040, times  # and close to it (a loaded machine adds scheduling delays)
 
 
+def test_a_new_connection_costs_a_round_trip_before_its_first_bytes_leave():
+    up, down = Link(latency_ms=30), Link(latency_ms=20)
+
+    async def body(proxy):
+        t0 = time.monotonic()
+        times = await _round_trips(proxy, 2)
+        return time.monotonic() - t0, times
+
+    total, times = asyncio.run(_with_proxy(_echo, {"up": up, "down": down}, body))
+    assert times[0] >= 2 * 0.050 - 1e-3 and times[1] < 0.050 + 0.040, times  # handshake + round trip; then 1
+    assert total >= 3 * 0.050 - 1e-3, total
+
+
 def test_throughput_follows_the_token_bucket():
     """500 kB up at 8 Mbit/s (1 MB/s) with a 64 KiB bucket: (500 000 - 65 536) / 1e6 s + 10 ms latency."""
     size, link = 500_000, Link(latency_ms=10, mbit_s=8)
@@ -64,6 +77,27 @@ def test_throughput_follows_the_token_bucket():
         return elapsed
 
     elapsed = asyncio.run(_with_proxy(_echo, {"up": link}, body))  # down: unlimited
+    assert model * 0.97 <= elapsed <= model * 1.3, (elapsed, model)
+
+
+def test_connections_at_once_share_the_bandwidth():
+    """4 connections of 125 kB up at once, 8 Mbit/s, a 64 KiB bucket: the last byte arrives after (500 000 - 65 536)
+    / 1e6 s + 10 ms, as for one connection of 500 kB (not a quarter of it: one bucket per connection)."""
+    size, link = 125_000, Link(latency_ms=10, mbit_s=8)
+    model = (4 * size - link.burst_bytes) / link.bytes_per_s + 0.010
+
+    async def one(proxy):
+        reader, writer = await asyncio.open_connection(*proxy.address)
+        writer.write(b"y" * size)
+        await reader.readexactly(size)
+        writer.close()
+
+    async def body(proxy):
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(proxy) for _ in range(4)))
+        return time.monotonic() - t0
+
+    elapsed = asyncio.run(_with_proxy(_echo, {"up": link}, body))
     assert model * 0.97 <= elapsed <= model * 1.3, (elapsed, model)
 
 

@@ -9,16 +9,16 @@ from tests.flower_cluster import env_for, free_port, port_open, start, stop, sto
 
 
 @contextmanager
-def wan_deployment(tmp_path, clients: int, observers=None, runs_dir=None):
+def wan_deployment(tmp_path, clients: int, observers=None, runs_dir=None, node_env=None):
     """An insecure SuperLink and ``clients`` worker SuperNodes, each behind its own :class:`WanProxy` (loopback
     links until a test changes them); yields ``(superlink port, proxies, env, start_process)``, stops it all after.
-    Runs may write inside ``runs_dir`` (default ``tmp_path``)."""
+    Runs may write inside ``runs_dir`` (default ``tmp_path``); ``node_env``: client -> variables of its SuperNode."""
     env = env_for(tmp_path / "flwr-home")
     port = free_port()
     procs = []
 
-    def launch(args, log):
-        procs.append(start(args, tmp_path / log, env))  # a log given as an absolute path stays where it is
+    def launch(args, log, extra_env=None):
+        procs.append(start(args, tmp_path / log, {**env, **(extra_env or {})}))  # an absolute log path stays
         return procs[-1]
 
     try:
@@ -32,7 +32,7 @@ def wan_deployment(tmp_path, clients: int, observers=None, runs_dir=None):
             for cid, proxy in enumerate(proxies):
                 launch(["flower", "supernode", "--superlink", f"127.0.0.1:{proxy.address[1]}", "--client", str(cid),
                         "--insecure", "--state-dir", str(tmp_path / "state"), "--port", str(free_port())],
-                       f"supernode{cid}.log")
+                       f"supernode{cid}.log", (node_env or {}).get(cid))
             yield port, proxies, env, launch
     finally:
         stop_all(procs[:0:-1])  # the SuperNodes and the run at once, then the SuperLink
@@ -54,10 +54,10 @@ class WanRuns:
         return self.root / f"supernode{cid}.log"
 
     def fresh_links(self) -> None:
-        """Loopback links and no observer on every proxy (a test's slow link or tap gone)."""
+        """Loopback links, TCP's handshake and no observer on every proxy (a test's slow link or tap gone)."""
         for proxy in self.proxies:
             proxy.links = {direction: Link() for direction in proxy.links}
-            proxy.observer = None
+            proxy.handshake, proxy.observer = True, None
 
     def run(self, recipe: Path, log: Path):
         """``fedllm flower run RECIPE`` on this deployment, logging to ``log``."""
