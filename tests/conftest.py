@@ -124,6 +124,7 @@ SHARED_GROUPS = {
     "tests/reliability/test_offline_presets.py": "smollm2",
     "tests/flower_wan/test_flower_cut.py": "flower-wan",  # one proxied deployment (tests/flower_wan/conftest.py)
     "tests/flower_wan/test_flower_deadline.py": "flower-wan",
+    "tests/flower_wan/test_object_round_trips.py": "flower-wan",
     # the sandbox tests check that no sandboxed process or scratch directory is left: no other sandbox beside them
     "tests/evaluation/test_flowertune_sandbox.py": "flowertune-sandbox",
     "tests/evaluation/test_flowertune_protocols.py": "flowertune-sandbox",
