@@ -7,9 +7,8 @@ request each, at most ``FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS`` / ``_PUSHES`` at
 ``os.cpu_count()`` at a time (``get_num_workers``). A SuperNode 200 ms from its SuperLink thus paid 3 round trips to
 pull a train message's 6 objects and 3 to push its reply's, where 1 each would do (``bench/wan_objects.py``).
 
-:func:`lift`, called first by fedllm's entry points that move objects (``python -m fedllm.flower.supernode``: the
-SuperNode, over the network; ``python -m fedllm.flower.runtime``: the ServerApp runner and the node worker, on their
-machine's loopback), before they import Flower:
+:func:`lift`, called first by the entry point that moves objects over the network (``python -m
+fedllm.flower.supernode``: the SuperNode), before it imports Flower:
 
 - sets both variables to :data:`OBJECT_CONCURRENCY` where the user has not set them (a value the user set is kept,
   and checked: a whole number >= 1, else exit 2 naming it);
@@ -18,6 +17,12 @@ machine's loopback), before they import Flower:
 
 The threads are only more requests in flight: Flower submits every object of a message to its pool at once either
 way, so the memory held is the same; the bytes are the same.
+
+The ServerApp runner and the node worker (``python -m fedllm.flower.runtime``) keep Flower's 2: they talk to their
+SuperLink or SuperNode over loopback, where a round trip costs nothing, and a ServerApp that pushed the 7B payload's
+four messages (52 chunks of 5 MiB) 20 at a time into a SuperLink on a loaded 2-core machine (load 14) saw requests
+time out (httpx's 30 s), and Flower's retry of a chunk the SuperLink had already stored is refused ("push session may
+have expired or been replaced"): the run failed (``bench/wan_rounds.py --payload 7b``).
 """
 
 from __future__ import annotations

@@ -612,9 +612,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--journal", help="file keeping the message being answered (clientapps)")
     parser.add_argument("--warm-runs", type=int, default=2, help="runs whose federation stays in memory (clientapps)")
     args = parser.parse_args(argv)
-    from fedllm.flower.object_concurrency import lift
-
-    lift()  # before Flower's import: a message's objects at once, to and from the local Runtime API
     configure_logging()
     apply_thread_policy(args.side)
     secret = Path(args.secret_file).read_bytes()
