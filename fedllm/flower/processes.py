@@ -103,9 +103,16 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """The exit code; without ``timeout`` the caller sleeps in ``waitpid`` until the child ends (a signal handler
+        that raises interrupts it)."""
+        if timeout is None:
+            while self.poll() is None:
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+        deadline = time.monotonic() + timeout
         while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
             time.sleep(0.05)
         return self.returncode
