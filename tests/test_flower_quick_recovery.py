@@ -144,3 +144,35 @@ def test_superlink_stops_within_its_grace_while_a_log_stream_is_open():
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+LEAVES_THEN_STOPS = """
+import sys
+from pathlib import Path
+count = Path(sys.argv[1])
+n = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(n))
+print("SuperNode ID: 7", flush=True)
+sys.exit(0 if n == 1 else 130)  # the SuperLink restarted without its database (401: Flower's SuperNode ends); Ctrl-C
+"""
+
+
+def test_the_node_worker_outlives_a_restart_of_flowers_supernode(tmp_path, monkeypatch):
+    """Flower's SuperNode ends by itself (a restarted SuperLink did not know its session) and ``serve_node`` starts it
+    again: the node worker started with the first one keeps running (its imports, its warm runs), is not started a
+    second time, and is stopped when the command ends."""
+    from fedllm.flower import processes, rejoin
+
+    slept, sleep = [], rejoin.time.sleep
+    monkeypatch.setattr(rejoin.time, "sleep", lambda s: slept.append(s) if s >= 1 else sleep(s))
+    workers = []
+
+    def worker():
+        workers.append(processes.start([sys.executable, "-S", "-c", "import time; time.sleep(600)"]))
+        return workers[-1]
+
+    count = tmp_path / "starts"
+    cmd = [sys.executable, "-S", "-c", LEAVES_THEN_STOPS, str(count)]
+    assert rejoin.serve_node(cmd, {"node worker": worker}, tmp_path / "state", 2) == 130
+    assert count.read_text() == "2" and slept == [2.0]  # Flower's SuperNode started twice, the rejoin waited once
+    assert len(workers) == 1 and workers[0].poll() == -signal.SIGTERM  # one worker, stopped at the end
