@@ -137,10 +137,20 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def parent(pid: int) -> int | None:
+    """The parent pid of process ``pid`` (None once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def worker_pid(supernode: subprocess.Popen) -> int | None:
-    """The pid of the fedllm node worker that ``fedllm flower supernode`` started (None: none running)."""
+    """The pid of the fedllm node worker serving ``fedllm flower supernode``'s SuperNode (None: none running): the
+    process forked by the worker's parent, which holds the imports (fedllm.flower.worker_restart)."""
     found = [p for p in children(supernode.pid) if "fedllm.flower.runtime clientapps" in cmdline(p)]
-    return found[0] if found else None
+    serving = [p for p in found if parent(p) in found]
+    return serving[0] if serving else None
 
 
 def run_status(flwr_env: dict, run_id: str) -> dict:

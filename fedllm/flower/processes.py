@@ -103,9 +103,16 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """The exit code; without ``timeout`` the caller sleeps in ``waitpid`` until the child ends (a signal handler
+        that raises interrupts it)."""
+        if timeout is None:
+            while self.poll() is None:
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+        deadline = time.monotonic() + timeout
         while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
             time.sleep(0.05)
         return self.returncode
@@ -172,14 +179,18 @@ class Stopped(Exception):
 
 def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[[], subprocess.Popen]] | None = None,
               on_stop: Callable[[], None] | None = None, after_start: Callable[[subprocess.Popen], None] | None = None,
-              poll_s: float = 0.2) -> int:
+              poll_s: float = 0.2, kept: dict[str, subprocess.Popen] | None = None) -> int:
     """Run ``main()``'s process (and ``helpers``, restarted whenever they exit) until ``main`` exits.
 
-    ``after_start(main process)`` runs once everything is started; ``on_stop()`` when a signal stops it. Returns ``main``'s exit code, or ``128 + signal`` when a forwarded signal stopped everything. Every
-    process started here is stopped before returning.
+    ``after_start(main process)`` runs once everything is started; ``on_stop()`` when a signal stops it. Returns
+    ``main``'s exit code, or ``128 + signal`` when a forwarded signal stopped everything. Every process started here is
+    stopped before returning, except, with ``kept``, the helpers when ``main`` exited by itself: they stay running in
+    ``kept`` (name -> process), where the next call finds them instead of starting them again, and the caller stops
+    them in the end (:func:`stop_all`).
     """
     procs: dict[str, subprocess.Popen] = {}
     started: dict[str, float] = {}
+    kept_on_exit = False
     previous = {}
 
     def forward(sig: int, _frame) -> None:
@@ -190,7 +201,11 @@ def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[
     try:
         procs["main"] = main()
         for name, make in (helpers or {}).items():
-            procs[name], started[name] = make(), time.monotonic()
+            running = (kept or {}).get(name)
+            if running is not None and running.poll() is None:
+                procs[name], started[name] = running, -float("inf")
+            else:
+                procs[name], started[name] = make(), time.monotonic()
         if after_start is not None:
             after_start(procs["main"])
         while procs["main"].poll() is None:
@@ -200,6 +215,7 @@ def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[
                           file=sys.stderr, flush=True)
                     procs[name], started[name] = make(), time.monotonic()
             time.sleep(poll_s)
+        kept_on_exit = kept is not None
         return int(procs["main"].returncode)
     except Stopped as stopped:
         if on_stop is not None:
@@ -210,6 +226,9 @@ def supervise(main: Callable[[], subprocess.Popen], helpers: dict[str, Callable[
         for sig in previous:
             signal.signal(sig, stopping)
         try:
+            if kept_on_exit:
+                kept.update({name: proc for name, proc in procs.items() if name != "main"})
+                procs = {"main": procs["main"]}
             stop_all(list(reversed(procs.values())))
         finally:
             for sig, handler in previous.items():

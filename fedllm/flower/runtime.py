@@ -15,7 +15,8 @@ them with the two runners here instead of Flower's ``flower-superexec``:
   ``fedllm flower supernode``): one long-lived process answering the node's ClientApp tasks with fedllm's
   installed :mod:`fedllm.flower.client_app` and keeping each run's federation (model, data, strategy) in
   memory between messages (:mod:`fedllm.flower.worker_cache`); the node's state is still written to
-  ``--state-dir`` after every message, so a worker that is killed restarts from it.
+  ``--state-dir`` after every message, so a worker that is killed restarts from it, forked again from a parent
+  that holds the imports (:mod:`fedllm.flower.worker_restart`).
 
 Both Runtime APIs listen on 127.0.0.1 only; the secret (a file readable only by its owner) keeps other
 local users from claiming tasks.
@@ -344,9 +345,11 @@ def serve_clientapps(address: str, secret: bytes, journal: Path | None = None, p
 
 
 WORKER_IMPORTS = ("fedllm.engine.server", "fedllm.engine.client", "fedllm.runs.checkpoint", "fedllm.flower.records",
-                  "fedllm.flower.node")
-"""What the worker's first federation build imports (torch, transformers and peft among them, ~10 CPU-seconds):
-imported the first time the worker finds no task, so that a run's first round does not wait for them."""
+                  "fedllm.flower.node", "fedllm.flower.client_app", "flwr.supernode.runtime.run_clientapp",
+                  "flwr.supercore.heartbeat")
+"""What answering a message imports (torch, transformers and peft among them, ~12 CPU-seconds on a 2-core EPYC):
+imported once by the worker's parent before it forks the worker (:mod:`fedllm.flower.worker_restart`), so that
+neither a run's first round nor a worker restarted after a crash waits for them."""
 
 
 def import_ahead() -> None:
@@ -622,8 +625,15 @@ def main(argv: list[str] | None = None) -> None:
         serve_serverapps(args.runtime_api_address, secret, args.root_certificates, args.node_keys,
                          Operator(args.operator_pub, str(Path(args.runs_dir).resolve()), used))
     else:
-        serve_clientapps(args.runtime_api_address, secret, Path(args.journal) if args.journal else None, args.poll,
-                         args.warm_runs)
+        from fedllm.flower import worker_restart
+
+        def serve() -> None:
+            serve_clientapps(args.runtime_api_address, secret, Path(args.journal) if args.journal else None,
+                             args.poll, args.warm_runs)
+
+        if worker_restart.can_fork():  # a worker that dies is forked again with its imports, not started anew
+            sys.exit(worker_restart.serve_forked(serve, import_ahead))
+        serve()
 
 
 if __name__ == "__main__":

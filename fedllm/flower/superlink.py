@@ -18,6 +18,10 @@ register or unregister any node. ``python -m fedllm.flower.superlink ARGS`` runs
   from their creation;
 - a running task (the ServerApp's) kept through 3 minutes without a heartbeat, not 60 s
   (:mod:`fedllm.flower.task_patience`);
+- a stop that does not wait on open connections (:func:`prompt_shutdown`): on SIGTERM Flower's uvicorn server waited
+  for every connection to close, and ``fedllm flower run``'s ``flwr log`` stream never closes by itself, so
+  ``fedllm flower superlink`` killed it after its 10 s grace (:data:`fedllm.flower.processes.GRACE_S`), before its
+  shutdown ran; now the requests still open after :data:`GRACEFUL_SHUTDOWN_S` are cancelled and it shuts down;
 - :class:`OperatorOnly` also holds the Fleet API back (503, which Flower's SuperNode retries) until ``fedllm flower
   superlink`` has registered the node keys (``--fedllm-ready-file FILE``: it writes FILE then), and answers
   ``GET`` :data:`READY_PATH` for any peer (200 once ready, 503 with what it waits for before): a SuperNode started
@@ -27,6 +31,7 @@ register or unregister any node. ``python -m fedllm.flower.superlink ARGS`` runs
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 import json
 import os
@@ -45,6 +50,9 @@ WAITING = "registering the node keys (fedllm flower superlink)"
 READY_FILE: str | None = None
 """Written by ``fedllm flower superlink`` once the node keys are registered; None: ready from the start."""
 _seen_ready = False
+GRACEFUL_SHUTDOWN_S = 3.0
+"""How long a stopping SuperLink lets open requests finish (a node's upload in flight) before it cancels them (a log
+stream) and shuts down (uvicorn: no limit)."""
 
 
 def is_ready() -> bool:
@@ -126,6 +134,29 @@ async def answer(send: Send, status: int, content: dict) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class PromptShutdown:
+    """The ``uvicorn`` module as Flower's SuperLink entry sees it: :func:`uvicorn.run` with
+    ``timeout_graceful_shutdown`` set to :data:`GRACEFUL_SHUTDOWN_S`; every other attribute is uvicorn's own."""
+
+    def __getattr__(self, name: str):
+        import uvicorn
+
+        return getattr(uvicorn, name)
+
+    @staticmethod
+    def run(*args, **kwargs):
+        import uvicorn
+
+        kwargs.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
+        return uvicorn.run(*args, **kwargs)
+
+
+def prompt_shutdown(module) -> None:
+    """Make ``module`` (``flwr.superlink.cli.flower_superlink``, which imported ``uvicorn``) stop within
+    :data:`GRACEFUL_SHUTDOWN_S` of SIGTERM whatever connections are open."""
+    module.uvicorn = PromptShutdown()
+
+
 def install_guard() -> None:
     """Put :class:`OperatorOnly` first in the middleware Flower's SuperLink app is built with."""
     from flwr.superlink import extensions
@@ -151,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     tolerate_stalls()
     from flwr.superlink.cli import flower_superlink
 
+    prompt_shutdown(importlib.import_module("flwr.superlink.cli.flower_superlink"))  # the package exports the function
     sys.argv = ["flower-superlink", *args]
     sys.exit(flower_superlink())
 
