@@ -298,6 +298,32 @@ def smollm2_first_load(tmp_path_factory):
                            parses=parses)
 
 
+@pytest.fixture(scope="session")
+def smollm2_quickstart_run(smollm2_first_load, tmp_path_factory):
+    """README's quickstart as written (``python data_prep/make_arith.py --out data/arith && fedllm train
+    recipes/quickstart/smollm2-arith-fedavg.yaml``, here with ``output_dir=run``), run once for the session's tests
+    that need a finished SmolLM2 run: tests/test_quickstart.py checks what it reports,
+    tests/reliability/test_offline_presets.py exports its adapter and reloads it offline. Returns ``code`` (the
+    exit code of ``fedllm train``), ``printed`` (its stdout) and ``run_dir``."""
+    import io
+    import subprocess
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from fedllm.commands.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    where = tmp_path_factory.mktemp("quickstart")
+    subprocess.run([sys.executable, str(root / "data_prep" / "make_arith.py"), "--out", str(where / "data" / "arith")],
+                   check=True)
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.chdir(where)  # the recipe's data paths are relative to where it is launched
+        code = main(["train", str(root / "recipes" / "quickstart" / "smollm2-arith-fedavg.yaml"), "output_dir=run"])
+    return SimpleNamespace(code=code, printed=printed.getvalue(), run_dir=where / "run")
+
+
 def tensor_digests(model) -> dict:
     """dtype and sha256 of every tensor of ``model``'s state dict (bit-for-bit comparisons without a copy)."""
     import hashlib

@@ -55,21 +55,12 @@ def test_an_exported_adapter_evaluates_and_serves_offline(exported, tmp_path, ca
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("smollm2_first_load")  # the session converts the GGUF once
-def test_an_adapter_of_the_smollm2_preset_loads_offline(tmp_path):
-    """The real SmolLM2-135M GGUF preset: one tiny round, export, reload offline (~1.5 CPU-minutes)."""
-    from fedllm.engine.server import run
-    from fedllm.recipe.checks import parse_recipe
-    from tests.conftest import arith_records, write_jsonl
-
-    data = write_jsonl(tmp_path / "arith.jsonl", arith_records(8))
-    result = run(parse_recipe({
-        "output_dir": str(tmp_path / "run"), "model": {"name": "smollm2-135m-instruct"}, "lora": {"r": 2, "alpha": 4},
-        "data": {"path": str(data), "fields": {"instruction": "question", "output": "answer"}},
-        "federation": {"num_clients": 2, "rounds": 1}, "train": {"local_steps": 1, "batch_size": 1, "lr": 1e-3,
-                                                                 "max_length": 32},
-        "logging": {"progress": False, "quiet": True}}))
+def test_an_adapter_of_the_smollm2_preset_loads_offline(smollm2_quickstart_run, tmp_path):
+    """The real SmolLM2-135M GGUF preset: the session's quickstart run (tests/conftest.py, shared with
+    tests/test_quickstart.py), its adapter exported and reloaded offline as the run's model."""
+    run = smollm2_quickstart_run
+    assert run.code == 0
     out = tmp_path / "adapter"
-    assert main(["export", str(result.run_dir), "--format", "adapter", "--out", str(out)]) == 0
-    reference = _logits(*load_for_inference(str(result.run_dir)))
+    assert main(["export", str(run.run_dir), "--format", "adapter", "--out", str(out)]) == 0
+    reference = _logits(*load_for_inference(str(run.run_dir)))
     torch.testing.assert_close(_logits(*load_for_inference(str(out))), reference, rtol=1e-3, atol=1e-3)
