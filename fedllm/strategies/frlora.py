@@ -31,6 +31,8 @@ added to the layer's output by a forward hook, so nothing is lost to re-quantisa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from fedllm.common.registry import register_strategy
@@ -211,7 +213,7 @@ class FRLoRA(FedAvg):
                         for w in (layer.module.lora_A["default"].weight, layer.module.lora_B["default"].weight))
         return {c: size for c in range(num_clients) if c not in set(sampled)}
 
-    def base_residuals(self):
+    def base_residuals(self) -> Mapping[str, torch.Tensor]:
         return self.base.residuals()
 
     def state_dict(self) -> StateDict:

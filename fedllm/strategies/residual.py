@@ -185,7 +185,6 @@ class StoredResiduals(Mapping):
         self.stored, self.layers = stored, layers
         self.keys_by_name = {name: key for key, name in names.items()}
         self.newest: Optional[tuple[str, torch.Tensor]] = None
-        self.rebuilt = 0  # how many times a residual was read from the checkpoint
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self.newest is not None and self.newest[0] == name:
@@ -195,8 +194,10 @@ class StoredResiduals(Mapping):
         self.newest = None  # let the previous one go before reading the next
         value = self.stored.rebuild(key, layer.module.lora_A["default"].weight.device, torch.empty(layer.shape))
         self.newest = (name, value)
-        self.rebuilt += 1
         return value
+
+    def __contains__(self, name: object) -> bool:  # without reading it
+        return name in self.keys_by_name
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys_by_name)
