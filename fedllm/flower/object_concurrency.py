@@ -1,4 +1,4 @@
-"""A message's objects move all at once, not 2 at a time: fewer round trips per message over a wide-area link.
+"""A message's objects are pulled all at once, not 2 at a time: fewer round trips per message over a wide-area link.
 
 Flower 1.42 sends a message as its objects (fedllm: 6 per train message, one ``Array`` per record) and moves them one
 request each, at most ``FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS`` / ``_PUSHES`` at a time (default 2, read when
@@ -10,8 +10,9 @@ pull a train message's 6 objects and 3 to push its reply's, where 1 each would d
 :func:`lift`, called first by the entry point that moves objects over the network (``python -m
 fedllm.flower.supernode``: the SuperNode), before it imports Flower:
 
-- sets both variables to :data:`OBJECT_CONCURRENCY` where the user has not set them (a value the user set is kept,
-  and checked: a whole number >= 1, else exit 2 naming it);
+- sets the pulls' variable to :data:`OBJECT_CONCURRENCY` and the pushes' to Flower's 2 (:data:`FEDLLM_DEFAULTS`: why
+  not uploads) where the user has not set them (a value the user set is kept, and checked: a whole number >= 1, else
+  exit 2 naming it);
 - lets ``get_num_workers`` give what it is asked for: its cap at the core count was meant for CPU work, and these
   threads wait on the network (a 2-core node was held to 2 whatever the variables said).
 
@@ -37,6 +38,12 @@ OBJECT_CONCURRENCY = 20
 (httpx's default pool: 20), so that they are reused from one message to the next rather than opened again."""
 VARIABLES = ("FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS", "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES")
 """Flower's variables, read once when ``flwr.supercore.constant`` is imported."""
+FEDLLM_DEFAULTS = {VARIABLES[0]: OBJECT_CONCURRENCY, VARIABLES[1]: 2}
+"""What :func:`lift` sets where the user has not: pulls all at once; pushes at Flower's own 2. An upload's requests
+share the node's uplink, and Flower gives each request 30 s (httpx's timeout) and retries one that timed out, which
+the SuperLink refuses for an object it already stored: 20 chunks of 5 MiB pushed at once over a 5 Mbit/s uplink took
+the 7B payload's node 0 out of every round (``bench/wan_rounds.py --payload 7b``, intercontinental), where 2 at a
+time finish each in 17 s. A pull is safe to retry, and a download's bytes keep flowing on every connection."""
 DEFAULTS = (("pull_objects", "max_concurrent_pulls", VARIABLES[0]),
             ("pull_and_inflate_object_from_tree", "max_concurrent_pulls", VARIABLES[0]),
             ("push_objects", "max_concurrent_pushes", VARIABLES[1]),
@@ -65,7 +72,7 @@ def lift(environ: MutableMapping[str, str] | None = None) -> dict[str, int]:
                            "read at import)")
     wanted = {}
     for name in VARIABLES:
-        value = environ.setdefault(name, str(OBJECT_CONCURRENCY))
+        value = environ.setdefault(name, str(FEDLLM_DEFAULTS[name]))
         try:
             wanted[name] = int(value)
         except ValueError:

@@ -1,6 +1,7 @@
-"""fedllm's processes move a message's objects all at once (fedllm/flower/object_concurrency.py): Flower's
-``pull_objects`` and ``push_object_contents_from_iterable`` run 20 requests at a time even where the core count would
-cap them (a 1-core machine here), a count the user set is kept, and a bad one exits 2 naming it. Each case runs in a
+"""fedllm's SuperNode pulls a message's objects all at once (fedllm/flower/object_concurrency.py): Flower's
+``pull_objects`` runs 20 requests at a time even where the core count would cap it (a 1-core machine here), while
+``push_object_contents_from_iterable`` keeps Flower's 2 (uploads share the uplink under Flower's 30 s request timeout),
+not capped to the core count's 1; a count the user set is kept, and a bad one exits 2 naming it. Each case runs in a
 fresh interpreter: Flower reads its concurrency when it is first imported."""
 
 import json
@@ -53,17 +54,17 @@ def _probe(objects: int, pulls: int, pushes: int, **env: str) -> subprocess.Comp
                           text=True, timeout=120, cwd=ROOT, env={**clean, "PYTHONPATH": str(ROOT), **env})
 
 
-def test_a_message_s_objects_move_20_at_a_time_whatever_the_core_count():
-    done = _probe(24, 20, 20)
+def test_a_message_s_objects_are_pulled_20_at_a_time_and_pushed_2_whatever_the_core_count():
+    done = _probe(24, 20, 2)
     assert done.returncode == 0, done.stderr[-3000:]
-    # 24 objects, 20 at once: 20 threads (Flower's default: min(2, 1 core) = 1)
-    assert json.loads(done.stdout) == {"pulls": {"peak": 20, "threads": 20}, "pushes": {"peak": 20, "threads": 20}}
+    # 24 objects: pulled 20 at once by 20 threads, pushed 2 at once (Flower's default on 1 core: min(2, 1) = 1 each)
+    assert json.loads(done.stdout) == {"pulls": {"peak": 20, "threads": 20}, "pushes": {"peak": 2, "threads": 2}}
 
 
 def test_a_count_the_user_set_is_kept():
-    done = _probe(6, 3, 6, FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS="3")
+    done = _probe(6, 3, 6, FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS="3", FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES="6")
     assert done.returncode == 0, done.stderr[-3000:]
-    # pulls: the user's 3 (3 threads for 6 objects, not the core cap's 1); pushes: fedllm's, all 6 at once
+    # the user's 3 pulls and 6 pushes at once (not the core cap's 1, nor fedllm's 20 and 2)
     assert json.loads(done.stdout) == {"pulls": {"peak": 3, "threads": 3}, "pushes": {"peak": 6, "threads": 6}}
 
 
