@@ -41,9 +41,7 @@ def test_preference_quickstart_learns_scaled_down(tmp_path, monkeypatch, capsys)
         "eval.tasks=[pref_accuracy]",
         "eval.limit=16",
         "eval.batch_size=8",
-        "checkpoint.every=0",
-        "train.dtype=auto",  # the recipe pins fp32 for its full-size targets; scaled down, bf16 (auto) keeps CI short
-        "model.dtype=auto",
+        "checkpoint.every=0",  # fp32, as the recipe pins: the accuracy bar was checked in fp32 (0.9375, margin 0.40)
     ]
     assert main(["train", str(RECIPE), *overrides]) == 0
     assert capsys.readouterr().out.strip().endswith("run")
