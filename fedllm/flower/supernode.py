@@ -24,7 +24,7 @@ Neither wait is an option or an environment variable of Flower's: the module's `
 :class:`QuickWaits`, which passes every other use through. And once a message is stored (its task created), the
 SuperNode wakes its node worker (:mod:`fedllm.flower.wake`) instead of letting it poll. Its worker's task stays
 alive through 3 minutes without a heartbeat, not 60 s (:mod:`fedllm.flower.task_patience`). A message's objects
-are pulled and its reply's pushed all at once, not 2 at a time (:mod:`fedllm.flower.object_concurrency`).
+are pulled all at once, not 2 at a time; its reply's are pushed at Flower's 2 (:mod:`fedllm.flower.object_concurrency`).
 """
 
 from __future__ import annotations
