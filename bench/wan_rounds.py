@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import re
 import statistics
 import sys
@@ -50,7 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fedllm.flower.wan_proxy import DOWN, UP, Link, WanProxy, running
+from fedllm.flower.request_log import RequestLog, transfers  # noqa: E402 (after the path)
+from fedllm.flower.wan_proxy import DOWN, UP, Link, WanProxy, running  # noqa: E402
 
 PAYLOAD_RANK = {"quickstart": 8, "7b": 146}  # SmolLM2-135M, q/k/v/o of 30 layers: 460 800 fp32 bytes per unit of r
 RTT_MS = {"loopback": 0, "region": 20, "continent": 80, "intercontinental": 200}
@@ -116,7 +118,12 @@ def main() -> None:
     ap.add_argument("--profiles", default="loopback,region,continent,intercontinental")
     ap.add_argument("--modes", default="plain,secagg")
     ap.add_argument("--keep", help="keep the runs and logs in this new directory")
+    ap.add_argument("--report-from", help="print the report of a run kept with --keep (same other arguments)")
     args = ap.parse_args()
+    if args.report_from:
+        with open(Path(args.report_from) / "seen.pickle", "rb") as f:
+            order, outs, seen, *cpu = pickle.load(f)
+        return report(args, order, outs, seen, Path(args.report_from), *cpu)
 
     from scaling import flower_run
 
@@ -130,15 +137,19 @@ def main() -> None:
     data = write_jsonl(work / "arith.jsonl", arith_records(96))
     path = work / "recipe.yaml"
     taps = [Tap() for _ in range(args.clients)]
+    logs = [RequestLog() for _ in range(args.clients)]  # every request timed, for the per-hop split
     proxies: list[WanProxy] = []
-    seen: list[tuple[Counter, list[dict]]] = []
+    seen: list[tuple] = []  # per run: (requests by path, wire bytes, timed requests), each per client
+
+    def take() -> tuple:
+        return (*zip(*[t.take() for t in taps], strict=True), [log.take() for log in logs])
 
     import yaml
 
     def write(i: int) -> None:
         profile, secure = order[i]
         if i:
-            seen.append(tuple(zip(*[t.take() for t in taps])))
+            seen.append(take())
         for cid, proxy in enumerate(proxies):
             up, down = links(profile, cid)
             proxy.links = {UP: up, DOWN: down}
@@ -148,15 +159,23 @@ def main() -> None:
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with ExitStack() as stack:
         def node_superlink(cid: int, port: int) -> str:
-            proxy = stack.enter_context(running(WanProxy(("127.0.0.1", port), observer=taps[cid])))
+            def observe(connection: int, direction: str, data: bytes) -> None:
+                taps[cid](connection, direction, data)
+                logs[cid](connection, direction, data)
+
+            proxy = stack.enter_context(running(WanProxy(("127.0.0.1", port), observer=observe)))
+            logs[cid].proxy = proxy
             proxies.append(proxy)
             return f"127.0.0.1:{proxy.address[1]}"
 
         write(0)
+        cpu: list[dict[str, float]] = []
         outs = flower_run(path, [], args.clients, work, env, 3600, repeats=len(order), between=write,
-                          node_superlink=node_superlink)
-        seen.append(tuple(zip(*[t.take() for t in taps])))
-    report(args, order, outs, seen, work)
+                          node_superlink=node_superlink, cpu_kinds=cpu)
+        seen.append(take())
+    with open(work / "seen.pickle", "wb") as f:  # the timed requests: --report-from reads them again
+        pickle.dump((order, outs, seen, cpu), f)
+    report(args, order, outs, seen, work, cpu)
 
 
 WORKER_LINE = re.compile(r"train message: received in ([0-9.]+) s, answered in ([0-9.]+) s, handed back in ([0-9.]+) s")
@@ -168,17 +187,22 @@ def worker_lines(work: Path, clients: int) -> list[list[tuple[float, float, floa
             for c in range(clients)]
 
 
-def report(args, order, outs, seen, work: Path) -> None:
+def report(args, order, outs, seen, work: Path, cpu: list[dict[str, float]] | None = None) -> None:
     """One line per profile and mode: the median round against the ideal built from the same rounds' compute."""
     lines = worker_lines(work, args.clients)
     rows: dict[tuple[str, bool], list[dict]] = {}
-    for i, ((profile, secure), out, (requests, wire)) in enumerate(zip(order, outs, seen, strict=True)):
+    hops: dict[tuple[str, bool], list[dict]] = {}
+    for i, ((profile, secure), out, (requests, wire, timed)) in enumerate(zip(order, outs, seen, strict=True)):
         history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        moved = [train_transfers(t, args.rounds) for t in timed]
         for h in history:
             if h.get("round", 0) < 2:
                 continue
             at = i * args.rounds + h["round"] - 1
             msg = {c: lines[c][at] for c in range(args.clients)}
+            hop = round_hops(h, msg, moved, profile, args.clients)
+            if hop is not None:
+                hops.setdefault((profile, secure), []).append(hop)
             transfer = {c: h["bytes_down"][str(c)] / (links(profile, c)[1].bytes_per_s or float("inf"))
                         + h["bytes_up"][str(c)] / (links(profile, c)[0].bytes_per_s or float("inf"))
                         for c in range(args.clients)}
@@ -211,7 +235,69 @@ def report(args, order, outs, seen, work: Path) -> None:
         print(f"{profile:17s} {'secagg' if secure else 'plain':6s} {med['seconds']:6.2f} {med['ideal']:6.2f} "
               f"{ratio:6.2f} {med['answered']:6.2f} {med['transfer']:8.2f} {med['received']:6.2f} {med['handed']:6.2f} "
               f"{rest:6.2f}  {text}; {mb[0]:.2f}/{mb[1]:.2f} (payload {runs[0]['up'] / 1e6:.2f})")
+    print_hops(hops)
+    if cpu:
+        print_cpu(order, outs, cpu)
+
+
+def train_transfers(requests: list, rounds: int) -> tuple[list, list]:
+    """One client's train messages received and replies sent in one run, round by round: the first ``rounds``
+    transfers each way among those that moved the most objects (the train message and its reply carry the model;
+    the discovery query, SecAgg+'s stages and the final sync move fewer, or come after)."""
+    out = []
+    for kind in ("receive", "send"):
+        moved = [t for t in transfers(requests) if t.kind == kind]
+        most = max((t.objects for t in moved), default=0)
+        out.append([t for t in moved if t.objects >= max(1, most // 2)][:rounds])
+    return out[0], out[1]
+
+
+def round_hops(h: dict, msg: dict, moved: list, profile: str, clients: int) -> dict | None:
+    """Where the round went, hop by hop, for the client whose reply reached the SuperLink last: the SuperLink ->
+    SuperNode download (its poll that returned the message to its confirmation), the node's local hop (confirmation
+    to the reply's ``push-messages``: the worker's claim, pull, training and hand-back, the SuperNode's reply poll),
+    the SuperNode -> SuperLink upload (``push-messages`` to the last object's answer), and the server side (the rest
+    of the round: the ServerApp's push to the SuperLink, the node's wait for its poll, the collect, the
+    aggregation); each against its ideal."""
+    at = h["round"] - 1
+    if any(len(moved[c][0]) <= at or len(moved[c][1]) <= at for c in range(clients)):
+        return None
+    last = max(range(clients), key=lambda c: moved[c][1][at].end)
+    down, up = moved[last][0][at], moved[last][1][at]
+    up_link, down_link = links(profile, last)
+    return {"client": last, "down": down.seconds, "down_rt": down.round_trips, "down_objects": down.objects,
+            "down_ideal": h["bytes_down"][str(last)] / (down_link.bytes_per_s or float("inf")),
+            "node": up.start - down.end, "worker": sum(msg[last]), "train": msg[last][1],
+            "up": up.seconds, "up_rt": up.round_trips, "up_objects": up.objects,
+            "up_ideal": h["bytes_up"][str(last)] / (up_link.bytes_per_s or float("inf")),
+            "server": h["seconds"] - (up.end - down.start)}
+
+
+def print_hops(hops: dict) -> None:
+    """Per profile and mode, medians over rounds >= 2 of :func:`round_hops`."""
+    print("\nper hop, the client whose reply reached the SuperLink last (medians, s; serial round trips and objects "
+          "of its train message and reply):")
+    print(f"{'profile':17s} {'mode':6s} {'down':>7s} {'ideal':>7s} {'rt/obj':>6s} {'node':>6s} {'worker':>6s} "
+          f"{'train':>6s} {'up':>7s} {'ideal':>7s} {'rt/obj':>6s} {'server':>6s}")
+    for (profile, secure), runs in hops.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(f"{profile:17s} {'secagg' if secure else 'plain':6s} {med['down']:7.2f} {med['down_ideal']:7.2f} "
+              f"{med['down_rt']:3.0f}/{med['down_objects']:<2.0f} {med['node']:6.2f} {med['worker']:6.2f} "
+              f"{med['train']:6.2f} {med['up']:7.2f} {med['up_ideal']:7.2f} "
+              f"{med['up_rt']:3.0f}/{med['up_objects']:<2.0f} {med['server']:6.2f}")
 
 
 if __name__ == "__main__":
     main()
+
+
+def print_cpu(order, outs, cpu: list[dict[str, float]]) -> None:
+    """Per run (query, rounds, final sync), the CPU seconds of each kind of process, and the clients' training
+    (the rounds' ``train_cpu_seconds``, inside the workers' figure): the local work a round costs apart from the
+    links, which a loaded machine stretches in wall time but not in CPU time."""
+    print("\nCPU seconds per run, by process (the clients' training is part of the workers'):")
+    for (profile, secure), out, spent in zip(order, outs, cpu, strict=True):
+        history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        train = sum((h.get("throughput") or {}).get("train_cpu_seconds") or 0.0 for h in history)
+        kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
+        print(f"{profile:17s} {'secagg' if secure else 'plain':6s} {kinds}; training {train:.1f}")

@@ -58,6 +58,8 @@ class Transfer:
     seconds: float  # from the first request leaving to the last answer arriving
     round_trips: int  # serial round trips (module docstring)
     object_round_trips: int  # serial round trips of its object requests alone
+    start: float = 0.0  # when its first request was begun (the log's clock)
+    end: float = 0.0  # when its last answer reached the SuperNode
 
 
 class RequestLog:
@@ -111,8 +113,9 @@ def serial_round_trips(requests: list[Request]) -> int:
 
 def _transfer(kind: str, requests: list[Request], object_path: str) -> Transfer:
     objects = [r for r in requests if r.path == object_path]
-    return Transfer(kind, len(objects), max(r.answered for r in requests) - min(r.begun for r in requests),
-                    serial_round_trips(requests), serial_round_trips(objects))
+    start, end = min(r.begun for r in requests), max(r.answered for r in requests)
+    return Transfer(kind, len(objects), end - start, serial_round_trips(requests), serial_round_trips(objects),
+                    start, end)
 
 
 def transfers(requests: list[Request]) -> list[Transfer]:

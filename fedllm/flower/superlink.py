@@ -22,6 +22,8 @@ register or unregister any node. ``python -m fedllm.flower.superlink ARGS`` runs
   for every connection to close, and ``fedllm flower run``'s ``flwr log`` stream never closes by itself, so
   ``fedllm flower superlink`` killed it after its 10 s grace (:data:`fedllm.flower.processes.GRACE_S`), before its
   shutdown ran; now the requests still open after :data:`GRACEFUL_SHUTDOWN_S` are cancelled and it shuts down;
+- a request's body handed to Flower's middleware in one message (:mod:`fedllm.flower.whole_body`): its eight
+  layers worked per piece of the body the socket delivered, hundreds per 5 MiB object over a slow link;
 - :class:`OperatorOnly` also holds the Fleet API back (503, which Flower's SuperNode retries) until ``fedllm flower
   superlink`` has registered the node keys (``--fedllm-ready-file FILE``: it writes FILE then), and answers
   ``GET`` :data:`READY_PATH` for any peer (200 once ready, 503 with what it waits for before): a SuperNode started
@@ -158,12 +160,16 @@ def prompt_shutdown(module) -> None:
 
 
 def install_guard() -> None:
-    """Put :class:`OperatorOnly` first in the middleware Flower's SuperLink app is built with."""
+    """Put :class:`OperatorOnly` first in the middleware Flower's SuperLink app is built with, then
+    :class:`~fedllm.flower.whole_body.WholeBody` (a request it lets through reaches Flower's layers with its body in
+    one message)."""
     from flwr.superlink import extensions
     from starlette.middleware import Middleware
 
+    from fedllm.flower.whole_body import WholeBody
+
     flower_own = extensions.get_middleware
-    extensions.get_middleware = lambda: (Middleware(OperatorOnly), *flower_own())
+    extensions.get_middleware = lambda: (Middleware(OperatorOnly), Middleware(WholeBody), *flower_own())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ Neither wait is an option or an environment variable of Flower's: the module's `
 SuperNode wakes its node worker (:mod:`fedllm.flower.wake`) instead of letting it poll. Its worker's task stays
 alive through 3 minutes without a heartbeat, not 60 s (:mod:`fedllm.flower.task_patience`). A message's objects
 are pulled all at once, not 2 at a time; its reply's are pushed at Flower's 2 (:mod:`fedllm.flower.object_concurrency`).
+Its Runtime API hands each request's body to Flower's middleware in one message (:mod:`fedllm.flower.whole_body`).
 """
 
 from __future__ import annotations
@@ -168,6 +169,22 @@ def quick_supernode(module: ModuleType, secret: bytes | None) -> QuickWaits:
     return waits
 
 
+def whole_bodies(module: ModuleType) -> None:
+    """Make ``module``'s ``create_app`` (``flwr.supernode.main``: the SuperNode's Runtime API, which its node worker
+    pushes replies to) hand each request's body to Flower's layers in one message
+    (:class:`~fedllm.flower.whole_body.WholeBody`, outermost)."""
+    from fedllm.flower.whole_body import WholeBody
+
+    flowers = module.create_app
+
+    def create_app(*args, **kwargs):
+        app = flowers(*args, **kwargs)
+        app.add_middleware(WholeBody)
+        return app
+
+    module.create_app = create_app
+
+
 def main(argv: list[str] | None = None) -> None:
     """``flower-supernode`` with :func:`quick_supernode` and a message's objects moved at once
     (:func:`fedllm.flower.object_concurrency.lift`; ``argv``: its arguments)."""
@@ -175,10 +192,12 @@ def main(argv: list[str] | None = None) -> None:
 
     lift()  # before Flower's import: it reads its object concurrency then
     from flwr.supernode import fleet_http_connection, start_client_internal
+    from flwr.supernode import main as supernode_app
     from flwr.supernode.cli import flower_supernode
 
     args = sys.argv[1:] if argv is None else argv
     quick_supernode(start_client_internal, worker_secret(args))
+    whole_bodies(supernode_app)
     quick_reconnects(fleet_http_connection)
     tolerate_stalls()
     sys.argv = ["flower-supernode", *args]

@@ -1,6 +1,8 @@
 """The request log's reading of a SuperNode's Fleet API requests (fedllm/flower/request_log.py), on hand-made timings
 and on bytes as a proxy forwards them."""
 
+import pytest
+
 from fedllm.flower.request_log import Request, RequestLog, serial_round_trips, transfers
 from fedllm.flower.wan_proxy import DOWN, UP
 
@@ -43,6 +45,7 @@ def test_transfers_are_a_received_message_and_a_sent_reply_heartbeats_and_idle_p
         ("receive", 6, 3, 1), ("send", 5, 4, 3)]
     assert abs(got[0].seconds - 0.9) < 1e-9  # from the poll leaving at 0.4 to the confirmation's answer at 1.3
     assert abs(got[1].seconds - 1.2) < 1e-9  # from 5.0 to the 5th object's answer (it left at 5.9) at 6.2
+    assert [(x.start, x.end) for x in got] == [(0.4, pytest.approx(1.3)), (5.0, pytest.approx(6.2))]  # the same ends
 
 
 def test_the_log_reads_request_lines_and_dates_answers_by_the_down_latency():
