@@ -17,17 +17,23 @@ per unit of rank): ``--payload quickstart`` is the quickstart's r 8 (3 686 400 B
 the loopback baseline's; what is measured is what the network adds). Every client trains in every round, so the
 slow site is in every round.
 
-The ideal round of a profile = the loopback round of the same mode (compute and local costs) + the slowest
-client's ``bytes down / bandwidth down + bytes up / bandwidth up`` + round trips x RTT, with 1 round trip for a
-plain round (the train message and its reply) and 4 for SecAgg+ (its keys, check and unmask stages add 3).
+A round's ideal = the slowest client's ``training + bytes down / bandwidth down + bytes up / bandwidth up`` + round
+trips x RTT, with 1 round trip for a plain round (the train message and its reply) and 4 for SecAgg+ (its keys, check
+and unmask stages add 3). The training is measured in the same round: the node workers log each train message
+(``received in A s, answered in B s, handed back in C s``), and B is the training, so the load of a shared machine,
+which moves the training time from round to round, cancels out of the ratio; the local work of the deployment
+(the ServerApp, the SuperLink, the SuperNodes: serialising, hashing and moving the bytes over loopback HTTP) is not
+in the ideal, and the ``loopback`` profile shows what it costs.
 
-The compute is measured in the same round: the node workers log each train message (``received in A s, answered
-in B s, handed back in C s``), and a round's ideal is ``max over clients (B + transfer)`` + round trips x RTT, so
-the load of a shared machine, which moves the training time from round to round, cancels out of the ratio.
 Prints, per profile and mode, medians over rounds >= 2: the round, the ideal, their ratio, and the slowest client's
 training (B), its bytes / bandwidth, its message received in (A: the download, the SuperNode's poll and pulls), handed
-back in (C: to its SuperNode), the rest of the round (the SuperNode's upload, the ServerApp's collect, aggregation);
-and what went through the proxies: Fleet API requests by path per client and run, wire bytes per client and round.
+back in (C: to its SuperNode), the rest of the round; what went through the proxies (Fleet API requests by path per
+client and run, wire bytes per client and round); then the round hop by hop for the client whose reply reached the
+SuperLink last, from every request timed at its proxy (:mod:`fedllm.flower.request_log`): its download (the poll that
+returned the message to its confirmation), its node (the worker's training and hand-back, the SuperNode's reply
+poll), its upload (``push-messages`` to the last object's answer), each against its bytes / bandwidth, and the
+server side (the rest: the ServerApp's push into the SuperLink, the collect, the aggregation); and the CPU seconds of
+each kind of process per run. ``--report-from DIR`` prints the report of a run kept with ``--keep DIR`` again.
 
     python bench/wan_rounds.py --payload quickstart --trials 2 --rounds 3
 """
@@ -123,6 +129,7 @@ def main() -> None:
     if args.report_from:
         with open(Path(args.report_from) / "seen.pickle", "rb") as f:
             order, outs, seen, *cpu = pickle.load(f)
+        outs = [Path(args.report_from) / out.name for out in outs]  # the directory may have moved
         return report(args, order, outs, seen, Path(args.report_from), *cpu)
 
     from scaling import flower_run
@@ -242,20 +249,26 @@ def report(args, order, outs, seen, work: Path, cpu: list[dict[str, float]] | No
 
 def train_transfers(requests: list, rounds: int) -> tuple[list, list]:
     """One client's train messages received and replies sent in one run, round by round: the first ``rounds``
-    transfers each way among those that moved the most objects (the train message and its reply carry the model;
-    the discovery query, SecAgg+'s stages and the final sync move fewer, or come after)."""
-    out = []
-    for kind in ("receive", "send"):
-        moved = [t for t in transfers(requests) if t.kind == kind]
-        most = max((t.objects for t in moved), default=0)
-        out.append([t for t in moved if t.objects >= max(1, most // 2)][:rounds])
-    return out[0], out[1]
+    replies among those that pushed the most objects (a train reply carries the model; the discovery query's and
+    SecAgg+'s stages' replies push fewer), each with the message received last before it. (A received message's
+    object requests count retries of objects not yet at the SuperLink, so they do not tell which message it was.)"""
+    moved = transfers(requests)
+    most = max((t.objects for t in moved if t.kind == "send"), default=0)
+    received, sent = [], []
+    for i, t in enumerate(moved):
+        if t.kind == "send" and t.objects >= max(1, most // 2) and len(sent) < rounds:
+            before = [r for r in moved[:i] if r.kind == "receive"]
+            if before:
+                received.append(before[-1])
+                sent.append(t)
+    return received, sent
 
 
 def round_hops(h: dict, msg: dict, moved: list, profile: str, clients: int) -> dict | None:
     """Where the round went, hop by hop, for the client whose reply reached the SuperLink last: the SuperLink ->
     SuperNode download (its poll that returned the message to its confirmation), the node's local hop (confirmation
-    to the reply's ``push-messages``: the worker's claim, pull, training and hand-back, the SuperNode's reply poll),
+    to the reply's ``push-messages``: the worker's pull from its SuperNode, its training and hand-back, the
+    SuperNode's reply poll; ``worker``: its training + hand-back, as it logged them),
     the SuperNode -> SuperLink upload (``push-messages`` to the last object's answer), and the server side (the rest
     of the round: the ServerApp's push to the SuperLink, the node's wait for its poll, the collect, the
     aggregation); each against its ideal."""
@@ -267,7 +280,7 @@ def round_hops(h: dict, msg: dict, moved: list, profile: str, clients: int) -> d
     up_link, down_link = links(profile, last)
     return {"client": last, "down": down.seconds, "down_rt": down.round_trips, "down_objects": down.objects,
             "down_ideal": h["bytes_down"][str(last)] / (down_link.bytes_per_s or float("inf")),
-            "node": up.start - down.end, "worker": sum(msg[last]), "train": msg[last][1],
+            "node": up.start - down.end, "worker": msg[last][1] + msg[last][2], "train": msg[last][1],
             "up": up.seconds, "up_rt": up.round_trips, "up_objects": up.objects,
             "up_ideal": h["bytes_up"][str(last)] / (up_link.bytes_per_s or float("inf")),
             "server": h["seconds"] - (up.end - down.start)}
