@@ -300,10 +300,6 @@ def print_hops(hops: dict) -> None:
               f"{med['up_rt']:3.0f}/{med['up_objects']:<2.0f} {med['server']:6.2f}")
 
 
-if __name__ == "__main__":
-    main()
-
-
 def print_cpu(order, outs, cpu: list[dict[str, float]]) -> None:
     """Per run (query, rounds, final sync), the CPU seconds of each kind of process, and the clients' training
     (the rounds' ``train_cpu_seconds``, inside the workers' figure): the local work a round costs apart from the
@@ -314,3 +310,6 @@ def print_cpu(order, outs, cpu: list[dict[str, float]]) -> None:
         train = sum((h.get("throughput") or {}).get("train_cpu_seconds") or 0.0 for h in history)
         kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
         print(f"{profile:17s} {'secagg' if secure else 'plain':6s} {kinds}; training {train:.1f}")
+
+if __name__ == "__main__":
+    main()
