@@ -5,10 +5,12 @@ Flower 1.42's SuperLink app (``flwr/superlink/main.py``, ``_get_middleware``) st
 on, starts an anyio task group (``receive_or_disconnect``). uvicorn delivers a request body as the pieces the socket
 read: a 5 MiB object pushed over a slow link arrives in hundreds of them (16 KiB each through
 :mod:`fedllm.flower.wan_proxy`, whatever the sender's TCP segments amounted to when the SuperLink read on a real
-link), so the stack's work grew with the number of pieces, not with the bytes: 376 ms of CPU for one 5 MiB
-push-object in 320 pieces of 16 KiB through eight such layers, 19 ms with the body handed on whole
-(``bench/wan_rounds.py``'s docs, docs/flower.md). The 7B recipe's round moves 65 such objects into the SuperLink (13
-from each of 4 nodes, 13 from the ServerApp), which were the SuperLink's largest CPU cost.
+link), so the stack's work grew with the number of pieces, not with the bytes: 493 ms of CPU for one 5 MiB body in
+320 pieces of 16 KiB through eight such layers, 20 ms with the body handed on whole (144 and 17 ms in pieces of 64
+KiB; ``bench/asgi_body_pieces.py``, load 9 on 2 cores). The 7B recipe's round moves 65 such objects into the
+SuperLink (13 from each of 4 nodes, 13 from the ServerApp): with the body whole, ``bench/wan_rounds.py --payload
+7b`` took 860 CPU-seconds instead of 1042 for the same 4 runs of 2 rounds, and its loopback round 57 s instead of
+101 s (docs/flower.md, "The 7B payload's round").
 
 :class:`WholeBody` reads the body first and gives the app one ``http.request`` message holding all of it; a
 disconnect before the body is complete is handed on as it came. The memory is what Starlette's ``Request.body()``
