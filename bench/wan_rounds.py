@@ -210,14 +210,14 @@ def report(args, order, outs, seen, work: Path, cpu: list[dict[str, float]] | No
             hop = round_hops(h, msg, moved, profile, args.clients)
             if hop is not None:
                 hops.setdefault((profile, secure), []).append(hop)
-            transfer = {c: h["bytes_down"][str(c)] / (links(profile, c)[1].bytes_per_s or float("inf"))
-                        + h["bytes_up"][str(c)] / (links(profile, c)[0].bytes_per_s or float("inf"))
+            transfer = {c: client_bytes(h, "down", c) / (links(profile, c)[1].bytes_per_s or float("inf"))
+                        + client_bytes(h, "up", c) / (links(profile, c)[0].bytes_per_s or float("inf"))
                         for c in range(args.clients)}
             slowest = max(range(args.clients), key=lambda c: msg[c][1] + transfer[c])
             ideal = msg[slowest][1] + transfer[slowest] + ROUND_TRIPS[secure] * RTT_MS[profile] / 1e3
             rows.setdefault((profile, secure), []).append({
                 "seconds": h["seconds"], "ideal": ideal, "received": msg[slowest][0], "answered": msg[slowest][1],
-                "handed": msg[slowest][2], "transfer": transfer[slowest], "up": h["bytes_up"][str(slowest)],
+                "handed": msg[slowest][2], "transfer": transfer[slowest], "up": client_bytes(h, "up", slowest),
                 "requests": requests, "wire": wire})
     print(f"payload {args.payload} (r {PAYLOAD_RANK[args.payload]}), {args.clients} clients, all per round, "
           f"{args.rounds} rounds, {args.trials} trial(s); rounds >= 2, medians; the slowest client's messages")
@@ -245,6 +245,15 @@ def report(args, order, outs, seen, work: Path, cpu: list[dict[str, float]] | No
     print_hops(hops)
     if cpu:
         print_cpu(order, outs, cpu)
+
+
+def client_bytes(h: dict, direction: str, client: int) -> float:
+    """A client's bytes ``direction`` ("up"/"down") in round record ``h``; under SecAgg+ the record keeps totals only
+    (``privacy.per_client_stats``), and every client here moves the same payload: the total over the clients."""
+    per_client = h.get(f"bytes_{direction}")
+    if per_client is not None:
+        return per_client[str(client)]
+    return h[f"bytes_{direction}_total"] / len(h["clients"])
 
 
 def train_transfers(requests: list, rounds: int) -> tuple[list, list]:
@@ -279,10 +288,10 @@ def round_hops(h: dict, msg: dict, moved: list, profile: str, clients: int) -> d
     down, up = moved[last][0][at], moved[last][1][at]
     up_link, down_link = links(profile, last)
     return {"client": last, "down": down.seconds, "down_rt": down.round_trips, "down_objects": down.objects,
-            "down_ideal": h["bytes_down"][str(last)] / (down_link.bytes_per_s or float("inf")),
+            "down_ideal": client_bytes(h, "down", last) / (down_link.bytes_per_s or float("inf")),
             "node": up.start - down.end, "worker": msg[last][1] + msg[last][2], "train": msg[last][1],
             "up": up.seconds, "up_rt": up.round_trips, "up_objects": up.objects,
-            "up_ideal": h["bytes_up"][str(last)] / (up_link.bytes_per_s or float("inf")),
+            "up_ideal": client_bytes(h, "up", last) / (up_link.bytes_per_s or float("inf")),
             "server": h["seconds"] - (up.end - down.start)}
 
 
