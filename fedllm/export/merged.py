@@ -15,7 +15,7 @@ import torch
 
 from fedllm.export.dora import is_dora, merge_dora
 from fedllm.export.errors import ExportCheckError
-from fedllm.export.source import Source, kept_dtype_of, probe_inputs, probe_logits, to_fp32
+from fedllm.export.source import Source, fp32_copy_fits, kept_dtype_of, probe_inputs, probe_logits, to_fp32
 from fedllm.export.weights import dequantize_linears, iter_layers, read_layers, relative_name, wrapped_layers
 from fedllm.models.lowrank import is_quantized
 from fedllm.models.state import DTYPES
@@ -53,6 +53,8 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
         ExportCheckError: the merged fp32 model does not reproduce the run's model.
     """
     if is_dora(model):  # PEFT's own merge of DoRA's magnitude and direction (fedllm.export.dora)
+        if source.recipe.model.quantization == "none" and fp32_copy_fits(model):
+            to_fp32(model)  # as load_run_model casts it for the other formats
         inputs = probe_inputs(tokenizer)
         reference = probe_logits(model, inputs)
         layers_merged = len(wrapped_layers(model))
@@ -64,7 +66,10 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
     inputs = probe_inputs(tokenizer)
     wrapped = wrapped_layers(model)
     quantized = any(is_quantized(module) for module in model.modules())
-    kept_dtype = None if quantized else kept_dtype_of(model)  # a base left in its dtype by load_run_model
+    # a half-precision base is computed in fp32 one module at a time (exact: as model.float()) and its merged layers
+    # are stored in fp32, when their fp32 copies fit; else they are stored in its dtype and the probe is reported
+    kept_dtype = None if quantized or _merged_fp32_fits(model, wrapped) else kept_dtype_of(model)
+    exact = not quantized and kept_dtype is None
     merged: dict[str, torch.Tensor] = {}
     if quantized:  # every layer read before any probe forward: bitsandbytes repacks weights on CPU
         states = read_layers(model, strategy)
@@ -73,7 +78,7 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
         del states
         reference = probe_logits(model, inputs)
     else:  # one layer at a time, written into its base layer (unload keeps the base layers, drops the adapters)
-        reference = probe_logits(model, inputs)
+        reference = probe_logits(model, inputs, in_fp32=exact)
         explained = []
         for name, state in iter_layers(model, strategy):
             explained.append(state.explained)
@@ -81,12 +86,12 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
             del state
     base = model.unload()  # drops the LoRA wrappers; the active classifier copy (modules_to_save) stays
     dequantize_linears(base)
-    if kept_dtype is None:
+    if quantized:
         to_fp32(base)
     for name, weight in merged.items():
         _store(base.get_submodule(relative_name(name)), wrapped[name], weight, None)
     merged.clear()
-    got = probe_logits(base, inputs)
+    got = probe_logits(base, inputs, in_fp32=exact)
     if quantized or kept_dtype:  # the run's own compute dtype, not fp32: report, do not hold to fp32 tolerance
         diff = float((got - reference).abs().max())
     else:
@@ -95,6 +100,12 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
         "layers": len(explained), "observed_layers": sum(not e for e in explained),
         "max_logit_diff": diff, "checked": not (quantized or kept_dtype),
         "dequantized_from": source.recipe.model.quantization if quantized else None, "merged_in": kept_dtype})
+
+
+def _merged_fp32_fits(model: Any, wrapped: dict[str, Any]) -> bool:
+    """Whether the merged layers' fp32 weights fit beside the model (:func:`fp32_copy_fits`)."""
+    weights = [layer.get_base_layer().weight for layer in wrapped.values()]
+    return fp32_copy_fits(model, weights, f"its {len(weights)} merged layers")
 
 
 def _store(target: Any, wrapper: Any, weight: torch.Tensor, kept_dtype: Any) -> None:

@@ -183,7 +183,8 @@ def read_layers(model: torch.nn.Module, strategy: Any) -> dict[str, LayerState]:
 
 def iter_layers(model: torch.nn.Module, strategy: Any) -> Iterator[tuple[str, LayerState]]:
     """:func:`read_layers` one layer at a time: a 7B model's states together (fp32 base, float64 read-out) would
-    take 13 GB beside the model; the merged export uses each and lets it go."""
+    take 13 GB beside the model; the merged export uses each and lets it go (and each dense residual, when the
+    strategy reads them from the checkpoint as they are asked for)."""
     layers = wrapped_layers(model)
     names = list(layers)
     kept = _checked(strategy.kept_factors() or {}, names, "factors", strategy)
@@ -201,6 +202,7 @@ def iter_layers(model: torch.nn.Module, strategy: Any) -> Iterator[tuple[str, La
             kept_in_base=kept_in_base, observed=observed_addition(layer), scale=scale)
         state.check_explained()
         yield name, state
+        del state, residual, base  # a residual read one layer at a time (StoredResiduals) goes before the next
 
 
 @torch.no_grad()
