@@ -14,6 +14,8 @@ from typing import Any, Iterator
 
 import torch
 
+from fedllm.models.fp32_modules_to_save import hooks_as_cast_whole
+
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -33,7 +35,8 @@ def computed_in_fp32(model: torch.nn.Module) -> Iterator[Any]:
     """Within the block, every forward of a module of ``model`` sees its own bf16/fp16 tensors as fp32 copies.
 
     The copies are made by a forward pre-hook and dropped by a forward hook that runs even when the forward raises,
-    so afterwards the model holds exactly what it held before.
+    so afterwards the model holds exactly what it held before. The fp32 ``modules_to_save`` copies' dtype hooks cast
+    nothing meanwhile, as for a model cast whole (:func:`fedllm.models.fp32_modules_to_save.hooks_as_cast_whole`).
     """
     stashed: dict[int, list] = {}
 
@@ -55,7 +58,8 @@ def computed_in_fp32(model: torch.nn.Module) -> Iterator[Any]:
             if _own_half_tensors(module):
                 handles.append(module.register_forward_pre_hook(upcast))
                 handles.append(module.register_forward_hook(restore, always_call=True))
-        yield model
+        with hooks_as_cast_whole():
+            yield model
     finally:
         for handle in handles:
             handle.remove()
