@@ -259,14 +259,16 @@ def probe_inputs(tokenizer: Any) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def probe_logits(model: Any, inputs: dict[str, torch.Tensor], in_fp32: bool = False) -> torch.Tensor:
+def probe_logits(model: Any, inputs: dict[str, torch.Tensor], in_fp32: bool = False,
+                 weights: Optional[dict[Any, Any]] = None) -> torch.Tensor:
     """Float32 logits of ``model`` on the probe input (under autocast to its dtype when :func:`load_run_model` left a
     bf16/fp16 base beside fp32 adapters, as the run computed). ``in_fp32``: computed as ``model.float()`` would
-    compute them, one module's fp32 copy at a time (:func:`fedllm.export.upcast.computed_in_fp32`)."""
+    compute them, one module's fp32 copy at a time, with ``weights`` (``{module: read}``) read for the modules named
+    (:func:`fedllm.export.upcast.computed_in_fp32`)."""
     if in_fp32:
         from fedllm.export.upcast import computed_in_fp32
 
-        with computed_in_fp32(model):
+        with computed_in_fp32(model, weights):
             return model(**inputs).logits.float()
     kept = kept_dtype_of(model)
     device = next(model.parameters()).device.type

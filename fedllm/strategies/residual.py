@@ -192,9 +192,14 @@ class StoredResiduals(Mapping):
         key = self.keys_by_name[name]  # KeyError: no residual for this layer
         layer = self.layers[name]
         self.newest = None  # let the previous one go before reading the next
-        value = self.stored.rebuild(key, layer.module.lora_A["default"].weight.device, torch.empty(layer.shape))
+        like = torch.empty(layer.shape, device="meta")  # its shape, without memory
+        value = self.stored.rebuild(key, layer.module.lora_A["default"].weight.device, like)
         self.newest = (name, value)
         return value
+
+    def forget(self) -> None:
+        """Drop the newest residual read (the export's merge is done with it; a later read rebuilds it)."""
+        self.newest = None
 
     def __contains__(self, name: object) -> bool:  # without reading it
         return name in self.keys_by_name

@@ -45,3 +45,55 @@ def test_a_bf16_model_with_an_fp32_head_computes_as_its_fp32_cast():
     assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()] == hooks
     with torch.no_grad():  # the hooks act again once the block is left
         assert model(**ids).logits.dtype == torch.bfloat16
+
+
+def _tiny_llama_bf16():
+    lm = load_model(ModelConfig(name="tiny-llama", dtype="bf16"), LoraConfig(r=4, alpha=8))
+    return _trained_like(lm.model), lm.tokenizer
+
+
+def test_linears_in_row_blocks_and_embeddings_as_lookups_compute_as_the_fp32_cast(monkeypatch):
+    """At the default block no Linear of a tiny LLaMA is blocked and the embedding looks bf16 rows up: the logits
+    are those of ``model.float()``, bit for bit. With a block of 4 KiB every plain Linear computes its output in
+    blocks of rows, never from a whole fp32 copy of its weight; BLAS may pick another kernel for a narrow block (on
+    MKL: 16-row blocks of 128 columns), so the logits are held to fp32 rounding, not bits (the export's check
+    compares two probes computed alike, at a tolerance of 1e-4)."""
+    from fedllm.export import upcast
+
+    model, tok = _tiny_llama_bf16()
+    ids = tok(["1 + 2 = 3"], return_tensors="pt")
+    blocked = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16]
+    assert blocked and all(4 * m.weight.numel() > 4096 for m in blocked)
+    with torch.no_grad():
+        want = copy.deepcopy(model).float()(**ids).logits
+        with computed_in_fp32(model):
+            assert torch.equal(model(**ids).logits, want)
+    monkeypatch.setattr(upcast, "BLOCK_BYTES", 4096)
+    upcasts = []
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: upcasts.append(t.numel()) or t.to(torch.float32))
+    with torch.no_grad():
+        with computed_in_fp32(model):
+            got = model(**ids).logits
+    monkeypatch.undo()
+    assert got.dtype == torch.float32
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert max(upcasts) < min(m.weight.numel() for m in blocked)  # no whole fp32 copy of a blocked weight
+    assert all("forward" not in vars(m) for m in model.modules())  # the blocked forwards are gone
+
+
+def test_a_weight_supplied_for_a_module_is_read_for_its_forward_and_dropped_after():
+    """``weights``: the module computes with the weight read (as a model holding it would), then holds its own."""
+    model, tok = _tiny_llama_bf16()
+    ids = tok(["1 + 2 = 3"], return_tensors="pt")
+    name, target = next((n, m) for n, m in model.named_modules() if n.endswith("q_proj.base_layer"))
+    supplied = torch.randn(target.weight.shape, generator=torch.Generator().manual_seed(1))
+    own = target.weight.data
+    reads = []
+    with torch.no_grad():
+        with computed_in_fp32(model, {target: lambda: reads.append(1) or supplied.clone()}):
+            got = model(**ids).logits
+        holding = copy.deepcopy(model).float()
+        holding.get_submodule(name).weight.data = supplied.clone()
+        want = holding(**ids).logits
+    assert torch.equal(got, want) and reads == [1]
+    assert target.weight.data_ptr() == own.data_ptr() and target.weight.dtype == torch.bfloat16
