@@ -5,7 +5,10 @@ tokenizer), FRLoRA with a dense fp32 residual beside the bf16 base (``residual: 
 step at 1 x 256 with checkpointing, then ``fedllm export RUN --format merged``. Each runs in a fresh subprocess, and
 each figure is that process's peak RSS minus its idle baseline (RSS after its imports). The export's phases are
 traced by wrapping the functions it calls; each phase's peak is the kernel's ``VmHWM``, reset at the phase's start
-through ``/proc/self/clear_refs`` (Linux).
+through ``/proc/self/clear_refs`` (Linux). Beside it, the peak of anonymous memory (``RssAnon``, sampled every
+2 ms): ``VmHWM`` also counts the memory-mapped base's file pages, which the kernel drops and reads back under
+memory pressure from other processes, so on a shared machine it depends on the neighbours; anonymous memory does
+not (:class:`AnonPeak`).
 
     git archive ea4f381 | tar -x -C /tmp/fedllm-before      # the export before issue #48 item 4, to compare
     python bench/export_memory.py --before /tmp/fedllm-before   # 4 decoder layers of 4096 (2.1 GB bf16 base)
@@ -43,16 +46,47 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-class Phases:
-    """``mark(name)`` closes the running phase (its end RSS and peak, above ``idle``) and opens ``name``."""
+class AnonPeak:
+    """The largest ``RssAnon`` seen by a thread that reads it every 2 ms (torch's kernels release the GIL).
 
-    def __init__(self, idle: int):
-        self.idle, self.rows, self.name = idle, [], None
+    ``VmHWM`` also counts the file-backed pages of the memory-mapped safetensors, which the kernel drops and reads
+    back under memory pressure (on a shared machine: the figure depends on the neighbours). Anonymous memory is what
+    the process cannot give back without swap (none here), so it is what decides whether the export is killed."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self.stopped = status_bytes("RssAnon"), False
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import time
+
+        while not self.stopped:
+            self.peak = max(self.peak, status_bytes("RssAnon"))
+            time.sleep(0.002)
+
+    def reset(self) -> int:
+        """The peak so far (including now); the next one starts from now."""
+        peak, self.peak = max(self.peak, status_bytes("RssAnon")), status_bytes("RssAnon")
+        return peak
+
+
+class Phases:
+    """``mark(name)`` closes the running phase (its end RSS and peak, and its anonymous memory's, above ``idle``)
+    and opens ``name``."""
+
+    def __init__(self, idle: int, idle_anon: int):
+        self.idle, self.idle_anon, self.rows, self.name = idle, idle_anon, [], None
+        self.anon = AnonPeak()
 
     def mark(self, name: str | None) -> None:
+        anon_peak = self.anon.reset()
         if self.name is not None:
             self.rows.append({"phase": self.name, "end_bytes": status_bytes("VmRSS") - self.idle,
-                              "peak_bytes": status_bytes("VmHWM") - self.idle})
+                              "peak_bytes": status_bytes("VmHWM") - self.idle,
+                              "anon_peak_bytes": anon_peak - self.idle_anon})
         self.name = name
         reset_peak()
 
@@ -68,6 +102,18 @@ def wrap(owner, attr: str, phases: Phases, name: str, after: str | None = None) 
         finally:
             if after is not None:
                 phases.mark(after)
+
+    setattr(owner, attr, traced)
+
+
+def wrap_generator(owner, attr: str, phases: Phases, name: str, after: str) -> None:
+    """Make the generator function ``owner.attr`` open phase ``name`` when called and ``after`` when exhausted."""
+    original = getattr(owner, attr)
+
+    def traced(*args, **kwargs):
+        phases.mark(name)
+        yield from original(*args, **kwargs)
+        phases.mark(after)
 
     setattr(owner, attr, traced)
 
@@ -120,10 +166,12 @@ def child_train(out: Path, tokens: int, base: str) -> dict:
     from fedllm.recipe.checks import load_recipe
 
     recipe = load_recipe(str(RECIPE), extra)
-    idle = status_bytes("VmRSS")
+    idle, idle_anon = status_bytes("VmRSS"), status_bytes("RssAnon")
+    anon = AnonPeak()
     reset_peak()
     run(recipe)
-    return {"peak_bytes": status_bytes("VmHWM") - idle, "idle_bytes": idle}
+    return {"peak_bytes": status_bytes("VmHWM") - idle, "idle_bytes": idle,
+            "anon_peak_bytes": anon.reset() - idle_anon}
 
 
 def child_export(out: Path, dtype: str) -> dict:
@@ -133,12 +181,15 @@ def child_export(out: Path, dtype: str) -> dict:
     from fedllm.strategies.frlora import FRLoRA
 
     idle = status_bytes("VmRSS")
-    phases = Phases(idle)
+    phases = Phases(idle, status_bytes("RssAnon"))
     wrap(checkpoint, "load_checkpoint", phases, "read checkpoint files", after="load model")
     wrap(FRLoRA, "setup", phases, "strategy set-up")
     wrap(checkpoint, "restore_into", phases, "restore checkpoint", after="fp32 cast (if it fits)")
     wrap(merged, "probe_logits", phases, "probe")
-    wrap(merged, "iter_layers", phases, "merge layers", after="unload")
+    if hasattr(merged, "SpilledWeights"):  # the per-layer merge as its own phase (a generator: older trees count
+        wrap_generator(merged, "iter_layers", phases, "merge layers", after="unload")  # it under "unload")
+    else:
+        wrap(merged, "iter_layers", phases, "merge layers", after="unload")
     wrap(merged, "save_merged", phases, "save", after=None)
     del inference, source  # wrapped through the modules the export reads them from
     phases.mark("open source")
@@ -147,6 +198,7 @@ def child_export(out: Path, dtype: str) -> dict:
     phases.mark(None)
     info = result.exports[0]
     return {"phases": phases.rows, "peak_bytes": max(r["peak_bytes"] for r in phases.rows), "idle_bytes": idle,
+            "anon_peak_bytes": max(r["anon_peak_bytes"] for r in phases.rows),
             "checked": info.get("checked"), "max_logit_diff": info.get("max_logit_diff"),
             "merged_dir": str(target)}
 
@@ -195,19 +247,23 @@ def main() -> None:
     print(f"LLaMA-2-7B shape, {args.layers} decoder layers, bf16 base, FRLoRA dense fp32 residual; "
           f"merged export --dtype {args.dtype}. Peak and end RSS of each phase, GiB above the process's idle RSS.")
     names = list(dict.fromkeys(r["phase"] for found in runs.values() for r in found["phases"]))
-    print(f"{'phase':<26}" + "".join(f"{k + ' peak':>13}{k + ' end':>12}" for k in runs))
+    columns = (("peak_bytes", " peak", 13), ("end_bytes", " end", 11), ("anon_peak_bytes", " anon", 11))
+    print(f"{'phase':<26}" + "".join(f"{k + suffix:>{w}}" for k in runs for _, suffix, w in columns))
     for name in names:
         cells = ""
         for found in runs.values():
             rows = [r for r in found["phases"] if r["phase"] == name]
-            cells += "".join(f"{gib(max(r[k] for r in rows)) if rows else '-':>{w}}"
-                             for k, w in (("peak_bytes", 13), ("end_bytes", 12)))
+            cells += "".join(f"{gib(max(r.get(key, 0) for r in rows)) if rows else '-':>{w}}"
+                             for key, _, w in columns)
         print(f"{name:<26}{cells}")
-    print(f"{'export peak':<26}" + "".join(f"{gib(found['peak_bytes']):>13}{'':>12}" for found in runs.values()))
-    print(f"{'training run peak':<26}{gib(train['peak_bytes']):>13}")
+    print(f"{'export peak':<26}" + "".join(f"{gib(found['peak_bytes']):>13}{'':>11}{gib(found['anon_peak_bytes']):>11}"
+                                           for found in runs.values()))
+    print(f"{'training run peak':<26}{gib(train['peak_bytes']):>13}{'':>11}{gib(train.get('anon_peak_bytes', 0)):>11}")
     for k, found in runs.items():
-        print(f"{k}: export {gib(found['peak_bytes'])} GiB, {gib(train['peak_bytes'] - found['peak_bytes'])} GiB "
-              f"below the training run's peak; probe {'held to fp32 tolerance' if found['checked'] else 'reported'} "
+        print(f"{k}: export {gib(found['peak_bytes'])} GiB RSS ({gib(found['anon_peak_bytes'])} anonymous), "
+              f"{gib(train['peak_bytes'] - found['peak_bytes'])} GiB below the training run's peak RSS "
+              f"({gib(train.get('anon_peak_bytes', 0) - found['anon_peak_bytes'])} anonymous); probe "
+              f"{'held to fp32 tolerance' if found['checked'] else 'reported'} "
               f"(largest logit difference {found['max_logit_diff']:.3g})")
     if len(runs) == 2:
         a, b = (Path(found["merged_dir"]) for found in (runs["before"], runs["after"]))

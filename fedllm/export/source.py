@@ -201,24 +201,22 @@ def available_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def fp32_copy_fits(model: Any, params: Optional[list[torch.Tensor]] = None,
-                   what: str = "every parameter") -> bool:
-    """Whether casting ``params`` (default: all of ``model``'s) to fp32 fits in the memory available now, with a
-    tenth to spare.
+def fp32_copy_fits(model: Any) -> bool:
+    """Whether casting ``model`` to fp32 for the merge maths fits in the memory available now, with a tenth to spare.
 
-    A 7B bf16 base needs 13.5 GB more as fp32 (27 GB in all), which a 24 GB machine that trained it does not have;
-    the merged export casts only its merged layers (2 GB more at 7B with q and v wrapped). When the copy does not
-    fit, the model stays in its dtype, each merged weight is computed in fp32 one layer at a time and stored in the
-    model's dtype, and the probe check is reported rather than held to fp32 tolerance (a warning says so)."""
-    params = list(model.parameters()) if params is None else params
-    extra = sum(p.numel() * (4 - p.element_size()) for p in params if p.is_floating_point() and p.element_size() < 4)
+    A 7B bf16 base needs 13.5 GB more as fp32 (27 GB in all), which a 24 GB machine that trained it does not have:
+    then the model stays in its dtype, each merged weight is computed in fp32 one layer at a time and stored in the
+    model's dtype, and the probe check is reported rather than held to fp32 tolerance (a warning says so). The merged
+    export of a plain LoRA model casts no whole model (:func:`fedllm.export.merged.write_merged`)."""
+    extra = sum(p.numel() * (4 - p.element_size()) for p in model.parameters()
+                if p.is_floating_point() and p.element_size() < 4)
     free = available_bytes()
     if extra <= 0.9 * free:
         return True
     logging.getLogger("fedllm").warning(
-        "export: the fp32 copy of the model needs %.2f GB more (%s) and %.2f GB are available (GB = 1024**3 bytes): "
+        "export: the fp32 copy of the model needs %.2f GB more and %.2f GB are available (GB = 1024**3 bytes): "
         "merging each layer in fp32 and keeping the model in %s; the probe check is reported, not held to fp32 "
-        "tolerance", extra / 2**30, what, free / 2**30, kept_dtype_of(model))
+        "tolerance", extra / 2**30, free / 2**30, kept_dtype_of(model))
     return False
 
 
