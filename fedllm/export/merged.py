@@ -97,7 +97,7 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
         else:
             diff = check_probe(reference, got, str(source.checkpoint))
         for name in list(spilled.files if spilled is not None else []):  # cast to the saved dtype one at a time
-            targets[relative_name(name)].weight.data = spilled.read(name).to(DTYPES[dtype])
+            _put(targets[relative_name(name)].weight, spilled.read(name).to(DTYPES[dtype]))
     finally:
         if spilled is not None:
             spilled.close()
@@ -142,6 +142,15 @@ def _spill_fits(out: Path, wrapped: dict[str, Any]) -> bool:
 def _oriented(wrapper: Any, weight: torch.Tensor) -> torch.Tensor:
     """An ``out × in`` weight as ``wrapper``'s base layer stores it (transposed for ``fan_in_fan_out``)."""
     return (weight.T if getattr(wrapper, "fan_in_fan_out", False) else weight).contiguous()
+
+
+def _put(weight: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """``value`` into ``weight``: in place when the dtypes agree (a memory-mapped base's pages become the merged
+    layer's instead of staying beside a second copy), else as its new data."""
+    if weight.dtype == value.dtype and weight.shape == value.shape:
+        weight.data.copy_(value)
+    else:
+        weight.data = value
 
 
 def _store(target: Any, weight: torch.Tensor, kept_dtype: Any) -> None:
