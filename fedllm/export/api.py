@@ -111,7 +111,7 @@ def _write_one(fmt: str, source: Source, client: Optional[int], directory: Path,
     from fedllm.common import logs
 
     directory.mkdir(parents=True, exist_ok=True)
-    model, tokenizer, strategy = load_run_model(source, client)
+    model, tokenizer, strategy = load_run_model(source, client, for_merge=fmt == "merged")
     logs.quiet_loading_bars()  # no "Writing model shards" bar (unless --verbose)
     if fmt == "merged":
         info = write_merged(model, tokenizer, strategy, source, directory, dtype)

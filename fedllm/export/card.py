@@ -224,8 +224,8 @@ def _export_facts(fmt: str, info: dict[str, Any]) -> str:
     else:
         lines.append(f"- {info['layers']} LoRA-wrapped layers merged in float64/fp32"
                      + (f" (base dequantized from {info['dequantized_from']})" if info.get("dequantized_from") else "")
-                     + (f", stored in the base's {info['merged_in']} (an fp32 copy of the base did not fit in memory)"
-                        if info.get("merged_in") else ""))
+                     + (f", stored in the base's {info['merged_in']} (their fp32 weights did not fit on disk beside "
+                        "the export)" if info.get("merged_in") else ""))
     check = "checked" if info.get("checked") else "reported"
     lines.append(f"- largest logit difference to the run's model on the probe text {PROBE_TEXT!r}: "
                  f"{info['max_logit_diff']:.3g} ({check})")

@@ -37,6 +37,11 @@ class LowRank:
         """``scale · B @ A`` in float64."""
         return self.scale * (self.B.detach().double() @ self.A.detach().double())
 
+    def columns(self, start: int, stop: int) -> torch.Tensor:
+        """``product()[:, start:stop]`` from those columns of ``A`` alone (each entry the same length-r float64 dot
+        product, so bit for bit the same on the BLAS measured: MKL, tests/export/test_merged_columns.py)."""
+        return self.scale * (self.B.detach().double() @ self.A.detach()[:, start:stop].double())
+
     def is_zero(self) -> bool:
         """True when the product is exactly zero (a factor is all zeros, e.g. right after a LoRA re-init)."""
         return not (bool(torch.any(self.B != 0)) and bool(torch.any(self.A != 0)))

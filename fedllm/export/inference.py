@@ -24,6 +24,7 @@ from fedllm.recipe.checks import parse_recipe
 from fedllm.recipe.schema import ModelConfig, Recipe, read_yaml
 from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies import ClientInfo, Strategy, get_strategy
+from fedllm.strategies.residual import BaseUpdates
 
 log = logging.getLogger("fedllm")
 
@@ -37,9 +38,15 @@ def recipe_of(ck: ckpt_io.Checkpoint, where: Path) -> Recipe:
 
 def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,
                           client: Optional[int] = None,
-                          quantization: str | None = None) -> tuple[Any, Any, Strategy, Recipe]:
+                          quantization: str | None = None,
+                          read_once: bool = False) -> tuple[Any, Any, Strategy, Recipe]:
     """``(peft_model, tokenizer, strategy, recipe)`` holding a checkpoint's global (or personal) model
-    (``quantization``: load the base in 4/8 bit whatever the run used; None: as the run did)."""
+    (``quantization``: load the base in 4/8 bit whatever the run used; None: as the run did).
+
+    ``read_once`` (a merged export, which reads each layer once, in order): a checkpoint with a base history skips
+    the strategy's set-up work that the restore replaces (FRLoRA's SVD init: :attr:`FRLoRA.restoring`), and its
+    dense residuals are read from the checkpoint one layer at a time when used (:class:`StoredResiduals`) instead
+    of all held beside the base. The model computes the same, bit for bit."""
     where = ckpt_io.resolve_checkpoint(Path(path))
     ck = ckpt_io.load_checkpoint(where)
     recipe = recipe_of(ck, where)
@@ -55,9 +62,14 @@ def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,
                             source=recipe.source, tokenizer=tok)
     strategy = get_strategy(recipe.federation.strategy, **recipe.federation.strategy_args)
     strategy.recipe = recipe
+    read_once = read_once and ck.base_history is not None
+    if read_once and hasattr(strategy, "restoring"):
+        strategy.restoring = True
     torch.manual_seed(0)
     sizes = ck.meta.get("client_sizes") or [1] * recipe.federation.num_clients
     strategy.setup(loaded.model, [ClientInfo(c, n) for c, n in enumerate(sizes)])
+    if read_once and isinstance(getattr(strategy, "base", None), BaseUpdates):
+        strategy.base.read_once = True
     ckpt_io.restore_into(loaded.model, strategy, ck)
     if client is not None:
         personal = strategy.personal_state(client, ckpt_io.client_store(ck).get(client))

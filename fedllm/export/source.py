@@ -163,10 +163,13 @@ def run_metrics(source: Source) -> dict[str, Any]:
     return out
 
 
-def load_run_model(source: Source, client: Optional[int]) -> tuple[Any, Any, Any]:
+def load_run_model(source: Source, client: Optional[int], for_merge: bool = False) -> tuple[Any, Any, Any]:
     """``(peft_model, tokenizer, strategy)``: the run's global model, or ``client``'s personal one.
 
-    Non-quantized models are upcast to float32 so that every merge happens in fp32.
+    Non-quantized models are upcast to float32 so that every merge happens in fp32, except ``for_merge`` (the
+    merged export, which computes in fp32 one module at a time and reads each layer once, in order): its model stays
+    as the run held it, with dense residuals read from the checkpoint when used
+    (``read_once`` of :func:`fedllm.export.inference.model_from_checkpoint`).
 
     Raises:
         ExportInputError: the checkpoint's tensors do not fit its recipe's model (foreign or torn).
@@ -177,7 +180,7 @@ def load_run_model(source: Source, client: Optional[int]) -> tuple[Any, Any, Any
     from fedllm.models.state import StateMismatch
 
     try:
-        model, tok, strategy, _ = model_from_checkpoint(source.checkpoint, client=client)
+        model, tok, strategy, _ = model_from_checkpoint(source.checkpoint, client=client, read_once=for_merge)
     except InputError:
         raise
     except (KeyError, StateMismatch, SafetensorError) as e:
@@ -186,7 +189,7 @@ def load_run_model(source: Source, client: Optional[int]) -> tuple[Any, Any, Any
         if "shape" not in str(e):
             raise
         raise ExportInputError(f"{source.checkpoint}: does not fit its recipe's model ({e})") from None
-    if source.recipe.model.quantization == "none" and fp32_copy_fits(model):
+    if not for_merge and source.recipe.model.quantization == "none" and fp32_copy_fits(model):
         to_fp32(model)
     return model, tok, strategy
 
@@ -203,7 +206,8 @@ def fp32_copy_fits(model: Any) -> bool:
 
     A 7B bf16 base needs 13.5 GB more as fp32 (27 GB in all), which a 24 GB machine that trained it does not have:
     then the model stays in its dtype, each merged weight is computed in fp32 one layer at a time and stored in the
-    model's dtype, and the probe check is reported rather than held to fp32 tolerance (a warning says so)."""
+    model's dtype, and the probe check is reported rather than held to fp32 tolerance (a warning says so). The merged
+    export of a plain LoRA model casts no whole model (:func:`fedllm.export.merged.write_merged`)."""
     extra = sum(p.numel() * (4 - p.element_size()) for p in model.parameters()
                 if p.is_floating_point() and p.element_size() < 4)
     free = available_bytes()
@@ -253,9 +257,17 @@ def probe_inputs(tokenizer: Any) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def probe_logits(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def probe_logits(model: Any, inputs: dict[str, torch.Tensor], in_fp32: bool = False,
+                 weights: Optional[dict[Any, Any]] = None) -> torch.Tensor:
     """Float32 logits of ``model`` on the probe input (under autocast to its dtype when :func:`load_run_model` left a
-    bf16/fp16 base beside fp32 adapters, as the run computed)."""
+    bf16/fp16 base beside fp32 adapters, as the run computed). ``in_fp32``: computed as ``model.float()`` would
+    compute them, one module's fp32 copy at a time, with ``weights`` (``{module: read}``) read for the modules named
+    (:func:`fedllm.export.upcast.computed_in_fp32`)."""
+    if in_fp32:
+        from fedllm.export.upcast import computed_in_fp32
+
+        with computed_in_fp32(model, weights):
+            return model(**inputs).logits.float()
     kept = kept_dtype_of(model)
     device = next(model.parameters()).device.type
     with torch.autocast(device, dtype=getattr(torch, kept or "bfloat16"), enabled=kept is not None):

@@ -24,6 +24,7 @@ from fedllm.models.lowrank import dense_weight, is_quantized
 
 PEFT_PREFIX = "base_model.model."
 READOUT_BLOCK = 1024  # identity columns pushed through a layer at once
+COLUMN_BLOCK = 512  # a layer's columns summed at once in float64 by the merged export (4096 rows: 16 MiB)
 
 
 def relative_name(name: str) -> str:
@@ -50,18 +51,25 @@ def _sum(pieces: list[LowRank], shape: tuple[int, int]) -> torch.Tensor:
     return total
 
 
+def column_blocks(columns: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of :data:`COLUMN_BLOCK` columns each, covering ``range(columns)``."""
+    return [(start, min(start + COLUMN_BLOCK, columns)) for start in range(0, columns, COLUMN_BLOCK)]
+
+
 @dataclass
 class LayerState:
     """One LoRA-wrapped layer of the run's model.
 
     Attributes:
         name: Module name in the PEFT model (``base_model.model....q_proj``).
-        base: Current base weight, fp32 ``out × in`` (dequantized for 4/8-bit layers).
+        base: Current base weight ``out × in``: the layer's own weight in its dtype, not a copy (an fp32 copy,
+            dequantized, for 4/8-bit layers). Every sum below reads it as float64, which holds any of them exactly.
         residual: Dense fp32 change kept beside the base (added by a hook), or None.
         adapter: Products of the active LoRA adapters.
         kept: The strategy's kept factors.
         kept_in_base: The kept factors are inside ``base`` (and ``residual``) already.
-        observed: What the layer adds to its base layer's output, read out with the identity (float64).
+        observed: What the layer adds to its base layer's output, read out with the identity (fp32: the difference of
+            two fp32 outputs, held exactly).
         scale: Scaling ``alpha / r`` of the layer's adapter.
         explained: The known pieces account for ``observed`` (up to fp32 rounding).
     """
@@ -83,23 +91,41 @@ class LayerState:
 
     def known_addition(self) -> torch.Tensor:
         """Residual + adapters + kept factors computed beside the base (float64)."""
-        total = _sum(self.adapter + ([] if self.kept_in_base else self.kept), self.shape)
-        return total if self.residual is None else total + self.residual.double()
+        return self.known_columns(0, self.shape[1])
+
+    def known_columns(self, start: int, stop: int) -> torch.Tensor:
+        """``known_addition()[:, start:stop]``, summed from those columns alone in the same order (float64)."""
+        total = torch.zeros((self.shape[0], stop - start), dtype=torch.float64)
+        for piece in self.adapter + ([] if self.kept_in_base else self.kept):
+            total = total + piece.columns(start, stop)
+        return total if self.residual is None else total + self.residual[:, start:stop].double()
 
     def check_explained(self) -> bool:
-        """Set :attr:`explained`: do the known pieces account for what the layer adds (up to fp32 rounding)?"""
-        known = self.known_addition()
+        """Set :attr:`explained`: do the known pieces account for what the layer adds (up to fp32 rounding)?
+
+        Compared :data:`COLUMN_BLOCK` columns at a time (the largest difference is the same)."""
         # fp32 rounding of the read-out: one term per base/residual entry, r-term sums per low-rank piece
         bound = float(self.base.abs().max()) + float(self.observed.abs().max())
         bound += 0.0 if self.residual is None else float(self.residual.abs().max())
         bound += sum(abs(p.scale) * p.rank * float(p.B.abs().max()) * float(p.A.abs().max())
                      for p in self.adapter + self.kept if p.B.numel() and p.A.numel())
-        self.explained = float((self.observed - known).abs().max()) <= 16 * FP32_EPS * bound
+        worst = max((float((self.observed[:, start:stop].double() - self.known_columns(start, stop)).abs().max())
+                     for start, stop in column_blocks(self.shape[1])), default=0.0)
+        self.explained = worst <= 16 * FP32_EPS * bound
         return self.explained
 
     def effective(self) -> torch.Tensor:
         """The layer's effective weight ``W + additions`` (float64): known pieces when they explain it."""
-        return self.base.double() + (self.known_addition() if self.explained else self.observed)
+        return self.base.double() + (self.known_addition() if self.explained else self.observed.double())
+
+    def merged_weight(self) -> torch.Tensor:
+        """``effective()`` rounded to fp32, summed :data:`COLUMN_BLOCK` columns at a time: the same float64 sums, so
+        the same fp32 weight, with 16 MiB of float64 at once for a 4096 x 4096 layer instead of several 128 MiB."""
+        out = torch.empty(self.shape, dtype=torch.float32)
+        for start, stop in column_blocks(self.shape[1]):
+            added = self.known_columns(start, stop) if self.explained else self.observed[:, start:stop].double()
+            out[:, start:stop] = self.base[:, start:stop].double() + added
+        return out
 
     def base_without_pieces(self) -> Optional[torch.Tensor]:
         """``effective − Σ pieces``: base + residual, minus kept factors merged into it (float64).
@@ -140,6 +166,12 @@ def adapter_pieces(name: str, layer: Any) -> list[LowRank]:
     return pieces
 
 
+def current_weight(base: torch.nn.Module) -> torch.Tensor:
+    """A base layer's weight as stored: the parameter itself, detached (not copied: a 7B layer's fp32 copy is 64 MiB
+    per 4096 x 4096), or an fp32 dequantized copy of a 4/8-bit layer's."""
+    return dense_weight(base) if is_quantized(base) else base.weight.detach()
+
+
 def _checked(found: dict[str, Any], names: list[str], what: str, strategy: Any) -> dict[str, Any]:
     unknown = sorted(set(found) - set(names))
     if unknown:
@@ -149,7 +181,7 @@ def _checked(found: dict[str, Any], names: list[str], what: str, strategy: Any) 
 
 @torch.no_grad()
 def observed_addition(layer: Any) -> torch.Tensor:
-    """``(layer(I) − base_layer(I))ᵀ``: the ``out × in`` matrix the layer adds to its base (float64).
+    """``(layer(I) − base_layer(I))ᵀ``: the ``out × in`` matrix the layer adds to its base (fp32).
 
     The model must be in eval mode (no dropout); every term is linear in the input, so this is
     exactly what the adapters and the strategy's hooks add, up to fp32 rounding.
@@ -160,17 +192,21 @@ def observed_addition(layer: Any) -> torch.Tensor:
     kept = [p.data for p in half]
     for p in half:  # a bf16/fp16 base left so by the export (no memory for an fp32 copy): this layer alone in fp32
         p.data = p.data.float()
+    observed = None
     try:
-        columns = []
         for start in range(0, layer.in_features, READOUT_BLOCK):
             stop = min(start + READOUT_BLOCK, layer.in_features)
             eye = torch.zeros(stop - start, layer.in_features, device=ref.device, dtype=torch.float32)
             eye[:, start:stop] = torch.eye(stop - start, device=ref.device)
-            columns.append((layer(eye).float() - base(eye).float()).double().cpu())
+            block = (layer(eye).float() - base(eye).float()).cpu()
+            if observed is None:
+                observed = torch.empty(block.shape[1], layer.in_features, dtype=torch.float32)
+            observed[:, start:stop] = block.T
+            del eye, block
     finally:
-        for p, data in zip(half, kept):
+        for p, data in zip(half, kept, strict=True):
             p.data = data
-    return torch.cat(columns, dim=0).T.contiguous()
+    return observed
 
 
 def read_layers(model: torch.nn.Module, strategy: Any) -> dict[str, LayerState]:
@@ -183,7 +219,8 @@ def read_layers(model: torch.nn.Module, strategy: Any) -> dict[str, LayerState]:
 
 def iter_layers(model: torch.nn.Module, strategy: Any) -> Iterator[tuple[str, LayerState]]:
     """:func:`read_layers` one layer at a time: a 7B model's states together (fp32 base, float64 read-out) would
-    take 13 GB beside the model; the merged export uses each and lets it go."""
+    take 13 GB beside the model; the merged export uses each and lets it go (and each dense residual, when the
+    strategy reads them from the checkpoint as they are asked for)."""
     layers = wrapped_layers(model)
     names = list(layers)
     kept = _checked(strategy.kept_factors() or {}, names, "factors", strategy)
@@ -192,7 +229,7 @@ def iter_layers(model: torch.nn.Module, strategy: Any) -> Iterator[tuple[str, La
     for name, layer in layers.items():
         adapter = adapter_pieces(name, layer)
         scale = adapter[0].scale if adapter else float(next(iter(layer.scaling.values()), 1.0))
-        base = oriented(layer, dense_weight(layer.get_base_layer())).cpu()
+        base = oriented(layer, current_weight(layer.get_base_layer())).cpu()
         residual = residuals.get(name)
         state = LayerState(
             name=name, base=base, residual=None if residual is None else residual.detach().float().cpu(),
@@ -201,6 +238,10 @@ def iter_layers(model: torch.nn.Module, strategy: Any) -> Iterator[tuple[str, La
             kept_in_base=kept_in_base, observed=observed_addition(layer), scale=scale)
         state.check_explained()
         yield name, state
+        del state, residual, base  # a residual read one layer at a time (StoredResiduals) goes before the next
+    forget = getattr(residuals, "forget", None)  # StoredResiduals keeps the newest it read: not needed any more
+    if forget is not None:
+        forget()
 
 
 @torch.no_grad()

@@ -17,15 +17,31 @@ So that the copy runs wherever the model runs, each wrapper gets two forward hoo
   gave it before (evaluation and generation run without autocast).
 
 The hooks read the dtypes at each call: once a model is cast whole (an export upcasts it to fp32), they cast nothing.
+Within :func:`hooks_as_cast_whole` they cast nothing either: a merged export computes a half-precision model in fp32
+one module at a time (:func:`fedllm.export.upcast.computed_in_fp32`), so the frozen original stays bf16 in memory while
+the model computes what ``model.float()`` would; the output cast would round the fp32 head's logits to bf16.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+from typing import Any, Iterator
 
 import torch
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+_CAST_WHOLE = contextvars.ContextVar("fedllm_modules_to_save_cast_whole", default=False)
+
+
+@contextlib.contextmanager
+def hooks_as_cast_whole() -> Iterator[None]:
+    """Within the block, the wrappers' hooks cast nothing, as for a model cast whole to fp32 (module docstring)."""
+    token = _CAST_WHOLE.set(True)
+    try:
+        yield
+    finally:
+        _CAST_WHOLE.reset(token)
 
 
 def _floating_dtype(module: torch.nn.Module) -> torch.dtype | None:
@@ -41,7 +57,9 @@ def _running_module(wrapper: Any) -> torch.nn.Module:
     return wrapper.modules_to_save[active[0]]
 
 
-def _cast_inputs(wrapper: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _cast_inputs(wrapper: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    if _CAST_WHOLE.get():
+        return None  # unchanged
     dtype = _floating_dtype(_running_module(wrapper))
 
     def cast(x: Any) -> Any:
@@ -54,6 +72,8 @@ def _cast_inputs(wrapper: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _cast_output(wrapper: Any, args: tuple, output: Any) -> Any:
+    if _CAST_WHOLE.get():
+        return None  # unchanged
     dtype = _floating_dtype(wrapper.original_module)
     if dtype is None or not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.dtype == dtype:
         return None  # unchanged

@@ -31,6 +31,8 @@ added to the layer's output by a forward hook, so nothing is lost to re-quantisa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from fedllm.common.registry import register_strategy
@@ -78,6 +80,10 @@ class FRLoRA(FedAvg):
     after_aggregate_reads_download = True  # the merge subtracts the factors the clients started from
     init = "principal"  # how the run starts: "principal" (SVD init) or "gaussian" (B = 0, A ~ N(0, 1/r²))
     reinit = "principal"  # where each round starts: principal (B0, A0) | gaussian | resvd | none (no merge)
+    restoring = False
+    """Set before :meth:`setup` by a caller that restores a checkpoint with a base history next (an export): the
+    checkpoint supplies the base or residual of every layer, the adapter and the start factors, so the set-up skips
+    the init (a 7B model's SVDs, and the dense residuals it would build only for the restore to replace them)."""
 
     def __init__(self, weighting: str = "uniform", svd: str = "exact", niter: int = 4, oversample: int = 8,
                  residual: str = "auto", **kwargs):
@@ -121,6 +127,9 @@ class FRLoRA(FedAvg):
         self.modifies_base = self.base.modifies_base
         self.sync_numel = sum(layer.numel for layer in self.layers.values())
         self.start: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.restoring:
+            self.base.restore_needs = set(self.layers) if self.init == "principal" else set()
+            return
         with torch.no_grad():
             for name, layer in self.layers.items():
                 a_param, b_param = layer.module.lora_A["default"].weight, layer.module.lora_B["default"].weight
@@ -204,8 +213,8 @@ class FRLoRA(FedAvg):
                         for w in (layer.module.lora_A["default"].weight, layer.module.lora_B["default"].weight))
         return {c: size for c in range(num_clients) if c not in set(sampled)}
 
-    def base_residuals(self) -> dict[str, torch.Tensor]:
-        return dict(self.base.residual)
+    def base_residuals(self) -> Mapping[str, torch.Tensor]:
+        return self.base.residuals()
 
     def state_dict(self) -> StateDict:
         state = self.base.state_dict()

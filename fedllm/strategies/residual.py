@@ -38,6 +38,7 @@ adapter is enabled, exactly like a change of the base weight would.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -166,6 +167,50 @@ def resolve_residual_mode(mode: str, layers: dict[str, AdapterLayer]) -> str:
     return "dense" if quantized or half else "merge"
 
 
+class StoredResiduals(Mapping):
+    """A checkpoint's dense residuals, rebuilt from its base history one layer at a time (read-only).
+
+    What an export reads (:attr:`BaseUpdates.read_once`): it uses each layer's residual for the probe forward, then
+    for that layer's merge, in layer order, so only the newest one is kept; a 7B FRLoRA run's 64 residuals of
+    4096 x 4096 (4 GB in fp32) are never all in memory. Each is :meth:`StoredHistory.rebuild`'s value, the one
+    :meth:`BaseUpdates.restore` would hold, bit for bit.
+
+    Args:
+        stored: the checkpoint's history (``dense`` mode).
+        names: ``{history key: layer name}`` of the layers it holds.
+        layers: from :func:`adapter_layers` (devices and shapes).
+    """
+
+    def __init__(self, stored: StoredHistory, names: dict[str, str], layers: dict[str, AdapterLayer]):
+        self.stored, self.layers = stored, layers
+        self.keys_by_name = {name: key for key, name in names.items()}
+        self.newest: Optional[tuple[str, torch.Tensor]] = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.newest is not None and self.newest[0] == name:
+            return self.newest[1]
+        key = self.keys_by_name[name]  # KeyError: no residual for this layer
+        layer = self.layers[name]
+        self.newest = None  # let the previous one go before reading the next
+        like = torch.empty(layer.shape, device="meta")  # its shape, without memory
+        value = self.stored.rebuild(key, layer.module.lora_A["default"].weight.device, like)
+        self.newest = (name, value)
+        return value
+
+    def forget(self) -> None:
+        """Drop the newest residual read (the export's merge is done with it; a later read rebuilds it)."""
+        self.newest = None
+
+    def __contains__(self, name: object) -> bool:  # without reading it
+        return name in self.keys_by_name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_by_name)
+
+    def __len__(self) -> int:
+        return len(self.keys_by_name)
+
+
 class BaseUpdates:
     """Changes of the frozen base weights, merged in place (``merge``) or kept in fp32 beside them (``dense``).
 
@@ -182,7 +227,9 @@ class BaseUpdates:
             raise ValueError(f"mode {mode!r}; expected 'merge' or 'dense'")
         self.layers = layers
         self.mode = mode
-        self.residual: dict[str, torch.Tensor] = {}
+        self.residual: dict[str, torch.Tensor] | StoredResiduals = {}
+        self.read_once = False  # set by an export: restore dense residuals as StoredResiduals (never all in memory)
+        self.restore_needs: set[str] = set()  # layers whose target a restore must supply (their set-up was skipped)
         self.handles = []
         if mode == "dense":
             for name, layer in layers.items():
@@ -255,6 +302,10 @@ class BaseUpdates:
         r = self.residual.get(name)
         return w if r is None else w + r.to(w.device)
 
+    def residuals(self) -> Mapping[str, torch.Tensor]:
+        """The dense residuals by layer name: a copy of the dict, or the :class:`StoredResiduals` an export reads."""
+        return self.residual if isinstance(self.residual, StoredResiduals) else dict(self.residual)
+
     def state_dict(self, prefix: str = "residual/") -> StateDict:
         """Nothing: the residuals (``dense``) and base weights (``merge``) are checkpointed by :attr:`history`."""
         return {}
@@ -280,18 +331,32 @@ class BaseUpdates:
         """Rebuild the targets from a checkpoint's snapshot and log, on their devices (bit for bit the live ones).
 
         A history of base weights restores into a model whose base is kept dense (e.g. evaluated in another
-        dtype) by writing the rebuilt fp32 weights into it, as a dense ``base.safetensors`` would.
+        dtype) by writing the rebuilt fp32 weights into it, as a dense ``base.safetensors`` would. With
+        :attr:`read_once` dense residuals are not rebuilt here but when read (:class:`StoredResiduals`).
+
+        Raises:
+            KeyError: the history holds an unknown layer, or lacks one of :attr:`restore_needs`.
         """
         if stored.mode == "dense" and self.mode != "dense":
             raise ValueError("checkpoint holds dense residuals but this run merges into the base (residual mode)")
         by_key = {layer.base_key if stored.mode == "merge" else f"residual/{name}": name
                   for name, layer in self.layers.items()}
-        unknown = sorted(set(stored.keys()) - set(by_key))
+        keys = stored.keys()
+        held = set(keys)
+        unknown = sorted(held - set(by_key))
         if unknown:
             raise KeyError(f"base history of unknown layers: {unknown[:3]}")
+        missing = sorted(name for key, name in by_key.items() if name in self.restore_needs and key not in held)
+        if missing:
+            raise KeyError(f"{stored.directory}: the base history has no {stored.mode} target of layers {missing[:3]}, "
+                           "whose set-up was left to the checkpoint")
+        if stored.mode == "dense" and self.read_once:
+            self.residual = StoredResiduals(stored, {key: by_key[key] for key in keys}, self.layers)
+            self.history.resumed(stored)
+            return
         if stored.mode == "dense":
             self.residual = {}
-        for key in stored.keys():
+        for key in keys:
             layer = self.layers[by_key[key]]
             if stored.mode == "merge":
                 weight = layer.base.weight
@@ -399,8 +464,8 @@ class MergesIntoBase:
     base: BaseUpdates
     merges_in_aggregate = True  # the base changes in ``aggregate``: a Flower node replays the logged merges
 
-    def base_residuals(self) -> dict[str, torch.Tensor]:
-        return dict(self.base.residual)
+    def base_residuals(self) -> Mapping[str, torch.Tensor]:
+        return self.base.residuals()
 
     def state_dict(self) -> StateDict:
         return self.base.state_dict()

@@ -166,7 +166,7 @@ def test_a_failure_half_way_leaves_nothing_and_keeps_the_old_export(cases, tmp_p
 def test_an_export_that_misses_part_of_the_model_is_refused(cases, tmp_path, monkeypatch, capsys):
     from fedllm.export.weights import LayerState
 
-    monkeypatch.setattr(LayerState, "effective", lambda self: self.base.double())  # drop the learned change
+    monkeypatch.setattr(LayerState, "merged_weight", lambda self: self.base.float())  # drop the learned change
     out = tmp_path / "out"
     with pytest.raises(ExportCheckError, match="does not reproduce"):
         export(cases["fedavg"].run_dir, "merged", out)
