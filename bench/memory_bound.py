@@ -208,7 +208,8 @@ def main(argv=None) -> int:
     for case in rows:
         load = os.getloadavg()[0]
         path = model_path(case[0])
-        done = subprocess.run([sys.executable, __file__, "--case", json.dumps([path, *case[1:], not args.estimate_only])],
+        row = json.dumps([path, *case[1:], not args.estimate_only])
+        done = subprocess.run([sys.executable, __file__, "--case", row],
                               capture_output=True, text=True,
                               env=os.environ | ({} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": "131072"}))
         if done.returncode:

@@ -474,7 +474,8 @@ class CostReport:
                                                                 f"{self.head_rows} rows"
         return [f"    activations: what autograd saves in one traced layer ({self.device}, {layer.attention} attention, "
                 f"{layer.stream_dtype} hidden states) at b={rows}{pairs} x s={r.train.max_length} (every sequence "
-                f"at max_length): {kept}; backward: one layer's gradients{' and the recomputed layer' if every else ''}, "
+                f"at max_length): {kept}; backward: one layer's gradients"
+                f"{' and the recomputed layer' if every else ''}, "
                 f"beyond the head's chunk (freed before backward starts); head: {head}"]
 
     def lines(self) -> list[str]:
