@@ -1,6 +1,6 @@
 """The dry run's peak-memory estimate against the measured peak of one training process on a CPU.
 
-    python bench/memory_bound.py [--cases smollm2,gemma,kbit,all] [--only SUBSTRING] [--json OUT]
+    python bench/memory_bound.py [--cases smollm2,gemma,kbit,kbit-ckpt,all] [--only SUBSTRING] [--json OUT]
 
 Each configuration runs in a fresh subprocess, which imports torch, transformers, peft and fedllm, touches the
 matmul kernels once, and reads its RSS (the *baseline*); then builds the federation as a run does
@@ -67,7 +67,9 @@ KBIT = [(m, dt, False, length, "sft", b)
         for m, shapes in (("smollm2-135m-instruct", ((1, 64), (2, 128), (8, 256))),
                           ("random:Qwen--Qwen2-0.5B", ((1, 64), (2, 128))), ("random:Qwen--Qwen2-1.5B", ((1, 64),)))
         for b, length in shapes for dt in ("bf16", "4bit", "8bit")]
-SETS = {"smollm2": SMOLLM2, "gemma": GEMMA, "kbit": KBIT}
+#: Checkpointed quantised bases on a random-weight shipped config (no GGUF in the way), beside its bf16 row.
+KBIT_CKPT = [("random:Qwen--Qwen2-0.5B", dt, True, 512, "sft", 2) for dt in ("bf16", "4bit", "8bit")]
+SETS = {"smollm2": SMOLLM2, "gemma": GEMMA, "kbit": KBIT, "kbit-ckpt": KBIT_CKPT}
 
 
 def model_path(model: str) -> str:
@@ -127,8 +129,9 @@ def _has_checkpointing_key() -> bool:
     return "gradient_checkpointing" in TrainConfig.__dataclass_fields__
 
 
-def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, batch: int) -> dict:
-    """One row, in this process (see the module docstring)."""
+def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, batch: int,
+             train: bool = True) -> dict:
+    """One row, in this process (see the module docstring); ``train=False``: the estimates only (no step)."""
     import torch
 
     import fedllm.engine.client  # noqa: F401 — every import a run makes, before the baseline
@@ -166,7 +169,8 @@ def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, ba
     plan.lr = recipe.train.lr
     coll = partial(collate, pad_id=fed.loaded.tokenizer.pad_token_id, task=fed.loaded.task)
     t0 = time.process_time()
-    result = train_client(m, plan, fed.strategy, fed.data.examples, fed.data.clients[0], recipe.train, coll, 1)
+    result = train_client(m, plan, fed.strategy, fed.data.examples, fed.data.clients[0], recipe.train, coll, 1) \
+        if train else None
     cpu = time.process_time() - t0
     train_peak = _status_kib("VmHWM") - baseline
     costs = cost_report(recipe, m, fed.strategy, fed.loaded.task, model, False, 2)
@@ -174,7 +178,7 @@ def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, ba
     del fed, m, result, state, plan
     meta = untimed(recipe, weights_missing="bench").costs.memory()
     return {"model": model, "dtype": dtype, "ckpt": ckpt, "length": length, "objective": objective, "batch": batch,
-            "measured_mib": train_peak / 1024, "train_peak_mib": train_peak / 1024,
+            "measured_mib": train_peak / 1024 if train else None, "train_peak_mib": train_peak / 1024,
             "load_peak_mib": load_peak / 1024, "loaded_mib": loaded / 1024, "baseline_mib": baseline / 1024,
             "estimate_mib": sum(estimate.values()) / 2**20, "meta_mib": sum(meta.values()) / 2**20,
             "terms_mib": {k: v / 2**20 for k, v in estimate.items()}, "cpu_s": cpu, "bench_checkpointing": wrapped}
@@ -182,16 +186,19 @@ def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, ba
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="smollm2", help="comma-separated sets: smollm2, gemma, kbit, all")
+    p.add_argument("--cases", default="smollm2", help="comma-separated sets: smollm2, gemma, kbit, kbit-ckpt, all")
     p.add_argument("--only", default="", help="run the rows whose label contains this")
     p.add_argument("--json", default=None)
     p.add_argument("--default-malloc", action="store_true",
                    help="glibc's dynamic mmap threshold (default here: fixed at 128 KiB, see docs/memory.md)")
+    p.add_argument("--estimate-only", action="store_true",
+                   help="print the rows' estimates without training (to recompute the estimate column of rows "
+                        "measured before an estimate change: the measurement does not depend on the estimate's code)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
-        m, dt, ck, length, obj, b = json.loads(args.case)
-        print(json.dumps(run_case(m, dt, ck, length, obj, b)))
+        m, dt, ck, length, obj, b, train = json.loads(args.case)
+        print(json.dumps(run_case(m, dt, ck, length, obj, b, train)))
         return 0
     names = list(SETS) if args.cases == "all" else args.cases.split(",")
     rows = [c for n in names for c in SETS[n] if args.only in label(c)]
@@ -201,7 +208,8 @@ def main(argv=None) -> int:
     for case in rows:
         load = os.getloadavg()[0]
         path = model_path(case[0])
-        done = subprocess.run([sys.executable, __file__, "--case", json.dumps([path, *case[1:]])],
+        row = json.dumps([path, *case[1:], not args.estimate_only])
+        done = subprocess.run([sys.executable, __file__, "--case", row],
                               capture_output=True, text=True,
                               env=os.environ | ({} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": "131072"}))
         if done.returncode:
@@ -209,12 +217,18 @@ def main(argv=None) -> int:
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1]) | {"load": load, "model": case[0].split("/")[-1]}
         found.append(r)
+        if args.estimate_only:
+            print(f"{r['model'][:22]:<22} {r['dtype']:<5} {'yes' if r['ckpt'] else 'no':<4} {r['objective']:<3} "
+                  f"{r['batch']:>3} x {r['length']:<4} {'-':>9} {r['estimate_mib']:>7.0f} M", flush=True)
+            continue
         err = r["estimate_mib"] / r["measured_mib"] - 1
         print(f"{r['model'][:22]:<22} {r['dtype']:<5} {'yes' if r['ckpt'] else 'no':<4} {r['objective']:<3} "
               f"{r['batch']:>3} x {r['length']:<4} {r['measured_mib']:>7.0f} M {r['estimate_mib']:>7.0f} M "
               f"{100 * err:>+6.1f}% {r['meta_mib']:>6.0f} M {r['load_peak_mib']:>6.0f} M {load:>5.1f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(found, indent=1))
+    if args.estimate_only:
+        return 0
     bad = [r for r in found if not -0.05 <= r["estimate_mib"] / r["measured_mib"] - 1 <= 0.15]
     print(f"{len(found) - len(bad)} of {len(found)} rows inside -5 % / +15 %")
     return 1 if bad else 0

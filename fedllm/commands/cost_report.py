@@ -51,7 +51,7 @@ UNQUANTISED_HEADS = ("lm_head", "score", "classifier")
 #: (:data:`fedllm.commands.memory_fit.CUDA_RUNTIME_BYTES`).
 CPU_RUNTIME_BYTES = 53 * 2**20
 #: Terms of the peak-memory estimate printed only when not zero.
-OPTIONAL_TERMS = ("base changes", "residual casts", "dequantised weight", "runtime")
+OPTIONAL_TERMS = ("backward", "base changes", "residual casts", "dequantised weight", "runtime")
 LORA_PARTS = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.[^.]+")
 SUFFIXES = (".base_layer", ".modules_to_save.default", ".original_module")
 
@@ -280,14 +280,23 @@ def checkpointing(recipe: Any) -> int | None:
     return every_n_layers(recipe.train)
 
 
-def head_bytes(shapes: Shapes, tokens: int, dtype_bytes: int, head_rows: int | None) -> int:
+def head_bytes(shapes: Shapes, tokens: int, dtype_bytes: int, head_rows: int | None, device: str = "cpu") -> int:
     """The LM head's logits in the compute dtype, their fp32 copy and its gradient: ``b·s·V·(p + 8)``, or fused in
-    chunks of ``c`` rows ``min(b·s, c)·V·(p + 8) + b·s·h·p``; 0 without an LM head."""
+    chunks of ``c`` rows ``min(b·s, c)·V·q + b·s·h·p`` (``q``: one chunk's bytes a logit at its peak on ``device``,
+    :func:`fedllm.models.fused_head_loss.chunk_peak_bytes_per_logit`; ``b·s·h·p``: the kept gradient with respect to
+    the hidden states); 0 without an LM head."""
     if not shapes.vocab:
         return 0
     if head_rows is None:
         return tokens * shapes.vocab * (dtype_bytes + 8)
-    return min(tokens, head_rows) * shapes.vocab * (dtype_bytes + 8) + tokens * shapes.hidden * dtype_bytes
+    return head_chunk_bytes(shapes, tokens, dtype_bytes, head_rows, device) + tokens * shapes.hidden * dtype_bytes
+
+
+def head_chunk_bytes(shapes: Shapes, tokens: int, dtype_bytes: int, head_rows: int, device: str) -> int:
+    """One chunk of the fused head at its peak: freed before backward begins."""
+    from fedllm.models.fused_head_loss import chunk_peak_bytes_per_logit
+
+    return min(tokens, head_rows) * shapes.vocab * chunk_peak_bytes_per_logit(dtype_bytes, device)
 
 
 def activation_bytes(shapes: Shapes, batch: int, length: int, dtype_bytes: int, head_rows: int | None = None) -> int:
@@ -416,7 +425,8 @@ class CostReport:
 
     def activation_terms(self, device: str, compute: int, r: Recipe) -> dict[str, int]:
         """The step's share: the trunk's saved tensors (traced, :mod:`fedllm.engine.activation_memory`), one
-        layer's backward, the head, casts of FRLoRA's residuals under autocast, a dequantised weight."""
+        layer's backward (beyond the fused head's chunk, which is freed before backward starts), the head, casts of
+        FRLoRA's residuals under autocast, a dequantised weight."""
         from fedllm.engine.activation_memory import activation_peak
 
         rows, length = sequences_per_batch(r), r.train.max_length
@@ -427,8 +437,12 @@ class CostReport:
 
         every = checkpointing(r)
         trunk = activation_peak(layer, self.shapes.layers, every)
+        # the fused head's chunk is freed before backward starts: the step peaks at the larger of the two
+        chunk = 0 if self.head_rows is None or not self.shapes.vocab else \
+            head_chunk_bytes(self.shapes, rows * length, compute, self.head_rows, device)
+        trunk["backward"] = max(0, trunk["backward"] - chunk)
         layers = self.shapes.layers - checkpointed_layers(self.shapes.layers, every) + (1 if every else 0)
-        return {**trunk, "head": head_bytes(self.shapes, rows * length, compute, self.head_rows),
+        return {**trunk, "head": head_bytes(self.shapes, rows * length, compute, self.head_rows, device),
                 "residual casts": residual_casts(r, self.residuals) * layers // self.shapes.layers,
                 "dequantised weight": self.dequantised if r.model.quantization == self.recipe.model.quantization
                 else dequantised_bytes(r, self.model)}
@@ -460,7 +474,9 @@ class CostReport:
                                                                 f"{self.head_rows} rows"
         return [f"    activations: what autograd saves in one traced layer ({self.device}, {layer.attention} attention, "
                 f"{layer.stream_dtype} hidden states) at b={rows}{pairs} x s={r.train.max_length} (every sequence "
-                f"at max_length): {kept}; backward: one layer's gradients; head: {head}"]
+                f"at max_length): {kept}; backward: one layer's gradients"
+                f"{' and the recomputed layer' if every else ''}, "
+                f"beyond the head's chunk (freed before backward starts); head: {head}"]
 
     def lines(self) -> list[str]:
         r, c, st = self.recipe, self.comm, self.state

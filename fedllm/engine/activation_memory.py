@@ -20,7 +20,7 @@ report adds the largest: :func:`fedllm.commands.cost_report.dequantised_bytes`).
 
 With ``train.gradient_checkpointing`` (non-reentrant, per decoder layer: :mod:`fedllm.engine.checkpointed`) a
 checkpointed layer keeps only its input hidden state until backward recomputes it, one layer at a time
-(:func:`activation_peak`).
+(:func:`activation_peak`, which also keeps the forward's holdings apart from the backward's transients).
 """
 
 from __future__ import annotations
@@ -222,10 +222,14 @@ def checkpointed_layers(layers: int, every: int | None) -> int:
 
 
 def activation_peak(layer: LayerActivations, layers: int, every: int | None) -> dict[str, int]:
-    """The trunk's share of the peak: every layer's saved tensors, a checkpointed layer's input only (``every``: every
-    how many layers one is checkpointed, None: none) and then one checkpointed layer's saved tensors, recomputed
-    during backward; and the backward of one layer (its gradients: taken as its saved tensors again)."""
+    """The trunk's share of the peak, in two phases that do not overlap (``every``: every how many layers one is
+    checkpointed, None: none).
+
+    ``activations``: what the forward holds until backward starts: every layer's saved tensors, a checkpointed
+    layer's input only. ``backward``: what the backward adds while it runs: one layer's gradients (taken as its
+    saved tensors again) and, checkpointed, the one layer recomputed at a time. The head's chunk buffers are freed
+    before backward begins, so the cost report adds the larger of the head's chunk and this term, not both."""
     kept = checkpointed_layers(layers, every)
     recomputed = layer.saved if kept else 0
-    return {"activations": kept * layer.boundary + (layers - kept) * layer.saved + recomputed + layer.shared,
-            "backward": layer.saved}
+    return {"activations": kept * layer.boundary + (layers - kept) * layer.saved + layer.shared,
+            "backward": recomputed + layer.saved}

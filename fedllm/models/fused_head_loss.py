@@ -36,6 +36,27 @@ def chunk_rows(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
+def chunk_peak_bytes_per_logit(compute_bytes: int, device_type: str) -> int:
+    """Bytes per logit of one chunk at its peak inside :func:`rows_loss_and_grad` (for the memory estimate): the
+    ``R x V`` logits in the compute dtype (``p`` bytes) stay alive through the chunk while, in turn,
+
+    - ``log_softmax(..., dtype=float32)`` holds an fp32 copy of a 16-bit input beside its fp32 output: ``p + 4 + 4``
+      (``p + 4`` in fp32: no copy);
+    - ``logp.exp().to(p)``: the fp32 exponent and its cast, ``p + 4 + 4 + p`` (fp32: ``.to`` returns the exponent);
+    - ``probs.scatter(...)`` writes a new tensor beside ``probs`` (fp32: the exponent itself): ``p + 4 + p + p``, plus,
+      on a CPU and in a 16-bit dtype, an fp32 temporary of the whole tensor (measured with
+      ``MALLOC_MMAP_THRESHOLD_`` fixed: 6.0 bytes per element for a bf16 scatter, 4.0 for an fp32 one).
+
+    On a CPU that is ``p + 12`` in bf16 and fp32 alike (measured: 14.05 bytes a logit for SmolLM2's head at 256 bf16
+    rows, 16.4 in fp32; docs/memory.md); on a GPU (not measured) 12 in 16-bit, 16 in fp32."""
+    p = compute_bytes
+    sixteen_bit = p != 4
+    log_softmax = p + (4 if sixteen_bit else 0) + 4
+    exp_cast = p + 4 + 4 + (p if sixteen_bit else 0)
+    scatter = p + 4 + 2 * p + (4 if device_type == "cpu" and sixteen_bit else 0)
+    return max(log_softmax, exp_cast, scatter)
+
+
 def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear(hidden, weight)`` computes in: autocast's where it is on (it casts every floating
     input but fp64), else the inputs' common dtype."""
