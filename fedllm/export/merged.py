@@ -91,6 +91,8 @@ def write_merged(model: Any, tokenizer: Any, strategy: Any, source: Source, out:
             del weight
         give_back_freed_heap()
         base = model.unload()  # drops the LoRA wrappers; the active classifier copy (modules_to_save) stays
+        dequantize_linears(base)  # nothing packed here: it drops a GGUF preset's quantization config, which
+        # transformers' save_pretrained refuses ("quantized with gguf and is not serializable")
         targets = {relative_name(name): base.get_submodule(relative_name(name)) for name in wrapped}
         readers = {} if spilled is None else {targets[relative_name(n)]: spilled.reader(n) for n in spilled.files}
         got = probe_logits(base, inputs, in_fp32=kept_dtype is None, weights=readers)
