@@ -107,6 +107,7 @@ def test_runner_reports_a_killed_serverapp_and_leaves_finished_runs_alone(tmp_pa
     monkeypatch.setattr(runtime, "run_server_task", fake_server_task(tmp_path))
     address = f"127.0.0.1:{api.server_address[1]}"
     runner = processes.Forked(lambda: runtime.serve_serverapps(address, b"secret", None, None, poll_s=0.05) or 0)
+    said: list[str] = []  # the runner's stderr, read while waiting
 
     def reaped(token: str) -> bool:  # the child has exited and the runner has collected it (no zombie left)
         pid = tmp_path / token
@@ -120,6 +121,9 @@ def test_runner_reports_a_killed_serverapp_and_leaves_finished_runs_alone(tmp_pa
             if token == "reported":  # the runner's report, after the child's: refused, the task being finished
                 wait_until(lambda: api.refused, 60, "the runner's report of the reported run")
         wait_until(lambda: len(api.finished) == 3, 60, "the killed ServerApp's task reported by the runner")
+        # the runner says so once the SuperLink took its report: wait for the line before stopping the runner
+        wait_until(lambda: said.append(capfd.readouterr().err) or "stopped on the SuperLink" in "".join(said), 60,
+                   "the runner's line about the killed run")
     finally:
         processes.stop(runner)
         api.shutdown()
@@ -130,6 +134,6 @@ def test_runner_reports_a_killed_serverapp_and_leaves_finished_runs_alone(tmp_pa
     assert (token, sub_status) == ("killed", SubStatus.FAILED)
     assert "killed by SIGKILL" in details
     assert api.refused == ["reported"]  # the completed run: never asked about
-    err = capfd.readouterr().err
+    err = "".join(said) + capfd.readouterr().err
     stopped = [line for line in err.splitlines() if "stopped on the SuperLink" in line]
     assert len(stopped) == 1 and "run 13 " in stopped[0] and "killed by SIGKILL" in stopped[0]
