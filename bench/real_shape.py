@@ -75,6 +75,18 @@ def dry_run_estimate(extra: list[str], config: str) -> str:
     return found.group(1) if found else "?"
 
 
+def export_in_a_fresh_process(run_dir: Path, where: Path) -> dict:
+    """``fedllm export RUN --format merged`` as a user runs it, after the training process let its model go: its exit
+    code, peak RSS (the child's own, from ``wait4``) and CPU seconds."""
+    child = subprocess.Popen([sys.executable, "-m", "fedllm", "export", str(run_dir), "--format", "merged",
+                              "--out", str(where)], cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return {"merged_export_exit_code": child.returncode,
+            "merged_export_peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),
+            "merged_export_cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="meta-llama--Llama-2-7b-hf", help="a directory of fedllm/assets/configs")
@@ -98,7 +110,6 @@ def main() -> None:
     estimate = dry_run_estimate(extra, args.config)
 
     from fedllm.engine.server import run
-    from fedllm.export import export
     from fedllm.recipe.checks import load_recipe
     from fedllm.strategies.frlora import FRLoRA
 
@@ -122,7 +133,7 @@ def main() -> None:
     del result  # the run's model (13.5 GB at 7B) goes before the export loads its own
     gc.collect()
     t1 = time.perf_counter()
-    export(run_dir, "merged", out / "merged")
+    exported = export_in_a_fresh_process(run_dir, out / "merged")
     export_s = time.perf_counter() - t1
     tp, steps = last["throughput"], sum(last["client_steps"].values())
     print(json.dumps({"config": args.config, "positions_per_step": tp["positions"] / steps,
@@ -131,7 +142,8 @@ def main() -> None:
                       "mfu": tp.get("mfu"), "mfu_per_cpu_second": tp.get("mfu_cpu"),
                       "peak_rss_above_idle_gib": round(peak / 1024, 2), "dry_run_estimate": estimate,
                       "svd_init_seconds": round(svd.get("seconds", float("nan")), 1),
-                      "train_wall_seconds": round(train_s, 1), "merged_export_seconds": round(export_s, 1)}, indent=1))
+                      "train_wall_seconds": round(train_s, 1), "train_peak_rss_gib": round(rss_mib() / 1024, 2),
+                      "merged_export_seconds": round(export_s, 1), **exported}, indent=1))
 
 if __name__ == "__main__":
     main()

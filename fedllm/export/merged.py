@@ -20,6 +20,7 @@ from fedllm.export.errors import ExportCheckError
 from fedllm.export.source import Source, fp32_copy_fits, kept_dtype_of, probe_inputs, probe_logits, to_fp32
 from fedllm.export.spill import SpilledWeights, fits_on_disk
 from fedllm.export.weights import dequantize_linears, iter_layers, read_layers, relative_name, wrapped_layers
+from fedllm.export.widen import save_widened, widens
 from fedllm.models.lowrank import is_quantized
 from fedllm.models.state import DTYPES
 
@@ -177,7 +178,10 @@ def save_merged(base: Any, tokenizer: Any, source: Source, out: Path, dtype: str
     if source.label_names:
         base.config.id2label = dict(enumerate(source.label_names))
         base.config.label2id = {name: i for i, name in enumerate(source.label_names)}
-    base.to(DTYPES[dtype])
-    base.save_pretrained(str(out))
+    if widens(base, DTYPES[dtype]):  # e.g. a bf16 base saved in fp32: one shard at a time, not the whole model cast
+        save_widened(base, out, DTYPES[dtype])
+    else:
+        base.to(DTYPES[dtype])
+        base.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return info

@@ -104,3 +104,62 @@ def test_merged_weights_are_base_plus_residual_plus_adapter(bf16_frlora_run, tmp
     for key in others:  # every other weight is the run's bf16 base, exactly
         run_value = params[f"base_model.model.{key}"]
         assert torch.equal(got32[key], run_value.float()) and torch.equal(got16[key], run_value), key
+
+
+def _tensors(directory) -> dict:
+    found = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        found.update(load_file(str(path)))
+    return found
+
+
+def test_an_fp32_export_of_a_bf16_base_widens_one_shard_at_a_time(bf16_frlora_run, tmp_path, monkeypatch):
+    """``--dtype fp32`` of a bf16 run: the saved files are what casting the whole model to fp32 and saving it writes
+    (the export before this change, kept as the reference), but the model is never cast whole: it is saved in bf16
+    in shards and each shard is widened on its own (a 7B base cast whole takes 27 GB)."""
+    import json
+
+    import transformers
+
+    from fedllm.export import merged, widen
+
+    monkeypatch.setattr(merged, "widens", lambda *a: False)  # the whole-model cast, as before
+    export(bf16_frlora_run, "merged", tmp_path / "whole", dtype="fp32")
+    monkeypatch.undo()
+
+    monkeypatch.setattr(widen, "SHARD_BYTES", 64 * 1024)  # many shards at this size
+    written, held = [], {}
+    import safetensors.torch
+
+    real_save = safetensors.torch.save_file
+
+    def spy_save(tensors, *args, **kwargs):
+        written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return real_save(tensors, *args, **kwargs)
+
+    real_widened = widen.save_widened
+
+    def spy_widened(model, out, dtype):
+        real_widened(model, out, dtype)
+        held["dtypes"] = {p.dtype for p in model.parameters()}
+
+    monkeypatch.setattr(safetensors.torch, "save_file", spy_save)
+    monkeypatch.setattr(merged, "save_widened", spy_widened)
+    export(bf16_frlora_run, "merged", tmp_path / "shards", dtype="fp32")
+
+    whole, shards = _tensors(tmp_path / "whole"), _tensors(tmp_path / "shards")
+    assert sorted(whole) == sorted(shards)
+    assert all(torch.equal(whole[k], shards[k]) and shards[k].dtype == torch.float32 for k in whole)
+    assert torch.bfloat16 in held["dtypes"]  # the model itself was not cast to fp32
+    files = sorted(p.name for p in (tmp_path / "shards").glob("*.safetensors"))
+    assert len(files) > 1 and len(written) == len(files)  # each shard widened and written on its own
+    largest = max(t.numel() * 2 for t in whole.values())  # a tensor larger than a shard is a shard of its own
+    assert max(written) <= 2 * max(widen.SHARD_BYTES, largest)
+    index = json.loads((tmp_path / "shards" / widen.INDEX).read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in whole.values())
+    assert set(index["weight_map"].values()) == set(files)
+    assert json.loads((tmp_path / "shards" / "config.json").read_text())["dtype"] == "float32"
+    assert json.loads((tmp_path / "whole" / "config.json").read_text())["dtype"] == "float32"
+    assert not [p for p in (tmp_path / "shards").iterdir() if p.name.endswith(".widening")]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "shards"), dtype="auto")
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
