@@ -8,13 +8,13 @@ with ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification.from_pretra
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fedllm.common.heap import give_back_freed_heap
 from fedllm.export.dora import is_dora, merge_dora
 from fedllm.export.errors import ExportCheckError
 from fedllm.export.source import Source, fp32_copy_fits, kept_dtype_of, probe_inputs, probe_logits, to_fp32
@@ -130,15 +130,6 @@ def _write_dequantized(model: Any, tokenizer: Any, strategy: Any, source: Source
     return save_merged(base, tokenizer, source, out, dtype, {
         "layers": len(explained), "observed_layers": sum(not e for e in explained), "max_logit_diff": diff,
         "checked": False, "dequantized_from": source.recipe.model.quantization, "merged_in": None})
-
-
-def give_back_freed_heap() -> None:
-    """Return the heap pages the per-layer merge freed to the system (``malloc_trim``): glibc keeps freed blocks below
-    its mmap threshold, which rises to 32 MiB after the first large free, so the merge's 16-64 MiB blocks would stay
-    in the process through the check and the save. Nothing off glibc."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def _spill_fits(out: Path, wrapped: dict[str, Any]) -> bool:
