@@ -173,7 +173,7 @@ def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, ba
         if train else None
     cpu = time.process_time() - t0
     train_peak = _status_kib("VmHWM") - baseline
-    costs = cost_report(recipe, m, fed.strategy, fed.loaded.task, model, False, 2)
+    costs = cost_report(recipe, m, fed.strategy, fed.loaded.task, model, False, 2, tokenizer=fed.loaded.tokenizer)
     estimate = costs.memory()
     del fed, m, result, state, plan
     meta = untimed(recipe, weights_missing="bench").costs.memory()

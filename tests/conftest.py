@@ -121,6 +121,7 @@ SHARED_GROUPS = {
     "tests/test_quickstart.py": "smollm2",  # the session's one SmolLM2 GGUF conversion (smollm2_first_load)
     "tests/test_preference_quickstart.py": "smollm2",
     "tests/test_gguf_cache.py": "smollm2",
+    "tests/meta/test_tokenizer_memory.py": "smollm2",
     "tests/reliability/test_offline_presets.py": "smollm2",
     "tests/flower_wan/test_flower_cut.py": "flower-wan",  # one proxied deployment (tests/flower_wan/conftest.py)
     "tests/flower_wan/test_flower_deadline.py": "flower-wan",

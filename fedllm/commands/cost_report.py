@@ -46,10 +46,16 @@ GB = 1024**3
 QUANT_BYTES = {"8bit": 1.0, "4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "4bit-flowertune": 0.5 + 4 / 64}
 #: Modules bitsandbytes leaves unquantised (transformers skips the output head).
 UNQUANTISED_HEADS = ("lm_head", "score", "classifier")
-#: A CPU training process's memory beside the tensors: the tokenizer, the data, Python's objects (measured: 53 MiB
-#: after SmolLM2-135M's federation was built, above its weights; docs/memory.md). A GPU's is the CUDA context
-#: (:data:`fedllm.commands.memory_fit.CUDA_RUNTIME_BYTES`).
-CPU_RUNTIME_BYTES = 53 * 2**20
+#: A CPU training process's memory beside the tensors and the tokenizer: the data, Python's objects (measured: 53 MiB
+#: after SmolLM2-135M's federation was built, above its weights, of which its tokenizer 31; docs/memory.md). A GPU's
+#: is the CUDA context (:data:`fedllm.commands.memory_fit.CUDA_RUNTIME_BYTES`).
+CPU_RUNTIME_BYTES = 22 * 2**20
+#: A fast tokenizer's resident bytes per byte of its compact serialised form (``backend_tokenizer.to_str()``): 21.2
+#: measured for both SmolLM2-135M's (1.49 MB serialised, 31.6 MiB resident) and Gemma 3 270M's (13.7 MB, 290 MiB).
+TOKENIZER_BYTES_PER_SERIALISED_BYTE = 21.2
+#: Without the tokenizer (the meta device), resident bytes per vocabulary entry: the larger of the two measured
+#: (Gemma 3 270M's 262,144 entries: 1,180; SmolLM2-135M's 49,152: 646).
+TOKENIZER_BYTES_PER_ENTRY = 1180
 #: Terms of the peak-memory estimate printed only when not zero.
 OPTIONAL_TERMS = ("backward", "base changes", "residual casts", "dequantised weight", "runtime")
 LORA_PARTS = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.[^.]+")
@@ -373,6 +379,7 @@ class CostReport:
     model: Any = field(default=None, repr=False)  # the model the activations are traced from (None: the formula)
     residuals: list[tuple[int, int]] = field(default_factory=list)  # (out, in) of the strategy's fp32 residuals
     dequantised: int = 0  # bitsandbytes' dequantised copy of the largest quantised weight
+    tokenizer: Optional[int] = None  # the tokenizer's resident bytes (None: from the vocabulary)
 
     def __post_init__(self) -> None:
         self._traces: dict[tuple, Any] = {}
@@ -405,8 +412,13 @@ class CostReport:
             "strategy state": self.state.server,
             "base changes": self.state.base_changes,  # beside the weights: fp32 residuals, kept factors
             **self.activation_terms(device or self.device, DTYPES[r.train.dtype].itemsize, r),
-            "runtime": CPU_RUNTIME_BYTES if (device or self.device) == "cpu" else 0,
+            "runtime": self.cpu_runtime() if (device or self.device) == "cpu" else 0,
         }
+
+    def cpu_runtime(self) -> int:
+        """A CPU process's bytes beside the tensors: the tokenizer (Gemma 3's 262k entries: 295 MiB) and the rest."""
+        tokenizer = self.tokenizer if self.tokenizer is not None else TOKENIZER_BYTES_PER_ENTRY * self.shapes.vocab
+        return CPU_RUNTIME_BYTES + int(tokenizer)
 
     def layer(self, device: str, recipe: Optional[Recipe] = None) -> Any:
         """One traced layer (:func:`fedllm.engine.activation_memory.layer_activations`) of ``recipe``'s step on
@@ -547,8 +559,9 @@ def _sizes(values: list[int]) -> str:
 
 
 def cost_report(recipe: Recipe, model: Any, strategy: Any, task: str, source: str, on_meta: bool,
-                steps: Optional[int], notes: Optional[list[str]] = None) -> CostReport:
-    """The report for ``model`` (PEFT-wrapped, strategy set up) under ``recipe``."""
+                steps: Optional[int], notes: Optional[list[str]] = None, tokenizer: Any = None) -> CostReport:
+    """The report for ``model`` (PEFT-wrapped, strategy set up) under ``recipe``; ``tokenizer``: the model's, when
+    loaded (its memory is measured from it, else estimated from the vocabulary)."""
     from fedllm.models.meta import target_counts
     from fedllm.strategies.frlora import FRLoRA
 
@@ -565,7 +578,16 @@ def cost_report(recipe: Recipe, model: Any, strategy: Any, task: str, source: st
     device = training_device(model)
     return CostReport(recipe, source, rows, target_counts(model, recipe.lora), comm, state, shapes, steps, svd,
                       list(notes or []), fused_head_rows(recipe, model, task, shapes.vocab), device, model,
-                      fp32_residuals(strategy), dequantised_bytes(recipe, model))
+                      fp32_residuals(strategy), dequantised_bytes(recipe, model), tokenizer_bytes(tokenizer))
+
+
+def tokenizer_bytes(tokenizer: Any) -> Optional[int]:
+    """A loaded tokenizer's resident bytes: :data:`TOKENIZER_BYTES_PER_SERIALISED_BYTE` times its serialised size;
+    None when there is none, or it is not a fast (Rust) tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return int(TOKENIZER_BYTES_PER_SERIALISED_BYTE * len(backend.to_str().encode()))
 
 
 def training_device(model: Any) -> str:

@@ -260,7 +260,8 @@ def untimed(recipe: Recipe, weights_missing: Optional[str] = None,
     strategy.recipe = recipe
     torch.manual_seed(derived_seed(recipe.seed, 0x57A7))
     strategy.setup(model, [ClientInfo(c, n) for c, n in enumerate(sizes)])
-    costs = cost_report(recipe, model, strategy, task, source, weights_missing is not None, steps, notes)
+    costs = cost_report(recipe, model, strategy, task, source, weights_missing is not None, steps, notes,
+                        tokenizer=None if weights_missing is not None else loaded.tokenizer)
     return UntimedReport(recipe, time.perf_counter() - t0, costs, built,
                          full_length_flops(recipe, model, task, strategy, on_meta=weights_missing is not None))
 
@@ -321,7 +322,8 @@ def _timed(recipe: Recipe, fed: Any, build_seconds: float) -> DryRunReport:
 
     check_targets(fed.loaded.model, recipe.lora, recipe.model.name, recipe.source)
     costs = cost_report(recipe, fed.loaded.model, strategy, fed.loaded.task, f"{recipe.model.name} (real weights)",
-                        False, steps_per_round(recipe.train, len(data.clients[largest[0]])))
+                        False, steps_per_round(recipe.train, len(data.clients[largest[0]])),
+                        tokenizer=fed.loaded.tokenizer)
     cid = largest[0]
     plan = strategy.configure_client(1, cid, global_state)
     plan.lr = recipe.train.lr
