@@ -416,7 +416,7 @@ class CostReport:
         }
 
     def cpu_runtime(self) -> int:
-        """A CPU process's bytes beside the tensors: the tokenizer (Gemma 3's 262k entries: 295 MiB) and the rest."""
+        """A CPU process's bytes beside the tensors: the tokenizer (Gemma 3's 262k entries: 290 MiB) and the rest."""
         tokenizer = self.tokenizer if self.tokenizer is not None else TOKENIZER_BYTES_PER_ENTRY * self.shapes.vocab
         return CPU_RUNTIME_BYTES + int(tokenizer)
 

@@ -12,6 +12,9 @@ def give_back_freed_heap() -> None:
     phase freed stays in the process's memory: a Gemma 3 270M GGUF load left up to 500 MiB there beside its 511 MiB
     of bf16 weights, and a 7B merge's 16-64 MiB blocks stayed through the export's check and save (docs/memory.md).
     The trim took 3 ms after the Gemma load; a ``gc.collect()`` before it took 540 ms and gave back nothing more."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):  # no C library to open this way (Windows)
+        return
     if trim is not None:
         trim(0)
