@@ -36,7 +36,7 @@ def save_widened(model: Any, out: Path, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
     model.save_pretrained(str(out), max_shard_size=SHARD_BYTES)
-    sizes = {}
+    total = 0
     for path in sorted(out.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as held:
             metadata = held.metadata()
@@ -44,12 +44,12 @@ def save_widened(model: Any, out: Path, dtype: torch.dtype) -> None:
         partial = path.with_name(path.name + ".widening")
         save_file(tensors, str(partial), metadata=metadata)
         os.replace(partial, path)
-        sizes[path.name] = sum(t.numel() * t.element_size() for t in tensors.values())
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
     index = out / INDEX
     if index.is_file():
         facts = json.loads(index.read_text())
-        facts.setdefault("metadata", {})["total_size"] = sum(sizes.values())
+        facts.setdefault("metadata", {})["total_size"] = total
         index.write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
     model.config.dtype = dtype  # as the cast model's save would have recorded it
     model.config.save_pretrained(str(out))
