@@ -78,15 +78,35 @@ def dry_run_estimate(extra: list[str], config: str) -> str:
     return found.group(1) if found else "?"
 
 
+#: ``python -m fedllm ARGS`` that records its peak RSS on the way out: ``VmHWM``, the high-water mark of this process's
+#: memory since its ``exec``. (Not ``ru_maxrss`` from ``wait4``: Linux folds into it the RSS the child had before its
+#: ``exec``, i.e. this bench's at the fork, 17.8 GiB after a 7B round: a first run reported the training's peak as
+#: the export's.)
+FEDLLM_RECORDING_PEAK = """import atexit, sys
+from fedllm.commands.cli import main
+
+def record_peak(path=sys.argv[1]):
+    with open('/proc/self/status') as status:
+        kib = next(line.split()[1] for line in status if line.startswith('VmHWM:'))
+    with open(path, 'w') as out:
+        out.write(kib)
+
+atexit.register(record_peak)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def export_in_a_fresh_process(run_dir: Path, where: Path) -> dict:
     """``fedllm export RUN --format merged`` as a user runs it, after the training process let its model go: its exit
-    code, peak RSS (the child's own, from ``wait4``) and CPU seconds."""
-    child = subprocess.Popen([sys.executable, "-m", "fedllm", "export", str(run_dir), "--format", "merged",
-                              "--out", str(where)], cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    code, peak RSS (its own ``VmHWM``) and CPU seconds (from ``wait4``)."""
+    peak = where.parent / f"{where.name}.peak-kib"
+    child = subprocess.Popen([sys.executable, "-c", FEDLLM_RECORDING_PEAK, str(peak), "export", str(run_dir),
+                              "--format", "merged", "--out", str(where)],
+                             cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
     return {"merged_export_exit_code": child.returncode,
-            "merged_export_peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),
+            "merged_export_peak_rss_gib": round(int(peak.read_text()) / 2**20, 2) if peak.is_file() else None,
             "merged_export_cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1)}
 
 
