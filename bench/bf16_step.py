@@ -22,6 +22,9 @@ train_client`), which counts its tokens, FLOPs (:mod:`fedllm.models.flops`) and 
   compiled by inductor, on a CPU one graph for every width, unpadded batches, the head's loss chunk compiled,
   grouped-query eager attention, fused AdamW). Its first step compiles (or loads inductor's on-disk cache) before
   the warm-up step ends, so the timed steps are the compiled ones;
+- ``bf16-reference-gemm``: as ``bf16`` with every bf16 product left to torch's kernels: on a CPU without oneDNN's
+  bf16 GEMM (no AVX-512) its reference GEMM, which fedllm replaces by fp32 blocks (:mod:`fedllm.models.cpu_half_matmul`;
+  elsewhere the two variants are the same);
 - ``bf16-compiled-repeat-kv``, ``bf16-compiled-foreach``: as ``bf16-compiled`` with transformers' eager attention
   (``repeat_kv``) instead of :mod:`fedllm.models.grouped_attention`, or with foreach AdamW instead of fused.
 
@@ -57,14 +60,15 @@ if str(ROOT) not in sys.path:
 import torch
 
 from fedllm.engine import client  # noqa: E402
-from fedllm.models import grouped_attention  # noqa: E402
+from fedllm.models import cpu_half_matmul, grouped_attention  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 
 EAGER_MAX_LENGTH = 256  # fedllm.engine.client.EAGER_ATTENTION_MAX_LENGTH as shipped
 ADAMW_KERNEL = client.adamw_kernel  # as shipped
 ATTENTION_CHOICE = client.training_attention_choice  # as shipped
 VARIANTS = ("fp32", "bf16-autocast", "bf16", "bf16-peft-casts", "bf16-flash", "bf16-factors", "fp32-unfused",
-            "bf16-unfused", "bf16-compiled", "bf16-compiled-repeat-kv", "bf16-compiled-foreach", "bf16-blocked")
+            "bf16-unfused", "bf16-compiled", "bf16-compiled-repeat-kv", "bf16-compiled-foreach", "bf16-blocked",
+            "bf16-reference-gemm")
 
 
 def blocked_beyond_eager(current, device, dtype, positions, packed=False, compiled=False):
@@ -110,7 +114,8 @@ def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     variant = variant.removesuffix("-unfused")
     if variant in ("fp32", "bf16-autocast"):
         return model
-    if variant in ("bf16-peft-casts", "bf16-flash", "bf16-blocked") or variant.startswith("bf16-compiled"):
+    if variant in ("bf16-peft-casts", "bf16-flash", "bf16-blocked", "bf16-reference-gemm") or \
+            variant.startswith("bf16-compiled"):
         variant = "bf16"
     m = copy.deepcopy(model).to(torch.bfloat16)
     if variant == "bf16":
@@ -145,6 +150,7 @@ def one_trial(model, variant, recipe, fed, coll, steps: int, seed: int, state):
                                 else grouped_attention.grouped_eager_attention)
     client.adamw_kernel = (lambda params, c: {"foreach": True}) if variant == "bf16-compiled-foreach" else ADAMW_KERNEL
     client.training_attention_choice = blocked_beyond_eager if variant == "bf16-blocked" else ATTENTION_CHOICE
+    cpu_half_matmul.ENABLED = variant != "bf16-reference-gemm"
     strategy = fed.strategy
     plan = strategy.configure_client(1, 0, state)
     plan.lr = cfg.lr

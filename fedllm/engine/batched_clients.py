@@ -46,6 +46,7 @@ from fedllm.engine.client import (
     train_autocast,
     training_attention,
 )
+from fedllm.models.cpu_half_matmul import for_model as half_matmuls_for
 from fedllm.models.flops import TrainedWork
 from fedllm.models.loading import write_state
 from fedllm.models.state import StateDict
@@ -227,7 +228,7 @@ def train_clients(model: torch.nn.Module, plans: list[ClientPlan], strategy: Str
     model.train()
     try:
         with factors.patched(), lora_input_casts_skipped(model, cfg), training_attention(model, cfg), \
-                checkpointed_training(model, cfg):
+                checkpointed_training(model, cfg), half_matmuls_for(model, cfg.dtype, cfg.compile):
             for _ in range(num_steps):
                 opt.zero_grad(set_to_none=True)
                 for _ in range(cfg.grad_accum):

@@ -27,6 +27,7 @@ from fedllm.engine.checkpointed import checkpointed_training, opacus_recording_p
 from fedllm.engine.compiled import compiled_training, pad_multiple, padded_to_multiple
 from fedllm.engine.compressed_rounds import compress_upload
 from fedllm.engine.reference import client_reference, uses_precomputed, with_reference
+from fedllm.models.cpu_half_matmul import for_model as half_matmuls_for
 from fedllm.models.flops import TrainedWork
 from fedllm.models.loading import read_state, write_state
 from fedllm.models.preference_loss import pair_loss
@@ -345,6 +346,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     restore.enter_context(checkpointed_training(model, cfg))  # train.gradient_checkpointing
     restore.enter_context(compiled_training(model, cfg))  # train.compile: the decoder layers compiled
     restore.enter_context(lora_input_casts_skipped(model, cfg))
+    restore.enter_context(half_matmuls_for(model, cfg.dtype, cfg.compile))  # a CPU without a bf16 GEMM
     row_length = None
     if cfg.packing:
         check_packable(model)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fedllm.models.cpu_half_matmul import for_model as half_matmuls_for
 from fedllm.models.hardware import auto_dtype
 from fedllm.models.preference_loss import needs_reference, sequence_logps
 from fedllm.models.state import DTYPES, StateDict
@@ -68,7 +69,7 @@ def _batch_rows(model: torch.nn.Module, items: list[dict], cfg: TrainConfig,
     batch = {k: v.to(device) for k, v in collate(items).items()}
     dtype = cfg.dtype if cfg.dtype != "auto" else auto_dtype(device)[0]
     autocast = torch.autocast(device.type, DTYPES[dtype]) if dtype != "fp32" else contextlib.nullcontext()
-    with autocast:
+    with autocast, half_matmuls_for(model, dtype):  # a CPU without a bf16 GEMM: fp32 blocks
         logps = sequence_logps(model, batch, cfg.loss_positions).logps
     chosen, rejected = logps.float().cpu().chunk(2)
     return torch.stack([chosen, rejected], dim=1)

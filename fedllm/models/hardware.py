@@ -120,7 +120,10 @@ def probe(weights: list[tuple[int, int]], tokens: int, dtype: str, seconds: floa
         for x, w in pairs:
             F.linear(x, w)
 
-    with torch.no_grad():
+    from fedllm.models.cpu_half_matmul import fp32_half_matmuls, wanted
+
+    # a CPU without a half GEMM: the probe times the products as a training step computes them (fp32 blocks)
+    with torch.no_grad(), fp32_half_matmuls(wanted(torch.device("cpu"), {dt})):
         one_pass()  # warm-up (kernel selection, first-touch of the buffers)
         t0 = time.perf_counter()
         one_pass()
@@ -156,7 +159,11 @@ def device_peak(device: Any, dtype: str, weights: list[tuple[int, int]], tokens:
     tokens = max(1, min(tokens, PROBE_MAX_TOKENS))
     name, _ = cpu_info()
     threads = torch.get_num_threads()
-    key = (f"cpu {name} x{os.cpu_count()} threads={threads} torch={torch.__version__} {dtype} tokens={tokens} "
+    from fedllm.models.cpu_half_matmul import wanted
+    from fedllm.models.state import DTYPES
+
+    blocks = " fp32-blocks" if wanted(device, {DTYPES.get(dtype, torch.float32)}) else ""
+    key = (f"cpu {name} x{os.cpu_count()} threads={threads} torch={torch.__version__} {dtype}{blocks} tokens={tokens} "
            + ",".join(f"{o}x{i}" for o, i in sorted(weights)))
     path = cache_path()
     cached = _read_cache(path)
