@@ -57,7 +57,7 @@ TOKENIZER_BYTES_PER_SERIALISED_BYTE = 21.2
 #: (Gemma 3 270M's 262,144 entries: 1,180; SmolLM2-135M's 49,152: 646).
 TOKENIZER_BYTES_PER_ENTRY = 1180
 #: Terms of the peak-memory estimate printed only when not zero.
-OPTIONAL_TERMS = ("backward", "base changes", "residual casts", "dequantised weight", "runtime")
+OPTIONAL_TERMS = ("backward", "base changes", "residual casts", "dequantised weight", "fp32 blocks", "runtime")
 LORA_PARTS = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.[^.]+")
 SUFFIXES = (".base_layer", ".modules_to_save.default", ".original_module")
 
@@ -412,6 +412,7 @@ class CostReport:
             "strategy state": self.state.server,
             "base changes": self.state.base_changes,  # beside the weights: fp32 residuals, kept factors
             **self.activation_terms(device or self.device, DTYPES[r.train.dtype].itemsize, r),
+            "fp32 blocks": half_block_bytes(r) if (device or self.device) == "cpu" else 0,
             "runtime": self.cpu_runtime() if (device or self.device) == "cpu" else 0,
         }
 
@@ -617,6 +618,22 @@ def fp32_residuals(strategy: Any) -> list[tuple[int, int]]:
     import torch
 
     return [tuple(t.shape) for t in strategy.base_residuals().values() if t.dim() == 2 and t.dtype == torch.float32]
+
+
+def half_block_bytes(recipe: Recipe) -> int:
+    """On a CPU without a bf16/fp16 GEMM a step's half-precision products run in fp32 blocks
+    (:mod:`fedllm.models.cpu_half_matmul`): the blocks' bytes at most, where this recipe's step has such products."""
+    import torch
+
+    from fedllm.models import cpu_half_matmul
+    from fedllm.models.state import DTYPES
+
+    names = {recipe.train.dtype, recipe.model.dtype}
+    if recipe.model.quantization == "4bit":  # QLoRA's compute dtype (fedllm.models.loading._quantization)
+        names.add("bf16" if recipe.model.dtype in ("fp32", "auto") else recipe.model.dtype)
+    dtypes = {DTYPES[n] for n in names if n in DTYPES}
+    used = cpu_half_matmul.wanted(torch.device("cpu"), dtypes, compiled=bool(recipe.train.compile))
+    return cpu_half_matmul.transient_bytes() if used else 0
 
 
 def dequantised_bytes(recipe: Recipe, model: Any) -> int:

@@ -122,3 +122,19 @@ def test_fits_line_of_the_llama2_7b_metamathqa_recipe(meta_costs):
     layer = off.layer(off.device)
     assert off.memory()["activations"] - on.memory()["activations"] == 32 * layer.saved - 32 * layer.boundary
     assert layer.boundary == 16 * 512 * 4096 * 2
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_cpu_without_a_half_gemm_adds_the_fp32_blocks(meta_costs, monkeypatch, native):
+    """A bf16 step on a CPU without oneDNN's bf16 GEMM computes its products in fp32 blocks
+    (fedllm.models.cpu_half_matmul): the estimate adds their bytes there, and only there."""
+    from fedllm.models import cpu_half_matmul
+
+    monkeypatch.setattr(cpu_half_matmul, "native_half_gemm", lambda dtype: native)
+    costs = meta_costs("recipes/frlora/llama2-7b-metamathqa-frlora.yaml", "train.dtype=bf16")
+    blocks = 0 if native else 3 * 4 * cpu_half_matmul.BLOCK_FLOATS
+    assert costs.memory("cpu")["fp32 blocks"] == blocks
+    assert costs.memory("cuda")["fp32 blocks"] == 0
+    fp32 = meta_costs("recipes/frlora/llama2-7b-metamathqa-frlora.yaml", "train.dtype=fp32", "model.dtype=fp32",
+                      "model.quantization=none")
+    assert fp32.memory("cpu")["fp32 blocks"] == 0
