@@ -159,3 +159,23 @@ def test_a_bf16_client_trains_the_same_in_fp32_blocks(tiny_recipe, no_half_gemm,
     moved = torch.cat([(reference.state[k] - start[k]).flatten() for k in start]).norm()
     apart = torch.cat([(fast.state[k] - reference.state[k]).flatten() for k in start]).norm()
     assert moved > 0 and apart <= 0.02 * moved  # bf16 roundings apart, not a different step
+
+
+def test_the_bench_prints_both_kernels_side_by_side(capsys, monkeypatch, tmp_path):
+    import json
+
+    from tests.conftest import load_script
+
+    bench = load_script("bench/cpu_half_matmul.py")
+    monkeypatch.setattr(bench, "SHAPES", [(8, 48, 24)])
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--trials", "1", "--threads", "1", "--json", str(tmp_path / "out.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "8x48x24" in out and "g @ W" in out and "x @ W.T" in out
+    found = json.loads((tmp_path / "out.json").read_text())
+    assert set(found["ulps"]) == {"8x48x24 x @ W.T", "8x48x24 g @ W"}
+    assert all(v <= 1.0 for v in found["ulps"].values())  # both fp32 sums rounded once
+    assert all(len(v) == 1 and v[0] > 0 for v in found["gflops"].values())
