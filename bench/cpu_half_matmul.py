@@ -7,9 +7,9 @@ torch's reference GEMM handles at its best) and the input gradient ``g @ W`` (ev
 in bf16 with torch's kernel and inside :func:`fedllm.models.cpu_half_matmul.fp32_half_matmuls`, and the same
 product in fp32 for scale. The cases run interleaved, trial after trial, so the machine's load moves them alike;
 each figure is the best trial's GFLOP/s (wall). The largest difference of the blocks' result from torch's bf16
-result is printed in units of bf16's spacing at the value (both are fp32 sums rounded once; a difference is the
-order of the sums). Where oneDNN has a bf16 GEMM (AVX-512) fedllm does not enter the blocks; the bench still
-times them.
+result is printed in units of bf16's spacing at the product's largest value, with the share of identical elements
+(both are fp32 sums rounded once; a difference is the order of the sums). Where oneDNN has a bf16 GEMM (AVX-512)
+fedllm does not enter the blocks; the bench still times them.
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ def timed(a: torch.Tensor, b: torch.Tensor, seconds: float = 0.3) -> tuple[float
     return best, product
 
 
-def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
-    spacing = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-30)
-    return float(((got.float() - want.float()).abs() / spacing).max())
+def apart(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """``(largest difference in units of bf16's spacing at the product's largest value, share of equal elements)``.
+    (A near-zero element of a long sum may differ by many of its own units: its fp32 sums' rounding errors are
+    the size of the large terms'.)"""
+    scale = torch.finfo(torch.bfloat16).eps * float(want.float().abs().max())
+    return float((got.float() - want.float()).abs().max()) / scale, float((got == want).float().mean())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     rows: dict[str, list[float]] = {}
-    agree: dict[str, float] = {}
+    agree: dict[str, tuple[float, float]] = {}
     for trial in range(args.trials):
         for m, k, n in SHAPES:
             x, w = torch.randn(m, k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
@@ -75,23 +78,26 @@ def main(argv: list[str] | None = None) -> int:
                 with Fp32HalfMatmuls():
                     blocks_s, got = timed(a, b)
                 fp32_s, _ = timed(a.float(), b.float())
-                agree[key] = max(agree.get(key, 0.0), ulps(got, want))
+                agree[key] = apart(got, want)
                 for case, s in (("torch bf16", torch_s), ("fp32 blocks", blocks_s), ("fp32", fp32_s)):
                     rows.setdefault(f"{key}|{case}", []).append(flops / s / 1e9)
         print(f"trial {trial} done", flush=True)
     load = os.getloadavg()
+    print("max diff: the blocks' largest difference from torch's bf16 result in units of bf16's spacing at the "
+          "product's largest value; equal: the share of identical elements")
     print(f"\n{args.threads} threads; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; oneDNN bf16 GEMM: "
           f"{native_half_gemm(torch.bfloat16)}; GFLOP/s, best of {args.trials}")
     print(f"{'rows x in x out':<18} {'product':<8} {'torch bf16':>10} {'fp32 blocks':>11} {'fp32':>7} "
-          f"{'blocks/torch':>12} {'ulps apart':>10}")
+          f"{'blocks/torch':>12} {'max diff':>8} {'equal':>6}")
     for m, k, n in SHAPES:
         for layout in ("x @ W.T", "g @ W"):
             key = f"{m}x{k}x{n} {layout}"
             best = {c: max(rows[f"{key}|{c}"]) for c in ("torch bf16", "fp32 blocks", "fp32")}
             print(f"{m}x{k}x{n:<11} {layout:<8} {best['torch bf16']:>10.1f} {best['fp32 blocks']:>11.1f} "
-                  f"{best['fp32']:>7.1f} {best['fp32 blocks'] / best['torch bf16']:>11.1f}x {agree[key]:>10.1f}")
+                  f"{best['fp32']:>7.1f} {best['fp32 blocks'] / best['torch bf16']:>11.1f}x {agree[key][0]:>8.2f} "
+                  f"{100 * agree[key][1]:>5.1f}%")
     if args.json:
-        Path(args.json).write_text(json.dumps({"gflops": rows, "ulps": agree, "threads": args.threads, "load": load},
+        Path(args.json).write_text(json.dumps({"gflops": rows, "apart": agree, "threads": args.threads, "load": load},
                                               indent=1))
     return 0
 
