@@ -18,6 +18,7 @@ computes in fp32, nothing is entered.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -33,6 +34,7 @@ ENABLED = True
 aten = torch.ops.aten
 
 
+@functools.cache
 def native_half_gemm(dtype: torch.dtype) -> bool:
     """Whether this CPU computes ``dtype`` (bf16/fp16) matmuls in oneDNN rather than torch's reference GEMM."""
     if dtype == torch.bfloat16:
