@@ -2,9 +2,9 @@
 
 On a CPU where oneDNN has no bf16 (fp16) GEMM — an x86 without AVX-512, such as the AVX2 EPYCs this project's CI
 often gets (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False) — torch computes a bf16 matmul in its reference
-GEMM: 16-20 GFLOP/s on two AVX2 cores where the second operand is a linear layer's weight as stored (the forward),
-0.3 GFLOP/s where it is not (``grad @ W``, every linear layer's input gradient in backward), against 55-130 for the
-same product in fp32 (pytorch/pytorch#146508; ``python bench/cpu_half_matmul.py``). A bf16 or 4-bit (bf16 compute)
+GEMM: 17-22 GFLOP/s on two AVX2 cores where the second operand is a linear layer's weight as stored (the forward),
+0.3-2.5 GFLOP/s where it is not (``grad @ W``, every linear layer's input gradient in backward), against 39-165 for
+the same product in the fp32 blocks below (pytorch/pytorch#146508; ``python bench/cpu_half_matmul.py``). A bf16 or 4-bit (bf16 compute)
 step on such a CPU spent nearly all of its time there.
 
 Inside :func:`fp32_half_matmuls` a dispatch mode computes every CPU bf16/fp16 ``mm``, ``addmm``, ``bmm`` and
