@@ -632,7 +632,7 @@ def half_block_bytes(recipe: Recipe) -> int:
     if recipe.model.quantization == "4bit":  # QLoRA's compute dtype (fedllm.models.loading._quantization)
         names.add("bf16" if recipe.model.dtype in ("fp32", "auto") else recipe.model.dtype)
     dtypes = {DTYPES[n] for n in names if n in DTYPES}
-    used = cpu_half_matmul.wanted(torch.device("cpu"), dtypes, compiled=bool(recipe.train.compile))
+    used = cpu_half_matmul.wanted(torch.device("cpu"), dtypes)
     return cpu_half_matmul.transient_bytes() if used else 0
 
 

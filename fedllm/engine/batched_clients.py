@@ -228,7 +228,7 @@ def train_clients(model: torch.nn.Module, plans: list[ClientPlan], strategy: Str
     model.train()
     try:
         with factors.patched(), lora_input_casts_skipped(model, cfg), training_attention(model, cfg), \
-                checkpointed_training(model, cfg), half_matmuls_for(model, cfg.dtype, cfg.compile):
+                checkpointed_training(model, cfg), half_matmuls_for(model, cfg.dtype):
             for _ in range(num_steps):
                 opt.zero_grad(set_to_none=True)
                 for _ in range(cfg.grad_accum):

@@ -346,7 +346,7 @@ def train_client(model: torch.nn.Module, plan: ClientPlan, strategy: Strategy, e
     restore.enter_context(checkpointed_training(model, cfg))  # train.gradient_checkpointing
     restore.enter_context(compiled_training(model, cfg))  # train.compile: the decoder layers compiled
     restore.enter_context(lora_input_casts_skipped(model, cfg))
-    restore.enter_context(half_matmuls_for(model, cfg.dtype, cfg.compile))  # a CPU without a bf16 GEMM
+    restore.enter_context(half_matmuls_for(model, cfg.dtype))  # a CPU without a bf16 GEMM
     row_length = None
     if cfg.packing:
         check_packable(model)

@@ -4,15 +4,16 @@ On a CPU where oneDNN has no bf16 (fp16) GEMM — an x86 without AVX-512, such a
 often gets (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False) — torch computes a bf16 matmul in its reference
 GEMM: 17-22 GFLOP/s on two AVX2 cores where the second operand is a linear layer's weight as stored (the forward),
 0.3-2.5 GFLOP/s where it is not (``grad @ W``, every linear layer's input gradient in backward), against 39-165 for
-the same product in the fp32 blocks below (pytorch/pytorch#146508; ``python bench/cpu_half_matmul.py``). A bf16 or 4-bit (bf16 compute)
-step on such a CPU spent nearly all of its time there.
+the same product in the fp32 blocks below (pytorch/pytorch#146508; ``python bench/cpu_half_matmul.py``). A bf16 or
+4-bit (bf16 compute) step on such a CPU spent nearly all of its time there.
 
 Inside :func:`fp32_half_matmuls` a dispatch mode computes every CPU bf16/fp16 ``mm``, ``addmm``, ``bmm`` and
 ``baddbmm`` as fp32 products of blocks converted on the fly — at most :data:`BLOCK_FLOATS` fp32 values per operand
 block and for the accumulator, so the copies stay small beside a model's weights — accumulated in fp32 and rounded to
 the half dtype once, as a native half GEMM does (fp32 accumulation, one rounding): results equal the native ones up
-to the order of the fp32 sums. Everything else passes through unchanged. Where the CPU has the GEMM, or the run
-computes in fp32, nothing is entered.
+to the order of the fp32 sums. Everything else passes through unchanged. Under ``train.compile`` dynamo still
+compiles (:meth:`Fp32HalfMatmuls.ignore_compile_internals`), and the graphs' products pass through the mode as they
+run. Where the CPU has the GEMM, or the run computes in fp32, nothing is entered.
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ PRODUCTS = {aten.mm.default: ((0, 1), False), aten.mm.out: ((0, 1), False), aten
 class Fp32HalfMatmuls(TorchDispatchMode):
     """The dispatch mode of :func:`fp32_half_matmuls`: CPU bf16/fp16 products in fp32 blocks."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # train.compile still compiles; its graphs' products pass through here as they run
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         known = PRODUCTS.get(func)
@@ -121,11 +126,10 @@ class Fp32HalfMatmuls(TorchDispatchMode):
         return (_bmm if a.dim() == 3 else _mm)(a, b, bias, out)
 
 
-def wanted(device: torch.device, dtypes: set[torch.dtype], compiled: bool = False) -> bool:
+def wanted(device: torch.device, dtypes: set[torch.dtype]) -> bool:
     """Whether a step on ``device`` whose matmuls may run in ``dtypes`` gains from :func:`fp32_half_matmuls`: a CPU
-    without the GEMM of one of them, outside ``train.compile`` (its graphs take their own kernels)."""
-    return ENABLED and device.type == "cpu" and not compiled and \
-        any(d in HALF and not native_half_gemm(d) for d in dtypes)
+    without the GEMM of one of them (``train.compile`` too: its graphs' products run through the mode)."""
+    return ENABLED and device.type == "cpu" and any(d in HALF and not native_half_gemm(d) for d in dtypes)
 
 
 def model_dtypes(model: torch.nn.Module, dtype: str) -> set[torch.dtype]:
@@ -138,11 +142,11 @@ def model_dtypes(model: torch.nn.Module, dtype: str) -> set[torch.dtype]:
     return found | {d for d in computes if isinstance(d, torch.dtype)}
 
 
-def for_model(model: torch.nn.Module, dtype: str, compiled: bool = False):
+def for_model(model: torch.nn.Module, dtype: str):
     """Context: :func:`fp32_half_matmuls` for a training or reference pass of ``model`` under ``train.dtype``
     ``dtype`` where it gains (:func:`wanted`), nothing otherwise."""
     device = next(model.parameters()).device
-    return fp32_half_matmuls(wanted(device, model_dtypes(model, dtype), compiled))
+    return fp32_half_matmuls(wanted(device, model_dtypes(model, dtype)))
 
 
 @contextlib.contextmanager

@@ -111,10 +111,31 @@ def test_only_a_cpu_without_the_gemm_and_a_half_step_enter_it(monkeypatch):
     monkeypatch.setattr(cpu_half_matmul, "native_half_gemm", lambda dtype: False)
     assert wanted(cpu, {torch.float32, torch.bfloat16})
     assert not wanted(cpu, {torch.float32})  # an fp32 step: nothing entered
-    assert not wanted(cpu, {torch.bfloat16}, compiled=True)  # train.compile: inductor's graphs
     assert not wanted(torch.device("meta"), {torch.bfloat16})
     monkeypatch.setattr(cpu_half_matmul, "native_half_gemm", lambda dtype: True)
     assert not wanted(cpu, {torch.bfloat16})  # oneDNN's GEMM: torch's kernels
+
+
+def test_a_compiled_function_compiles_and_its_products_run_in_blocks(no_half_gemm, small_blocks, monkeypatch):
+    """train.compile under the mode: dynamo still compiles (a dispatch mode would otherwise make it run the frame
+    eagerly), and the graph's products reach the mode as they run."""
+    from torch._dynamo.utils import counters
+
+    seen = []
+    dispatch = Fp32HalfMatmuls.__torch_dispatch__
+    monkeypatch.setattr(Fp32HalfMatmuls, "__torch_dispatch__",
+                        lambda self, func, types, args=(), kwargs=None: seen.append(func) or
+                        dispatch(self, func, types, args, kwargs))
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda a, b: (a @ b).relu(), backend="eager")
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(12, 20, generator=gen).bfloat16(), torch.randn(20, 10, generator=gen).bfloat16()
+    with Fp32HalfMatmuls():
+        got = f(a, b)
+    assert counters["frames"]["ok"] == 1 and torch.ops.aten.mm.default in seen
+    assert ulps(got, rounded_once((a.double() @ b.double()).relu(), torch.bfloat16)) <= 1.0
+    torch._dynamo.reset()
 
 
 def test_a_quantised_layers_compute_dtype_counts():
