@@ -6,7 +6,9 @@ Runs COMMAND (default: ``python -m pytest -q -n 2``, README's test command) and,
 process's CPU time (user + system, ``/proc/PID/stat``) every ``--interval`` seconds, keeping each process's last
 reading, its command line and the test it was started in (``PYTEST_CURRENT_TEST`` in its environment, inherited
 from the test that started it). A process killed with a signal is counted up to its last reading (it writes no
-record of its own: Flower's SuperLinks and SuperNodes, node workers after ``kill -9``). Processes that ran before
+record of its own: Flower's SuperLinks and SuperNodes, node workers after ``kill -9``); a process that lives less
+than an interval may be missed, and each is read up to an interval before its end (the printed sum of the command's
+process tree as the kernel counts it, which leaves out orphans, bounds the difference). Processes that ran before
 the command started are left out; run it on an otherwise idle machine, since any process started meanwhile counts.
 
 It prints the CPU-seconds by kind of process (the pytest-xdist workers, where in-process tests run; node workers;
@@ -64,6 +66,12 @@ def machine_cpu() -> float:
     with open("/proc/stat") as f:
         fields = f.readline().split()[1:]
     return (int(fields[0]) + int(fields[1]) + int(fields[2])) / TICKS
+
+
+def _children_cpu() -> float:
+    """CPU-seconds of this process's ended descendants, as the kernel sums them (those each parent waited for)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return children.ru_utime + children.ru_stime
 
 
 def _boot_ticks_now() -> int:
@@ -157,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the table and every process's record here")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND (default: README's test command)")
     args = parser.parse_args(argv)
-    command = [c for c in args.command if c != "--"] or README_TESTS
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = command or README_TESTS
     readings = Readings(skip={os.getpid()})
-    t0, machine0 = time.monotonic(), machine_cpu()
+    t0, machine0, tree0 = time.monotonic(), machine_cpu(), _children_cpu()
     child = subprocess.Popen(command, cwd=ROOT)
     try:
         while child.poll() is None:
@@ -168,9 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         readings.read()  # the last readings of what is still there
     except KeyboardInterrupt:
         child.wait()
-    wall, machine = time.monotonic() - t0, machine_cpu() - machine0
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = report(list(readings.seen.values()), wall, children.ru_utime + children.ru_stime, machine)
+    wall, machine, tree = time.monotonic() - t0, machine_cpu() - machine0, _children_cpu() - tree0
+    out = report(list(readings.seen.values()), wall, tree, machine)
     out.update(command=command, returncode=child.returncode)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -50,10 +50,11 @@ def test_a_process_killed_with_sigkill_counts_with_its_kind_and_test(tmp_path, c
 def test_the_command_runs_and_its_exit_code_and_table_come_back(tmp_path):
     bench = load_script(ROOT / "bench" / "suite_processes.py")
     out = tmp_path / "out.json"
-    command = [sys.executable, "-c", "raise SystemExit(3)"]
+    command = [sys.executable, "-c", "import sys; raise SystemExit(len(sys.argv))", "--", "x"]  # its "--" is its own
     assert bench.main(["--interval", "0.05", "--json", str(out), "--", *command]) == 3
     got = json.loads(out.read_text())
-    assert got["returncode"] == 3 and got["command"][-1] == "raise SystemExit(3)"
+    assert got["returncode"] == 3 and got["command"] == command
+    assert 0 <= got["tree_cpu_s"] < 5  # this command's process tree, not what this process started before
     assert got["machine_cpu_s"] >= 0 and set(got) >= {"by_kind", "by_test", "processes", "wall_s"}
 
 
