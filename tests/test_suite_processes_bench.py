@@ -42,7 +42,7 @@ def test_a_process_killed_with_sigkill_counts_with_its_kind_and_test(tmp_path, c
     mine = [seen for seen in readings.seen.values() if seen.pid == child.pid]  # (the suite's other processes left out)
     got = bench.report(mine, wall=1.0, tree_cpu=0.0, machine=10.0)
     workers = got["by_kind"]["node workers"]
-    assert workers["processes"] == 1 and 0.6 <= workers["cpu_s"] < 2.0, got["by_kind"]
+    assert workers["processes"] == 1 and 0.55 <= workers["cpu_s"] < 2.0, got["by_kind"]  # (/proc counts in ticks)
     assert got["by_test"] == {"tests/test_x.py::test_y": workers["cpu_s"]}
     assert "node workers" in capsys.readouterr().out
 
