@@ -39,11 +39,19 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_one_ctrl_c_stops_a_two_worker_run_and_every_process_its_tests_started(tmp_path):
     """Two workers, each in a test waiting on a child (one in the workers' process group, one in a session of its
     own, as Flower's processes are); the tests write a marker once their child runs, then SIGINT goes to the run's
     process group once, as a terminal's Ctrl-C does. Before the fix: exit after 14 s (pytest-xdist's 10 s wait for
-    its workers) and the child in its own session still running.
+    its workers) and the child in its own session still running. That wait is 10 minutes in this run
+    (tests/assets/interrupt/patient_xdist.py), so a run the hooks did not stop does not end within the test's wait:
+    no bar in seconds that a loaded machine could miss. The run starts with SIGINT's default action, as a terminal's
+    foreground job has, whatever this test's own process inherited (a suite started in the background of a
+    non-interactive shell ignores SIGINT, and its children would too).
 
     The run leaves out the repository's conftest (``--noconftest``; its session fixture imports torch in each worker:
     90 s at load 14) and takes in the same hooks it does (``-p tests.stop_on_interrupt``; the next test checks that
@@ -51,7 +59,8 @@ def test_one_ctrl_c_stops_a_two_worker_run_and_every_process_its_tests_started(t
     markers = tmp_path / "markers"
     markers.mkdir()
     run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-p",
-                            "tests.stop_on_interrupt", "-n", "2", *SLEEPERS], cwd=ROOT, start_new_session=True,
+                            "tests.stop_on_interrupt", "-p", "tests.assets.interrupt.patient_xdist", "-n", "2",
+                            *SLEEPERS], cwd=ROOT, start_new_session=True, preexec_fn=_default_sigint,
                            env=clean_env(FEDLLM_INTERRUPT_MARKERS=str(markers)), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     children: list[int] = []
@@ -65,12 +74,11 @@ def test_one_ctrl_c_stops_a_two_worker_run_and_every_process_its_tests_started(t
         os.killpg(run.pid, signal.SIGINT)
         sent = time.monotonic()
         try:
-            run.wait(timeout=60)
+            run.wait(timeout=300)  # stopped by the hooks: ~1 s idle; by xdist's timeout: 600 s
         finally:
             took = time.monotonic() - sent
         out = run.stdout.read()
-        assert took < 10, (took, out[-2000:])
-        assert run.returncode == 2 and "KeyboardInterrupt" in out, out[-2000:]
+        assert run.returncode == 2 and "KeyboardInterrupt" in out, (took, out[-2000:])
         deadline = time.monotonic() + 5  # the kernel may take a moment to tear a killed process down
         while (_group_alive(run.pid) or not all(map(_gone, children))) and time.monotonic() < deadline:
             time.sleep(0.05)
