@@ -47,11 +47,12 @@ def test_one_ctrl_c_stops_a_two_worker_run_and_every_process_its_tests_started(t
     """Two workers, each in a test waiting on a child (one in the workers' process group, one in a session of its
     own, as Flower's processes are); the tests write a marker once their child runs, then SIGINT goes to the run's
     process group once, as a terminal's Ctrl-C does. Before the fix: exit after 14 s (pytest-xdist's 10 s wait for
-    its workers) and the child in its own session still running. That wait is 10 minutes in this run
-    (tests/assets/interrupt/patient_xdist.py), so a run the hooks did not stop does not end within the test's wait:
-    no bar in seconds that a loaded machine could miss. The run starts with SIGINT's default action, as a terminal's
-    foreground job has, whatever this test's own process inherited (a suite started in the background of a
-    non-interactive shell ignores SIGINT, and its children would too).
+    its workers) and the child in its own session still running; with the pytest-xdist of today the run without the
+    hooks ends by itself in ~1.5 s, and only that child stays (the last assertion). xdist's wait is 10 minutes in this
+    run (tests/assets/interrupt/patient_xdist.py): workers that did not end would hang it past the test's wait
+    instead of ending it 10 s late, so the test needs no bar in seconds that a loaded machine could miss. The run
+    starts with SIGINT's default action, as a terminal's foreground job has, whatever this test's own process
+    inherited (a suite started in the background of a non-interactive shell ignores SIGINT, and so would the run).
 
     The run leaves out the repository's conftest (``--noconftest``; its session fixture imports torch in each worker:
     90 s at load 14) and takes in the same hooks it does (``-p tests.stop_on_interrupt``; the next test checks that
