@@ -76,11 +76,15 @@ from fedllm.models.flops import step_flops  # noqa: E402
 from fedllm.models.hardware import device_peak, spec_peak  # noqa: E402
 
 #: Model shapes checked: name -> fedllm's shipped config directory (fedllm/assets/configs/<dir>).
-MODELS = {"smollm2-135m": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m"}
+MODELS = {"smollm2-135m": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m",
+          "llama2-7b": "meta-llama--Llama-2-7b-hf"}
 #: Configuration -> (model.dtype, model.quantization, train.dtype).
 CONFIGS = {"fp32": ("fp32", "none", "fp32"), "bf16": ("bf16", "none", "bf16"), "4bit": ("bf16", "4bit", "bf16")}
 #: Strategy -> strategy_args.
 STRATEGIES = {"fedavg": {}, "frlora": {"svd": "exact"}}
+#: ``--paper-7b``: the LoRA and FRLoRA settings of recipes/frlora/llama2-7b-metamathqa-frlora.yaml.
+PAPER_LORA = {"r": 32, "alpha": 64, "target_modules": ["q_proj", "v_proj"]}
+PAPER_STRATEGIES = {"fedavg": {}, "frlora": {"svd": "randomized", "niter": 4, "residual": "auto"}}
 IGNORE = -100
 
 
@@ -89,8 +93,12 @@ IGNORE = -100
 
 def workload(args: argparse.Namespace, big: bool = False) -> dict[str, int]:
     """Clients, rounds, steps and batch shape of a run (``--dry``: tiny; ``big``: the throughput rows)."""
+    paper = dict(lora=PAPER_LORA, strategies=PAPER_STRATEGIES, checkpointing=True) if args.paper_7b else {}
     if args.dry:
-        return dict(num_clients=4, per_round=2, rounds=2, steps=1, batch=2, max_length=48, r=4)
+        return dict(num_clients=4, per_round=2, rounds=2, steps=1, batch=2, max_length=48, r=4, **paper)
+    if args.paper_7b:  # issue 48 item 6: the paper's batch and length, checkpointing, 1 client a round
+        return dict(num_clients=2, per_round=1, rounds=2, steps=args.steps, batch=16, max_length=512,
+                    r=PAPER_LORA["r"], **paper)
     if big:
         return dict(num_clients=4, per_round=2, rounds=2, steps=4, batch=32, max_length=512, r=8)
     return dict(num_clients=4, per_round=2, rounds=2, steps=args.steps, batch=args.batch,
@@ -122,6 +130,9 @@ def model_config(key: str, dry: bool) -> Any:
     if dry:
         config.num_hidden_layers = 2
         config.vocab_size = 1024
+        if key == "llama2-7b":  # 2 layers of 4096 would still be 0.8 B parameters
+            config.hidden_size, config.intermediate_size = 256, 688
+            config.num_attention_heads = config.num_key_value_heads = 4
         if getattr(config, "layer_types", None):
             config.layer_types = ["sliding_attention", "full_attention"]
     return config
@@ -171,24 +182,48 @@ def build_model_dir(key: str, where: Path, dry: bool) -> tuple[Path, list[float]
     return where, prints
 
 
+def build_model_dir_on_device(key: str, where: Path, device: str) -> tuple[Path, list[float]]:
+    """Write model ``key`` with transformers' own random init made on ``device`` (bf16 safetensors, fedllm's tiny
+    tokenizer): the 7B shape in seconds on a GPU, where a CPU generator per tensor would take minutes. Its weights
+    are not compared with a CPU reference, so no fingerprint is taken."""
+    import transformers
+
+    from fedllm.models.loading import tiny_tokenizer
+
+    config = model_config(key, False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(str(where))
+    tiny_tokenizer().save_pretrained(str(where))
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return where, []
+
+
 def recipe_for(model_dir: Path, data: Path, out: Path, strategy: str, config: str, device: str,
                w: dict[str, int]) -> Any:
     """The recipe of one run (``fedllm.recipe.checks.parse_recipe``)."""
     from fedllm.recipe.checks import parse_recipe
 
     model_dtype, quant, train_dtype = CONFIGS[config]
+    lora = w.get("lora") or {"r": w["r"], "alpha": 2 * w["r"],
+                             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     return parse_recipe({
         "seed": 0, "output_dir": str(out),
         "model": {"name": str(model_dir), "dtype": model_dtype, "quantization": quant,
                   "device_map": "cuda" if device == "cuda" else None},
-        "lora": {"r": w["r"], "alpha": 2 * w["r"], "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "lora": dict(lora),
         "data": {"path": str(data), "format": "instruction", "cache": False,
                  "fields": {"instruction": "question", "output": "answer"}},
         "federation": {"num_clients": w["num_clients"], "clients_per_round": w["per_round"], "rounds": w["rounds"],
-                       "strategy": strategy, "strategy_args": dict(STRATEGIES[strategy]),
+                       "strategy": strategy, "strategy_args": dict(w.get("strategies", STRATEGIES)[strategy]),
                        "partition": {"method": "iid"}},
         "train": {"local_steps": w["steps"], "batch_size": w["batch"], "max_length": w["max_length"],
-                  "lr": 1.0e-3, "dtype": train_dtype, "compile": w.get("compile", False)},
+                  "lr": 1.0e-3, "dtype": train_dtype, "compile": w.get("compile", False),
+                  "gradient_checkpointing": w.get("checkpointing", False)},
         "logging": {"progress": False, "quiet": True},
     }, source=f"<gpu_check {model_dir.name} {config} {strategy}>")
 
@@ -413,20 +448,22 @@ def summarise(row: dict[str, Any], peaks: dict[str, Optional[float]], ref: dict[
 
 def print_table(rows: list[dict[str, Any]], out: Any = None) -> None:
     out = out or sys.stdout  # read now, not at import (a caller may have redirected it since)
-    head = (f"{'model':<13} {'config':<5} {'strategy':<7} {'b x S':>7} {'tok/s r1':>9} {'tok/s r2':>9} "
+    head = (f"{'model':<13} {'config':<5} {'strategy':<7} {'compile':<10} {'b x S':>7} {'tok/s r1':>9} {'tok/s r2':>9} "
             f"{'TFLOP/s':>8} {'MFU spec':>8} {'MFU probe':>9} {'peak GiB':>8} {'est GiB':>7} "
             f"{'loss r1, r2':>17} {'CPU fp32 r1, r2':>17} {'max |d|':>8}")
     print(head, file=out)
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:<13} {r['config']:<5} {r['strategy']:<7} FAILED: {r['error']}", file=out)
+            print(f"{r['model']:<13} {r['config']:<5} {r['strategy']:<7} {str(r.get('compile', False)):<10} "
+                  f"FAILED: {r['error']}", file=out)
             continue
         d = r["rounds_detail"]
         pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
         losses = ", ".join(f"{x:.4f}" for x in r["losses"])
         cpu = ", ".join(f"{x:.4f}" for x in r.get("cpu_losses", [])) or "-"
         diff = f"{r['max_abs_loss_diff']:.1e}" if "max_abs_loss_diff" in r else "-"
-        print(f"{r['model']:<13} {r['config']:<5} {r['strategy']:<7} {r['batch']:>3}x{r['max_length']:<3} "
+        print(f"{r['model']:<13} {r['config']:<5} {r['strategy']:<7} {str(r.get('compile', False)):<10} "
+              f"{r['batch']:>3}x{r['max_length']:<3} "
               f"{d[0]['tokens_per_s']:>9,.0f} {d[-1]['tokens_per_s']:>9,.0f} {r['flops_per_s'] / 1e12:>8.2f} "
               f"{pct(r.get('mfu_spec')):>8} {pct(r.get('mfu_probe')):>9} {_gb(r.get('peak_allocated')):>8} "
               f"{_gb(r.get('memory_estimate')):>7} {losses:>17} {cpu:>17} {diff:>8}", file=out)
@@ -454,13 +491,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=330.0, help="start no further run after this many seconds")
     p.add_argument("--profile", default=None, help="profile the last round of the first run (torch.profiler and "
                                                    "cProfile summaries to this file) and stop after that run")
-    p.add_argument("--compile", choices=["false", "true", "cudagraphs"], default="false", help="train.compile of every run")
+    p.add_argument("--compile", default="false", help="train.compile of the runs: a comma list of false, true, "
+                                                     "cudagraphs; each row runs once per setting")
+    p.add_argument("--paper-7b", action="store_true",
+                   help="issue 48 item 6: the LLaMA-2-7B shape (random weights made on the device) at the paper's "
+                        "batch 16 x 512 with gradient checkpointing, LoRA and FRLoRA as "
+                        "recipes/frlora/llama2-7b-metamathqa-frlora.yaml (r=32 on q/v, randomized SVD), 2 clients, "
+                        "1 a round, 2 rounds of --steps steps; configs bf16,4bit, strategies fedavg,frlora")
     p.add_argument("--work-dir", default=None, help="where models, data and run directories go (default: a temp dir)")
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cpu" if args.dry or not torch.cuda.is_available() else "cuda"
     if args.dry:
         args.device = "cpu"
+    if args.paper_7b:
+        args.models = "llama2-7b"
+        args.configs = args.configs or "bf16,4bit"
     if args.configs is None:
         args.configs = "fp32,bf16" if args.dry else ("bf16,4bit,fp32" if args.device == "cuda" else "fp32")
     return args
@@ -498,8 +544,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     models = [m for m in args.models.split(",") if m]
     configs = [c for c in args.configs.split(",") if c]
     strategies = [s for s in args.strategies.split(",") if s]
+    compiles = [c for c in args.compile.split(",") if c]
     for name, given, known in (("model", models, MODELS), ("config", configs, CONFIGS),
-                               ("strategy", strategies, STRATEGIES)):
+                               ("strategy", strategies, STRATEGIES),
+                               ("compile setting", compiles, ("false", "true", "cudagraphs"))):
         bad = [x for x in given if x not in known]
         if bad:
             print(f"gpu_check: unknown {name}(s) {bad}; known: {', '.join(known)}", file=sys.stderr)
@@ -520,31 +568,37 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
     data = write_data(work / "data.jsonl", 64)  # 16 records a client
-    data_big = write_data(work / "data-big.jsonl", 256) if args.big else data  # a client holds a whole batch of 32
-    plan = [(m, c, s, False) for c in configs for m in models for s in strategies]  # bf16 first: the main figures
+    # a client holds whole batches of 32 (--big), or 3 steps of 16 (--paper-7b: 2 clients)
+    data_big = write_data(work / "data-big.jsonl", 256) if args.big or args.paper_7b else data
+    plan = [(m, c, s, False, k) for k in compiles for c in configs for m in models for s in strategies]  # bf16 first
     if args.big and not args.dry and args.device == "cuda":
-        plan += [(m, c, "fedavg", True) for m in models for c in ("bf16", "4bit") if c in configs]
+        plan += [(m, c, "fedavg", True, k) for k in compiles for m in models for c in ("bf16", "4bit") if c in configs]
     rows: list[dict[str, Any]] = []
     built: dict[str, tuple[Path, list[float], Shapes]] = {}
-    for i, (key, config, strategy, big) in enumerate(plan):
+    for i, (key, config, strategy, big, compiled) in enumerate(plan):
         elapsed = time.perf_counter() - t_start
         if elapsed > args.budget_s:
-            skipped += [f"{k} {c} {s}{' big' if b else ''}: over --budget-s {args.budget_s:g}"
-                        for k, c, s, b in plan[i:]]
+            skipped += [f"{k} {c} {s}{' big' if b else ''} compile={m}: over --budget-s {args.budget_s:g}"
+                        for k, c, s, b, m in plan[i:]]
             break
-        w = {**workload(args, big), "compile": {"false": False, "true": True}.get(args.compile, args.compile)}
+        w = {**workload(args, big or args.paper_7b), "compile": {"false": False, "true": True}.get(compiled, compiled)}
         row: dict[str, Any] = {"model": key, "config": config, "strategy": strategy, "batch": w["batch"],
                                "max_length": w["max_length"], "compile": w["compile"]}
         try:
             if key not in built:
                 t0 = time.perf_counter()
-                where, prints = build_model_dir(key, work / f"model-{key}", args.dry)
+                if args.paper_7b and not args.dry:
+                    where, prints = build_model_dir_on_device(key, work / f"model-{key}", args.device)
+                else:
+                    where, prints = build_model_dir(key, work / f"model-{key}", args.dry)
                 config_dict = json.loads((where / "config.json").read_text())
-                built[key] = (where, prints, Shapes.of(config_dict, w["r"], ["q_proj", "k_proj", "v_proj", "o_proj"]))
+                targets = (w.get("lora") or {}).get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"])
+                built[key] = (where, prints, Shapes.of(config_dict, w["r"], targets))
                 print(f"gpu_check: built {key} ({sum(1 for _ in where.iterdir())} files) in "
                       f"{time.perf_counter() - t0:.1f} s; fingerprint {prints}")
             where, prints, shapes = built[key]
-            row = run_one(key, where, data_big if big else data, work / f"run-{i}", strategy, config, args.device, w,
+            row = run_one(key, where, data_big if big or args.paper_7b else data, work / f"run-{i}", strategy, config,
+                          args.device, w,
                           shapes, check_flops=args.dry,
                           profile_path=Path(args.profile) if args.profile and not rows else None)
             row["fingerprint"] = prints
@@ -556,9 +610,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         rows.append(row)
-        brief = {k: row.get(k) for k in ("model", "config", "strategy", "losses", "tokens_per_s", "mfu_spec",
+        row["compile"] = w["compile"]
+        brief = {k: row.get(k) for k in ("model", "config", "strategy", "compile", "losses", "tokens_per_s", "mfu_spec",
                                           "peak_allocated", "memory_estimate", "wall_seconds", "error")}
         print("gpu_check: run", json.dumps(brief), flush=True)
+        if args.json:  # after every run: a call cut off at its time limit keeps the runs that ended
+            Path(args.json).write_text(json.dumps({"environment": env, "peaks": peaks, "rows": rows, "partial": True,
+                                                   "argv": sys.argv[1:] if argv is None else argv}, indent=1))
         if args.profile:
             print(f"gpu_check: profile of {key} {config} {strategy}'s last round in {args.profile}")
             break

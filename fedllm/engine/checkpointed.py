@@ -92,6 +92,16 @@ def opacus_recording_paused(grad_sample_module) -> Iterator[None]:
         _RECORDERS.remove(grad_sample_module)
 
 
+def _transformers_api(base: torch.nn.Module) -> tuple:
+    """``(enable, disable, active)`` of ``base``'s activation checkpointing under this transformers: the
+    ``activation_checkpointing_*`` names of recent releases, the ``gradient_checkpointing_*`` ones before them (5.17,
+    say, which a GPU image ships), where they are not deprecated aliases yet."""
+    if hasattr(base, "activation_checkpointing_enable"):
+        return base.activation_checkpointing_enable, base.activation_checkpointing_disable, \
+            base.is_activation_checkpointing
+    return base.gradient_checkpointing_enable, base.gradient_checkpointing_disable, base.is_gradient_checkpointing
+
+
 @contextlib.contextmanager
 def checkpointed_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[None]:
     """Context: ``model``'s decoder layers checkpointed under ``train.gradient_checkpointing`` while a client trains;
@@ -110,17 +120,18 @@ def checkpointed_training(model: torch.nn.Module, cfg: TrainConfig) -> Iterator[
     from fedllm.models.supervised_loss import base_of
 
     base = base_of(model)
-    if base.is_activation_checkpointing:  # the caller checkpoints the model itself: left as it is
+    enable, disable, active = _transformers_api(base)
+    if active:  # the caller checkpoints the model itself: left as it is
         yield
         return
     had_input_hook = getattr(base, "_require_grads_hook", None) is not None
     kwargs: dict = {"use_reentrant": False}
     if not cfg.compile:  # opacus's pause (DP-SGD, refused with train.compile); inductor takes only dispatch modes here
         kwargs["context_fn"] = _contexts
-    base.activation_checkpointing_enable(kwargs, every_n_layers=every)
+    enable(kwargs, **({"every_n_layers": every} if every != 1 else {}))
     try:
         yield
     finally:
-        base.activation_checkpointing_disable()
+        disable()
         if not had_input_hook and getattr(base, "_require_grads_hook", None) is not None:
             base.disable_input_require_grads()

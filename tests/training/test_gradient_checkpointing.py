@@ -104,6 +104,35 @@ def test_one_steps_gradients_are_equal_and_the_model_is_restored(tiny_lm):
     assert getattr(base, "_require_grads_hook", None) is None
 
 
+def test_transformers_before_the_rename_uses_the_old_names():
+    """A transformers with only ``gradient_checkpointing_enable/disable`` and ``is_gradient_checkpointing`` (5.17, the
+    lent GPU image's: docs/gpu.md ran the 7B rows through it) gets those; a recent one the ``activation_*`` names,
+    not the deprecated aliases beside them."""
+    class Before:  # transformers 5.17's names
+        is_gradient_checkpointing = False
+
+        def gradient_checkpointing_enable(self, kwargs=None, every_n_layers=1):
+            return ("old enable", kwargs, every_n_layers)
+
+        def gradient_checkpointing_disable(self):
+            return "old disable"
+
+    class After(Before):  # recent: the new names, the old ones kept as aliases
+        is_activation_checkpointing = True
+
+        def activation_checkpointing_enable(self, kwargs=None, every_n_layers=1):
+            return ("new enable", kwargs, every_n_layers)
+
+        def activation_checkpointing_disable(self):
+            return "new disable"
+
+    enable, disable, active = checkpointed._transformers_api(Before())
+    assert enable({"use_reentrant": False}, every_n_layers=2) == ("old enable", {"use_reentrant": False}, 2)
+    assert disable() == "old disable" and active is False
+    enable, disable, active = checkpointed._transformers_api(After())
+    assert enable() == ("new enable", None, 1) and disable() == "new disable" and active is True
+
+
 @pytest.fixture
 def tiny_lm():
     from fedllm.models.loading import load_model
