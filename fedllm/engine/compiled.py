@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import math
 import time
+import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -136,6 +138,16 @@ def _layer_call(layer: torch.nn.Module, *args, **kwargs):
     return layer._call_impl(*args, **kwargs)
 
 
+def _isolated_compile(**options) -> Callable:
+    """``torch.compile`` of :func:`_layer_call` with a graph cache of its own: ``isolate_recompiles`` where torch
+    has it (2.13); before it, a fresh copy of the function's code object, on which dynamo keeps a cache apart from
+    every other copy's (torch 2.11, as on the lent GPU image, refused the keyword and dropped every client)."""
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return torch.compile(_layer_call, isolate_recompiles=True, **options)
+    fresh = types.FunctionType(_layer_call.__code__.replace(), _layer_call.__globals__, _layer_call.__name__)
+    return torch.compile(fresh, **options)
+
+
 def _compile_layers(layers: list[torch.nn.Module], key: tuple) -> int:
     """Set each layer's compiled call for ``key`` (``(train.compile, backend, dynamic)``): the one compiled before
     for this same layer with the same hooks, or else a new compiled :func:`_layer_call` that every such layer
@@ -146,8 +158,7 @@ def _compile_layers(layers: list[torch.nn.Module], key: tuple) -> int:
         (kept := layer.__dict__.get(KEPT)) is not None and kept[:2] == (key, hooks) and kept[2]() is layer)]
     if stale:
         mode = MODES[key[0]]
-        compiled = torch.compile(_layer_call, dynamic=key[2], backend=key[1], isolate_recompiles=True,
-                                 **({"mode": mode} if key[1] == "inductor" else {}))
+        compiled = _isolated_compile(dynamic=key[2], backend=key[1], **({"mode": mode} if key[1] == "inductor" else {}))
         for layer in stale:
             layer.__dict__[KEPT] = (key, hooks, weakref.ref(layer), functools.partial(compiled, layer))
     for layer in layers:

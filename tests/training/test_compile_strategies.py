@@ -93,3 +93,25 @@ def test_a_second_run_does_not_replay_the_first_runs_hooks(tiny_recipe, tmp_path
         _assert_equal(_final(tiny_recipe, tmp_path / f"{case}-eager", case),
                       _final(tiny_recipe, tmp_path / case, case, compile=True))
     assert not eager_compile["graph_break"], dict(eager_compile["graph_break"])
+
+
+def test_a_second_run_does_not_replay_before_isolate_recompiles(tiny_recipe, tmp_path, eager_compile, monkeypatch):
+    """The same under a torch.compile without ``isolate_recompiles`` (torch 2.11, the lent GPU image's): each
+    compiled function gets a code object of its own, and so a graph cache of its own."""
+    real = torch.compile
+    seen = []
+
+    def compile_before_2_13(fn=None, *, dynamic=None, backend="inductor", mode=None, fullgraph=False, options=None,
+                            disable=False):
+        if fn.__name__ == "_layer_call":  # not the CPU head's chunk (compiled apart)
+            seen.append(fn.__code__)
+        return real(fn, dynamic=dynamic, backend=backend, mode=mode, fullgraph=fullgraph, options=options,
+                    disable=disable)
+
+    monkeypatch.setattr(torch, "compile", compile_before_2_13)
+    for case in SECOND_RUN:
+        _assert_equal(_final(tiny_recipe, tmp_path / f"{case}-eager", case),
+                      _final(tiny_recipe, tmp_path / case, case, compile=True))
+    assert len(seen) >= 2 and len({id(c) for c in seen}) == len(seen)
+    assert all(c is not compiled._layer_call.__code__ for c in seen)
+
