@@ -95,7 +95,8 @@ def workload(args: argparse.Namespace, big: bool = False) -> dict[str, int]:
     """Clients, rounds, steps and batch shape of a run (``--dry``: tiny; ``big``: the throughput rows)."""
     paper = dict(lora=PAPER_LORA, strategies=PAPER_STRATEGIES, checkpointing=True) if args.paper_7b else {}
     if args.dry:
-        return dict(num_clients=4, per_round=2, rounds=2, steps=1, batch=2, max_length=48, r=4, **paper)
+        return dict(num_clients=4, per_round=2, rounds=2, steps=1, batch=2, max_length=48,
+                    r=PAPER_LORA["r"] if paper else 4, **paper)
     if args.paper_7b:  # issue 48 item 6: the paper's batch and length, checkpointing, 1 client a round
         return dict(num_clients=2, per_round=1, rounds=2, steps=args.steps, batch=16, max_length=512,
                     r=PAPER_LORA["r"], **paper)

@@ -43,6 +43,26 @@ def test_dry_run_trains_measures_mfu_and_compares_with_its_reference(gpu_check, 
     assert again["cpu_losses"] == rows[0]["losses"] and again["max_abs_loss_diff"] == 0
 
 
+def test_paper_7b_rows_take_the_paper_recipes_lora_frlora_and_checkpointing(gpu_check, tmp_path, monkeypatch):
+    """``--paper-7b`` (issue 48 item 6), tiny here: the recipe each row runs has the FRLoRA paper recipe's LoRA
+    (r=32 on q/v), its FRLoRA arguments and checkpointing on; FLOPs counted for those targets."""
+    recipes = []
+    real = gpu_check.recipe_for
+    monkeypatch.setattr(gpu_check, "recipe_for", lambda *a, **k: recipes.append(real(*a, **k)) or recipes[-1])
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--dry", "--paper-7b", "--configs", "bf16", "--json", str(out),
+                           "--work-dir", str(tmp_path / "work")]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["strategy"], r["compile"]) for r in rows] == [("llama2-7b", "fedavg", False),
+                                                                         ("llama2-7b", "frlora", False)]
+    for r in rows:
+        assert "error" not in r and r["flop_check"]["formula"] == pytest.approx(r["flop_check"]["flop_counter"],
+                                                                                rel=1e-9)
+    assert [(x.lora.r, x.lora.alpha, list(x.lora.target_modules), x.train.gradient_checkpointing) for x in recipes] \
+        == [(32, 64, ["q_proj", "v_proj"], True)] * 2
+    assert recipes[1].federation.strategy_args == {"svd": "randomized", "niter": 4, "residual": "auto"}
+
+
 def _bench(name: str):
     return load_script(ROOT / "bench" / f"{name}.py")
 
