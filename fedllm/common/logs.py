@@ -2,8 +2,8 @@
 
 Quiet mode filters what says nothing to a fedllm user: transformers' advisory and
 deprecation chatter (``TRANSFORMERS_VERBOSITY=error``, and their FutureWarnings), the ``is_gradient_checkpointing``
-FutureWarning, bitsandbytes' optional-kernel warnings (and ``fedllm train`` does not let
-peft import bitsandbytes at all unless the recipe quantises) and huggingface_hub's retry
+FutureWarning, bitsandbytes' optional-kernel warnings and those of the ``kernels`` package it asks for (and
+``fedllm train`` does not let peft import bitsandbytes at all unless the recipe quantises) and huggingface_hub's retry
 warnings (offline runs fail at once instead, see :mod:`fedllm.models.hub`). fedllm's own
 warnings and errors always show.
 """
@@ -25,7 +25,8 @@ NOISY_WARNINGS = (
 #: filtered in quiet mode.
 NOISY_DEPRECATIONS = (r"transformers(\.|$)", r"peft(\.|$)", r"accelerate(\.|$)")
 #: Third-party loggers lowered to ERROR in quiet mode.
-NOISY_LOGGERS = ("bitsandbytes", "huggingface_hub.utils._http", "huggingface_hub.file_download", "accelerate")
+NOISY_LOGGERS = ("bitsandbytes", "kernels", "huggingface_hub.utils._http", "huggingface_hub.file_download",
+                 "accelerate")
 _quiet = False  # set by configure(); the Python API (no configure) changes nothing
 
 

@@ -72,10 +72,13 @@ def _base_loading(source: Source, info: dict[str, Any], where: str) -> tuple[str
 
 
 # Third-party notices a user of the adapter snippet would otherwise see: peft imports bitsandbytes, whose CPU build
-# logs a warning about an optional kernel package, and peft reads a property transformers 5 deprecates.
+# logs a warning about an optional kernel package (and that package, ``kernels`` 0.19, one about skipping its
+# publisher check offline), and peft reads a property transformers 5 deprecates.
 QUIET_THIRD_PARTY = ("import logging\nimport warnings\n\n"
                       "logging.getLogger(\"bitsandbytes\").setLevel(logging.ERROR)  "
                       "# peft imports it; its CPU build warns about an optional kernel\n"
+                      "logging.getLogger(\"kernels\").setLevel(logging.ERROR)  "
+                      "# which bitsandbytes asks for; offline it warns that it skips a check\n"
                       "warnings.filterwarnings(\"ignore\", message=\".*is_gradient_checkpointing\")  "
                       "# peft reads a property transformers deprecates\n")
 
