@@ -114,4 +114,3 @@ def test_a_second_run_does_not_replay_before_isolate_recompiles(tiny_recipe, tmp
                       _final(tiny_recipe, tmp_path / case, case, compile=True))
     assert len(seen) >= 2 and len({id(c) for c in seen}) == len(seen)
     assert all(c is not compiled._layer_call.__code__ for c in seen)
-
