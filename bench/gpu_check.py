@@ -164,44 +164,31 @@ def same_weights(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-6) for x, y in zip(a, b))
 
 
-def build_model_dir(key: str, where: Path, dry: bool) -> tuple[Path, list[float]]:
-    """Write model ``key`` (random weights, fp32 safetensors) and fedllm's tiny tokenizer to ``where``."""
+def build_model_dir(key: str, where: Path, dry: bool, on_device: Optional[str] = None) -> tuple[Path, list[float]]:
+    """Write model ``key`` (random weights, fp32 safetensors) and fedllm's tiny tokenizer to ``where``.
+
+    ``on_device``: transformers' own random init made on that device, saved in bf16, no fingerprint (the 7B shape in
+    seconds on a GPU, where a CPU generator per tensor would take minutes; its weights meet no CPU reference)."""
     import transformers
 
     from fedllm.models.loading import tiny_tokenizer
 
     config = model_config(key, dry)
     torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fill_weights(model, getattr(config, "initializer_range", 0.02))
-    prints = fingerprint(model)
+    with torch.device(on_device or "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16 if on_device else torch.float32)
+    prints: list[float] = []
+    if not on_device:
+        fill_weights(model, getattr(config, "initializer_range", 0.02))
+        prints = fingerprint(model)
     model.save_pretrained(str(where))
     tiny_tokenizer().save_pretrained(str(where))
     del model
     gc.collect()
-    return where, prints
-
-
-def build_model_dir_on_device(key: str, where: Path, device: str) -> tuple[Path, list[float]]:
-    """Write model ``key`` with transformers' own random init made on ``device`` (bf16 safetensors, fedllm's tiny
-    tokenizer): the 7B shape in seconds on a GPU, where a CPU generator per tensor would take minutes. Its weights
-    are not compared with a CPU reference, so no fingerprint is taken."""
-    import transformers
-
-    from fedllm.models.loading import tiny_tokenizer
-
-    config = model_config(key, False)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(str(where))
-    tiny_tokenizer().save_pretrained(str(where))
-    del model
-    gc.collect()
-    if device == "cuda":
+    if on_device == "cuda":
         torch.cuda.empty_cache()
-    return where, []
+    return where, prints
 
 
 def recipe_for(model_dir: Path, data: Path, out: Path, strategy: str, config: str, device: str,
@@ -582,16 +569,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             skipped += [f"{k} {c} {s}{' big' if b else ''} compile={m}: over --budget-s {args.budget_s:g}"
                         for k, c, s, b, m in plan[i:]]
             break
-        w = {**workload(args, big or args.paper_7b), "compile": {"false": False, "true": True}.get(compiled, compiled)}
+        w = {**workload(args, big), "compile": {"false": False, "true": True}.get(compiled, compiled)}
         row: dict[str, Any] = {"model": key, "config": config, "strategy": strategy, "batch": w["batch"],
                                "max_length": w["max_length"], "compile": w["compile"]}
         try:
             if key not in built:
                 t0 = time.perf_counter()
-                if args.paper_7b and not args.dry:
-                    where, prints = build_model_dir_on_device(key, work / f"model-{key}", args.device)
-                else:
-                    where, prints = build_model_dir(key, work / f"model-{key}", args.dry)
+                on_device = args.device if args.paper_7b and not args.dry else None
+                where, prints = build_model_dir(key, work / f"model-{key}", args.dry, on_device)
                 config_dict = json.loads((where / "config.json").read_text())
                 targets = (w.get("lora") or {}).get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"])
                 built[key] = (where, prints, Shapes.of(config_dict, w["r"], targets))
