@@ -224,8 +224,9 @@ def precompute_eval_references(
 ) -> None:
     """Before round 1, when ``pref_accuracy`` is evaluated: the reference tables of the global held-out pairs
     (under :data:`HELD_OUT`) and of each client's personal held-out pairs (:data:`EVAL_REFERENCE_KEY`), in the
-    batches ``pref_accuracy`` takes (``eval.batch_size``, in order), so that the starting model's rewards are
-    exactly 0 rather than the rounding of another batching."""
+    batches ``pref_accuracy`` takes (``eval.batch_size``, in order). The evaluation before round 1, of this same
+    model, reads its policy's log-probabilities from the global table instead of a second pass (its rewards are
+    exactly 0)."""
     cfg, size = recipe.train, recipe.eval.batch_size
     if not uses_precomputed(cfg) or "pref_accuracy" not in recipe.eval.tasks:
         return

@@ -422,8 +422,10 @@ class RoundLoop:
 
     # ----- evaluation
     def evaluate(self, rnd: int, records: Optional[list] = None, examples: Optional[list] = None,
-                 tag: str = "") -> dict[str, float]:
-        """The recipe's eval tasks on the model as it is now (held-out data of the run by default)."""
+                 tag: str = "", reference_policy: bool = False) -> dict[str, float]:
+        """The recipe's eval tasks on the model as it is now (held-out data of the run by default);
+        ``reference_policy``: that model is the one the held-out pairs' reference log-probabilities were computed
+        from (see :func:`fedllm.evaluation.evaluate`)."""
         from fedllm.evaluation import evaluate, prompt_style_for_data
         from fedllm.evaluation.runner import eval_config_for_data
 
@@ -438,7 +440,7 @@ class RoundLoop:
                         records=data.eval_records if records is None else records,
                         eval_examples=examples, tag=tag,
                         prompt_style=prompt_style_for_data(self.recipe.data, self.recipe.eval), progress=self.progress,
-                        preference=dpo)
+                        preference=dpo, reference_policy=reference_policy)
 
     def evaluate_personal(self, rnd: int) -> dict[str, dict[str, float]]:
         """Each client's personal model (``Strategy.personal_state``) on its own held-out split."""
@@ -636,8 +638,8 @@ class RoundLoop:
             data = self.fed.data
             precompute_eval_references(self.model, self.store, data.eval_examples, data.client_eval, recipe,
                                        self.collate)
-        if self.start_round == 0 and eval_due(recipe.eval, 0, rounds):
-            self.log_round({"round": 0, "eval": self.evaluate(0)})
+        if self.start_round == 0 and eval_due(recipe.eval, 0, rounds):  # the model the references were computed from
+            self.log_round({"round": 0, "eval": self.evaluate(0, reference_policy=True)})
             self.say(f"before training: {_format_metrics(self.history[-1]['eval'])}")
         sizes = [len(ix) for ix in self.fed.data.clients]
         steps_round = sum(sorted((steps_per_round(recipe.train, n) for n in sizes), reverse=True)

@@ -42,6 +42,9 @@ class EvalContext:
             builds one from ``cfg.judge`` on first use.
         progress: show progress bars.
         preference: ``train.preference`` of a DPO run (the rewards ``pref_accuracy`` reports), or None.
+        reference_policy: the model under evaluation is the one the examples' reference log-probabilities were
+            computed from (a run's evaluation before round 1): ``pref_accuracy`` reads its policy's
+            log-probabilities from them rather than computing them again.
     """
 
     model: Any
@@ -55,6 +58,7 @@ class EvalContext:
     judge: Union[JudgeClient, Complete, None] = None
     progress: bool = True
     preference: Any = None
+    reference_policy: bool = False
     _fingerprint: Optional[str] = field(default=None, repr=False)
     _style: Optional[PromptStyle] = field(default=None, repr=False)
 

@@ -32,6 +32,7 @@ def evaluate(
     judge: Union[JudgeClient, Complete, None] = None,
     progress: bool = True,
     preference: Any = None,
+    reference_policy: bool = False,
 ) -> dict[str, float]:
     """Run every task of ``eval_cfg.tasks`` and return flat metrics.
 
@@ -53,6 +54,8 @@ def evaluate(
             with the on-disk cache); None: built from ``eval_cfg.judge`` when a judged task runs.
         progress: show progress bars.
         preference: ``train.preference`` of a DPO run, for ``pref_accuracy``'s rewards (None: the defaults).
+        reference_policy: ``model`` is the model ``eval_examples``' reference log-probabilities were computed from
+            (a run before round 1): ``pref_accuracy`` takes its policy's log-probabilities from them.
 
     Returns:
         ``{"<task>/<metric>": value}``, e.g. ``{"gsm8k/accuracy": 0.4, "mt_bench/mt1": 6.1}``.
@@ -60,7 +63,7 @@ def evaluate(
     ctx = EvalContext(model=model, tokenizer=tokenizer, cfg=eval_cfg,
                       out_dir=Path(out_dir) if out_dir is not None else None, tag=tag, records=records,
                       eval_examples=eval_examples, prompt_style_name=prompt_style, judge=judge, progress=progress,
-                      preference=preference)
+                      preference=preference, reference_policy=reference_policy)
     metrics: dict[str, float] = {}
     protocols: dict[str, Optional[str]] = {}
     for name in eval_cfg.tasks:

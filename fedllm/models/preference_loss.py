@@ -81,8 +81,12 @@ def sequence_logps(model: Any, batch: dict[str, torch.Tensor], positions: str = 
         logps = _gathered_logps(model, batch)
     else:
         logps = _all_position_logps(model, batch)
-    lengths = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1)
-    return PairLogps(logps, lengths)
+    return PairLogps(logps, answer_lengths(batch))
+
+
+def answer_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each row's number of supervised (answer) tokens."""
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1)
 
 
 @contextlib.contextmanager

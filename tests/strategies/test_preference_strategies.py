@@ -202,6 +202,33 @@ def test_preference_pref_accuracy_is_the_implicit_reward_recomputed(pref_file, t
     assert again == pytest.approx(end, abs=1e-6)
 
 
+def test_the_evaluation_before_round_1_takes_the_policy_from_the_reference_table(pref_file, tmp_path, monkeypatch):
+    """Before round 1 the model is the one the held-out pairs' reference log-probabilities were just computed from:
+    pref_accuracy makes no forward pass of its own there and reports what the pass it skips gives (a run whose
+    round-0 evaluation is made to compute it); the later evaluation runs its passes, and both runs end alike."""
+    import fedllm.engine.server as server_module
+    import fedllm.evaluation.tasks.preference as task_module
+
+    passes: list[int] = []  # the pairs of each policy pass pref_accuracy makes
+    real = task_module.sequence_logps
+    monkeypatch.setattr(task_module, "sequence_logps",
+                        lambda model, batch, *a, **k: passes.append(int(batch["pairs"])) or real(model, batch, *a, **k))
+    sections = {"data": {"eval_fraction": 0.25}, "eval": {"tasks": ["pref_accuracy"], "before_training": True}}
+    read = run(parse_recipe(dpo_raw(tmp_path / "read", pref_file, **sections)))
+    read_passes, passes[:] = list(passes), []
+    evaluate = server_module.RoundLoop.evaluate
+    monkeypatch.setattr(server_module.RoundLoop, "evaluate",
+                        lambda self, rnd, *a, reference_policy=False, **k: evaluate(self, rnd, *a, **k))
+    computed = run(parse_recipe(dpo_raw(tmp_path / "computed", pref_file, **sections)))
+    assert sum(read_passes) == 9 and sum(passes) == 18  # the 9 held-out pairs: once (the end), twice (start, end)
+    start, start_computed = read.history[0]["eval"], computed.history[0]["eval"]
+    assert start["pref_accuracy/margin"] == 0.0 and start["pref_accuracy/accuracy"] == 0.0
+    assert start["pref_accuracy/logp_accuracy"] == start_computed["pref_accuracy/logp_accuracy"]
+    assert 0 < start["pref_accuracy/logp_accuracy"] < 1  # the model's own preferences, not a constant
+    assert start == pytest.approx(start_computed, abs=1e-6)
+    assert read.history[-1]["eval"] == computed.history[-1]["eval"]
+
+
 @pytest.mark.parametrize("mechanism", ["central", "central_client_clipping"])
 def test_preference_dpo_with_client_level_dp(mechanism, pref_file, tmp_path):
     """Client-level DP wraps a DPO client's update as any other: clipped, noised, accounted."""

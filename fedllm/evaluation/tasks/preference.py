@@ -13,7 +13,10 @@ personalized strategy's clients: their own split) it reports what trl logs for D
 
 The reference log-probabilities are those the run computed once before round 1 (:mod:`fedllm.engine.reference`),
 carried by the examples; without them (``fedllm eval`` of a checkpoint) the base with the adapter disabled is the
-reference, which is the starting policy only for strategies that never change the base.
+reference, which is the starting policy only for strategies that never change the base. A run's evaluation before
+round 1 evaluates the very model those reference log-probabilities were computed from, in the same batches
+(:func:`fedllm.engine.reference.precompute_eval_references`): it takes the policy's log-probabilities from them
+instead of a second forward pass over the pairs (``EvalContext.reference_policy``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from fedllm.data.collate import collate
 from fedllm.evaluation.context import EvalContext
 from fedllm.evaluation.sources import DataSourceError
 from fedllm.evaluation.task import Task
-from fedllm.models.preference_loss import PREFERENCE_LOSSES, needs_reference, reference_logps, sequence_logps
+from fedllm.models.preference_loss import (
+    PREFERENCE_LOSSES,
+    PairLogps,
+    answer_lengths,
+    needs_reference,
+    reference_logps,
+    sequence_logps,
+)
 from fedllm.recipe.schema import PreferenceConfig
 
 
@@ -52,7 +62,10 @@ class PreferenceAccuracy(Task):
                 for start in range(0, len(examples), ctx.cfg.batch_size):
                     batch = collate(examples[start : start + ctx.cfg.batch_size], ctx.tokenizer.pad_token_id)
                     batch = {k: v.to(device) for k, v in batch.items()}
-                    policy = sequence_logps(model, batch)
+                    if ctx.reference_policy and "ref_logps" in batch:  # the model is the reference itself
+                        policy = PairLogps(batch["ref_logps"], answer_lengths(batch))
+                    else:
+                        policy = sequence_logps(model, batch)
                     ref = reference_logps(model, batch) if needs_reference(pref) else torch.zeros_like(policy.logps)
                     _, c, r = PREFERENCE_LOSSES[pref.loss](policy, ref, pref)
                     chosen += c.tolist()
