@@ -18,7 +18,8 @@ weights' values; the losses of random weights are a sanity check (GPU against CP
 
 Configurations (``--configs``): ``fp32`` (model and compute fp32; on the GPU this is the tight match
 with the CPU reference), ``bf16`` (``model.dtype: bf16``, ``train.dtype: bf16``), ``4bit`` (QLoRA:
-``model.quantization: 4bit``, NF4 + double quantisation, bf16 compute); strategies FedAvg and FRLoRA
+``model.quantization: 4bit``, NF4 + double quantisation, bf16 compute), ``8bit`` (``model.quantization: 8bit``,
+LLM.int8(), bf16 compute: the FRLoRA LLaMA-2-7B recipe's base; not in the default list); strategies FedAvg and FRLoRA
 (exact SVD init); 4 clients, 2 per round, 2 rounds, LoRA r=8 on q/k/v/o, batch 8 x 128 tokens,
 4 local steps. Every example is exactly ``max_length`` tokens (long few-shot arithmetic prompts,
 left-truncated by fedllm), so no position is padding. ``--big`` adds bf16 and 4bit FedAvg rows at
@@ -79,7 +80,9 @@ from fedllm.models.hardware import device_peak, spec_peak  # noqa: E402
 MODELS = {"smollm2-135m": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m",
           "llama2-7b": "meta-llama--Llama-2-7b-hf"}
 #: Configuration -> (model.dtype, model.quantization, train.dtype).
-CONFIGS = {"fp32": ("fp32", "none", "fp32"), "bf16": ("bf16", "none", "bf16"), "4bit": ("bf16", "4bit", "bf16")}
+CONFIGS = {"fp32": ("fp32", "none", "fp32"), "bf16": ("bf16", "none", "bf16"), "4bit": ("bf16", "4bit", "bf16"),
+           "8bit": ("bf16", "8bit", "bf16")}
+QUANTIZED = ("4bit", "8bit")
 #: Strategy -> strategy_args.
 STRATEGIES = {"fedavg": {}, "frlora": {"svd": "exact"}}
 #: ``--paper-7b``: the LoRA and FRLoRA settings of recipes/frlora/llama2-7b-metamathqa-frlora.yaml.
@@ -465,9 +468,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dry", action="store_true", help="CPU, tiny shapes (2 layers, vocab 1024), 1 step: seconds")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--configs", default=None, help="comma list of fp32, bf16, 4bit (default: bf16,4bit,fp32 on "
-                                                   "cuda; fp32 on cpu; fp32,bf16 with --dry; 4bit on a CPU "
-                                                   "needs bitsandbytes' CPU backend)")
+    p.add_argument("--configs", default=None, help="comma list of fp32, bf16, 4bit, 8bit (default: bf16,4bit,fp32 "
+                                                   "on cuda; fp32 on cpu; fp32,bf16 with --dry; 4bit and 8bit "
+                                                   "on a CPU need bitsandbytes' CPU backend)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list of fedavg, frlora")
     p.add_argument("--steps", type=int, default=4, help="local steps per client per round")
     p.add_argument("--batch", type=int, default=8)
@@ -485,7 +488,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="issue 48 item 6: the LLaMA-2-7B shape (random weights made on the device) at the paper's "
                         "batch 16 x 512 with gradient checkpointing, LoRA and FRLoRA as "
                         "recipes/frlora/llama2-7b-metamathqa-frlora.yaml (r=32 on q/v, randomized SVD), 2 clients, "
-                        "1 a round, 2 rounds of --steps steps; configs bf16,4bit, strategies fedavg,frlora")
+                        "1 a round, 2 rounds of --steps steps; configs bf16,4bit (8bit: the recipe's own base), "
+                        "strategies fedavg,frlora")
     p.add_argument("--work-dir", default=None, help="where models, data and run directories go (default: a temp dir)")
     args = p.parse_args(argv)
     if args.device is None:
@@ -541,9 +545,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"gpu_check: unknown {name}(s) {bad}; known: {', '.join(known)}", file=sys.stderr)
             return 2
     skipped: list[str] = []
-    if "4bit" in configs and not env["bitsandbytes"][0].isdigit():
-        configs.remove("4bit")
-        skipped.append(f"4bit: needs bitsandbytes ({env['bitsandbytes']})")
+    for quantized in [c for c in configs if c in QUANTIZED and not env["bitsandbytes"][0].isdigit()]:
+        configs.remove(quantized)
+        skipped.append(f"{quantized}: needs bitsandbytes ({env['bitsandbytes']})")
     ref = json.loads(Path(args.ref).read_text()) if args.ref else {}
 
     peaks: dict[str, Optional[float]] = {"spec_bf16": None, "spec_fp32": None, "probe_bf16": None}

@@ -45,21 +45,23 @@ def test_dry_run_trains_measures_mfu_and_compares_with_its_reference(gpu_check, 
 
 def test_paper_7b_rows_take_the_paper_recipes_lora_frlora_and_checkpointing(gpu_check, tmp_path, monkeypatch):
     """``--paper-7b`` (issue 48 item 6), tiny here: the recipe each row runs has the FRLoRA paper recipe's LoRA
-    (r=32 on q/v), its FRLoRA arguments and checkpointing on; FLOPs counted for those targets."""
+    (r=32 on q/v), its FRLoRA arguments and checkpointing on, in bf16 and on the recipe's 8-bit base; FLOPs counted
+    for those targets."""
     recipes = []
     real = gpu_check.recipe_for
     monkeypatch.setattr(gpu_check, "recipe_for", lambda *a, **k: recipes.append(real(*a, **k)) or recipes[-1])
     out = tmp_path / "check.json"
-    assert gpu_check.main(["--dry", "--paper-7b", "--configs", "bf16", "--json", str(out),
+    assert gpu_check.main(["--dry", "--paper-7b", "--configs", "bf16,8bit", "--json", str(out),
                            "--work-dir", str(tmp_path / "work")]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["model"], r["strategy"], r["compile"]) for r in rows] == [("llama2-7b", "fedavg", False),
-                                                                         ("llama2-7b", "frlora", False)]
+    assert [(r["model"], r["config"], r["strategy"], r["compile"]) for r in rows] == [
+        ("llama2-7b", c, s, False) for c in ("bf16", "8bit") for s in ("fedavg", "frlora")]
     for r in rows:
         assert "error" not in r and r["flop_check"]["formula"] == pytest.approx(r["flop_check"]["flop_counter"],
                                                                                 rel=1e-9)
     assert [(x.lora.r, x.lora.alpha, list(x.lora.target_modules), x.train.gradient_checkpointing) for x in recipes] \
-        == [(32, 64, ["q_proj", "v_proj"], True)] * 2
+        == [(32, 64, ["q_proj", "v_proj"], True)] * 4
+    assert [x.model.quantization for x in recipes] == ["none", "none", "8bit", "8bit"]  # 8bit: the recipe's base
     assert recipes[1].federation.strategy_args == {"svd": "randomized", "niter": 4, "residual": "auto"}
 
 
