@@ -82,7 +82,6 @@ MODELS = {"smollm2-135m": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m",
 #: Configuration -> (model.dtype, model.quantization, train.dtype).
 CONFIGS = {"fp32": ("fp32", "none", "fp32"), "bf16": ("bf16", "none", "bf16"), "4bit": ("bf16", "4bit", "bf16"),
            "8bit": ("bf16", "8bit", "bf16")}
-QUANTIZED = ("4bit", "8bit")
 #: Strategy -> strategy_args.
 STRATEGIES = {"fedavg": {}, "frlora": {"svd": "exact"}}
 #: ``--paper-7b``: the LoRA and FRLoRA settings of recipes/frlora/llama2-7b-metamathqa-frlora.yaml.
@@ -545,7 +544,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"gpu_check: unknown {name}(s) {bad}; known: {', '.join(known)}", file=sys.stderr)
             return 2
     skipped: list[str] = []
-    for quantized in [c for c in configs if c in QUANTIZED and not env["bitsandbytes"][0].isdigit()]:
+    for quantized in [c for c in configs if CONFIGS[c][1] != "none" and not env["bitsandbytes"][0].isdigit()]:
         configs.remove(quantized)
         skipped.append(f"{quantized}: needs bitsandbytes ({env['bitsandbytes']})")
     ref = json.loads(Path(args.ref).read_text()) if args.ref else {}
