@@ -89,3 +89,28 @@ def test_every_recipe_loads_and_names_its_command(path):
     assert str(path.relative_to(ROOT)) in first
     load_recipe(path)
     yaml.safe_load(path.read_text())
+
+
+def test_the_c_parser_and_emitter_read_and_write_what_pure_python_pyyaml_does(tmp_path):
+    """read_yaml and dump_recipe run on libyaml's C parser and emitter; PyYAML's pure-Python ones are the reference:
+    every shipped recipe reads to the same values and resolves to the same recipe.yaml text, the YAML 1.2 floats
+    read alike, and YAML the C parser refuses gets the pure-Python parser's error (its line, its words)."""
+    from fedllm.recipe.schema import _Loader, dump_recipe, read_yaml
+
+    assert yaml.__with_libyaml__  # PyYAML's wheels ship libyaml: the fast path is the one tested here
+    for path in sorted((ROOT / "recipes").rglob("*.yaml")):
+        text = path.read_text()
+        assert read_yaml(text) == yaml.load(text, Loader=_Loader), path  # noqa: S506
+        recipe = load_recipe(path)
+        assert dump_recipe(recipe) == yaml.safe_dump(recipe.to_dict(), sort_keys=False), path
+    floats = "lr: 1e-3\nscale: 2E5\nplain: 0.5\nword: e5\n"
+    assert read_yaml(floats) == {"lr": 1e-3, "scale": 2e5, "plain": 0.5, "word": "e5"}
+    said = []
+    for broken in ("a: 1\nb: 2\na: 3\n", "model: [unclosed\n", "a: 'open\nb: 2\n", "a:\n\t- 1\n"):
+        with pytest.raises(yaml.YAMLError) as fast:
+            read_yaml(broken)
+        with pytest.raises(yaml.YAMLError) as pure:
+            yaml.load(broken, Loader=_Loader)  # noqa: S506
+        assert str(fast.value) == str(pure.value), broken
+        said.append(str(fast.value))
+    assert "duplicate key 'a' (line 3; first given on line 1)" in said[0]

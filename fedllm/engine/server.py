@@ -336,6 +336,7 @@ class RoundLoop:
     def __init__(self, fed: Federation, run_dir: Path, progress: bool = True, executor: Any = None):
         self.fed = fed
         self.recipe = fed.recipe
+        self.recipe_yaml = dump_recipe(self.recipe)  # the run's recipe.yaml and every checkpoint's (one recipe a run)
         self.run_dir = Path(run_dir)
         self.model = fed.loaded.model
         self.executor = executor if executor is not None else LocalExecutor()
@@ -391,7 +392,7 @@ class RoundLoop:
                   "model_type": self.fed.loaded.model_type, "label_names": self.fed.data.label_names,
                   "client_sizes": [len(ix) for ix in self.fed.data.clients], "executor": self.executor.state(),
                   **({"async": self.fedbuff.meta()} if self.fedbuff else {})},
-            recipe_yaml=dump_recipe(self.recipe))
+            recipe_yaml=self.recipe_yaml)
         ckpt_io.save_checkpoint(directory, ckpt)
 
     def restore(self, directory: Path) -> None:
@@ -623,7 +624,7 @@ class RoundLoop:
         """Train the remaining rounds; experiment trackers (``logging.report_to``) see every record, on rank 0."""
         if self.executor.is_main:
             self.tracking = Tracking(self.recipe.logging.report_to)
-            self.tracking.start(self.run_dir, self.recipe.to_dict(), dump_recipe(self.recipe))
+            self.tracking.start(self.run_dir, self.recipe.to_dict(), self.recipe_yaml)
         try:
             return self._run()
         finally:
@@ -781,7 +782,7 @@ def _run_locked(recipe: Recipe, resume: bool, overwrite: bool, progress: bool, e
     loop = RoundLoop(fed, Path(recipe.output_dir), progress, executor)
     if loop.executor.is_main:
         rundir.mark_run_dir(loop.run_dir)
-        ckpt_io.atomic_write_text(loop.run_dir / "recipe.yaml", dump_recipe(recipe))
+        ckpt_io.atomic_write_text(loop.run_dir / "recipe.yaml", loop.recipe_yaml)
         ckpt_io.atomic_write_text(loop.run_dir / "partition.json", json.dumps(redact(fed.data.manifest), indent=1))
     if start_from is not None:
         loop.restore(start_from)
