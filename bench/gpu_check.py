@@ -4,6 +4,7 @@
     python bench/gpu_check.py --device cpu --configs fp32 --save-ref REF.json   # the CPU reference losses
     python bench/gpu_check.py --big --ref REF.json --json OUT.json   # GPU, losses beside the CPU reference
     python bench/gpu_check.py --dry                            # seconds on a CPU: the same code, tiny shapes
+    python bench/gpu_check.py --paper-7b --configs bf16 --checkpointing true,2   # 7B: all layers vs every 2nd
 
 docs/gpu.md has the command, the figures of a run on an H200 and what this check does not cover.
 
@@ -95,7 +96,7 @@ IGNORE = -100
 
 def workload(args: argparse.Namespace, big: bool = False) -> dict[str, int]:
     """Clients, rounds, steps and batch shape of a run (``--dry``: tiny; ``big``: the throughput rows)."""
-    paper = dict(lora=PAPER_LORA, strategies=PAPER_STRATEGIES, checkpointing=True) if args.paper_7b else {}
+    paper = dict(lora=PAPER_LORA, strategies=PAPER_STRATEGIES) if args.paper_7b else {}
     if args.dry:
         return dict(num_clients=4, per_round=2, rounds=2, steps=1, batch=2, max_length=48,
                     r=PAPER_LORA["r"] if paper else 4, **paper)
@@ -438,13 +439,14 @@ def summarise(row: dict[str, Any], peaks: dict[str, Optional[float]], ref: dict[
 
 def print_table(rows: list[dict[str, Any]], out: Any = None) -> None:
     out = out or sys.stdout  # read now, not at import (a caller may have redirected it since)
-    head = (f"{'model':<13} {'config':<5} {'strategy':<7} {'compile':<10} {'b x S':>7} {'tok/s r1':>9} {'tok/s r2':>9} "
-            f"{'TFLOP/s':>8} {'MFU spec':>8} {'MFU probe':>9} {'peak GiB':>8} {'est GiB':>7} "
+    head = (f"{'model':<13} {'config':<5} {'strategy':<7} {'compile':<10} {'ckpt':<5} {'b x S':>7} {'tok/s r1':>9} "
+            f"{'tok/s r2':>9} {'TFLOP/s':>8} {'MFU spec':>8} {'MFU probe':>9} {'peak GiB':>8} {'est GiB':>7} "
             f"{'loss r1, r2':>17} {'CPU fp32 r1, r2':>17} {'max |d|':>8}")
     print(head, file=out)
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<13} {r['config']:<5} {r['strategy']:<7} {str(r.get('compile', False)):<10} "
+                  f"{str(r.get('checkpointing', False)):<5} "
                   f"FAILED: {r['error']}", file=out)
             continue
         d = r["rounds_detail"]
@@ -453,6 +455,7 @@ def print_table(rows: list[dict[str, Any]], out: Any = None) -> None:
         cpu = ", ".join(f"{x:.4f}" for x in r.get("cpu_losses", [])) or "-"
         diff = f"{r['max_abs_loss_diff']:.1e}" if "max_abs_loss_diff" in r else "-"
         print(f"{r['model']:<13} {r['config']:<5} {r['strategy']:<7} {str(r.get('compile', False)):<10} "
+              f"{str(r.get('checkpointing', False)):<5} "
               f"{r['batch']:>3}x{r['max_length']:<3} "
               f"{d[0]['tokens_per_s']:>9,.0f} {d[-1]['tokens_per_s']:>9,.0f} {r['flops_per_s'] / 1e12:>8.2f} "
               f"{pct(r.get('mfu_spec')):>8} {pct(r.get('mfu_probe')):>9} {_gb(r.get('peak_allocated')):>8} "
@@ -483,6 +486,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                                    "cProfile summaries to this file) and stop after that run")
     p.add_argument("--compile", default="false", help="train.compile of the runs: a comma list of false, true, "
                                                      "cudagraphs; each row runs once per setting")
+    p.add_argument("--checkpointing", default=None,
+                   help="train.gradient_checkpointing of the runs: a comma list of false, true and integers k >= 2 "
+                        "(every k-th decoder layer: less recompute, more memory); each row runs once per setting "
+                        "(default: true with --paper-7b, else false)")
     p.add_argument("--paper-7b", action="store_true",
                    help="issue 48 item 6: the LLaMA-2-7B shape (random weights made on the device) at the paper's "
                         "batch 16 x 512 with gradient checkpointing, LoRA and FRLoRA as "
@@ -500,7 +507,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.configs = args.configs or "bf16,4bit"
     if args.configs is None:
         args.configs = "fp32,bf16" if args.dry else ("bf16,4bit,fp32" if args.device == "cuda" else "fp32")
+    if args.checkpointing is None:
+        args.checkpointing = "true" if args.paper_7b else "false"
     return args
+
+
+def checkpointing_setting(text: str) -> bool | int | None:
+    """``--checkpointing`` item -> ``train.gradient_checkpointing`` (None: not a setting)."""
+    if text in ("false", "true"):
+        return text == "true"
+    return int(text) if text.isdigit() and int(text) >= 2 else None
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -536,6 +552,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     configs = [c for c in args.configs.split(",") if c]
     strategies = [s for s in args.strategies.split(",") if s]
     compiles = [c for c in args.compile.split(",") if c]
+    checkpointings = [c for c in args.checkpointing.split(",") if c]
     for name, given, known in (("model", models, MODELS), ("config", configs, CONFIGS),
                                ("strategy", strategies, STRATEGIES),
                                ("compile setting", compiles, ("false", "true", "cudagraphs"))):
@@ -543,6 +560,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if bad:
             print(f"gpu_check: unknown {name}(s) {bad}; known: {', '.join(known)}", file=sys.stderr)
             return 2
+    bad = [x for x in checkpointings if checkpointing_setting(x) is None]
+    if bad:
+        print(f"gpu_check: unknown checkpointing setting(s) {bad}; known: false, true, an integer k >= 2",
+              file=sys.stderr)
+        return 2
     skipped: list[str] = []
     for quantized in [c for c in configs if CONFIGS[c][1] != "none" and not env["bitsandbytes"][0].isdigit()]:
         configs.remove(quantized)
@@ -561,20 +583,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     data = write_data(work / "data.jsonl", 64)  # 16 records a client
     # a client holds whole batches of 32 (--big), or 3 steps of 16 (--paper-7b: 2 clients)
     data_big = write_data(work / "data-big.jsonl", 256) if args.big or args.paper_7b else data
-    plan = [(m, c, s, False, k) for k in compiles for c in configs for m in models for s in strategies]  # bf16 first
+    plan = [(m, c, s, False, k, g) for k in compiles for g in checkpointings for c in configs for m in models
+            for s in strategies]  # bf16 first
     if args.big and not args.dry and args.device == "cuda":
-        plan += [(m, c, "fedavg", True, k) for k in compiles for m in models for c in ("bf16", "4bit") if c in configs]
+        plan += [(m, c, "fedavg", True, k, g) for k in compiles for g in checkpointings for m in models
+                 for c in ("bf16", "4bit") if c in configs]
     rows: list[dict[str, Any]] = []
     built: dict[str, tuple[Path, list[float], Shapes]] = {}
-    for i, (key, config, strategy, big, compiled) in enumerate(plan):
+    for i, (key, config, strategy, big, compiled, kept) in enumerate(plan):
         elapsed = time.perf_counter() - t_start
         if elapsed > args.budget_s:
-            skipped += [f"{k} {c} {s}{' big' if b else ''} compile={m}: over --budget-s {args.budget_s:g}"
-                        for k, c, s, b, m in plan[i:]]
+            skipped += [f"{k} {c} {s}{' big' if b else ''} compile={m} checkpointing={g}: over --budget-s "
+                        f"{args.budget_s:g}" for k, c, s, b, m, g in plan[i:]]
             break
-        w = {**workload(args, big), "compile": {"false": False, "true": True}.get(compiled, compiled)}
+        w = {**workload(args, big), "compile": {"false": False, "true": True}.get(compiled, compiled),
+             "checkpointing": checkpointing_setting(kept)}
         row: dict[str, Any] = {"model": key, "config": config, "strategy": strategy, "batch": w["batch"],
-                               "max_length": w["max_length"], "compile": w["compile"]}
+                               "max_length": w["max_length"], "compile": w["compile"],
+                               "checkpointing": w["checkpointing"]}
         try:
             if key not in built:
                 t0 = time.perf_counter()
@@ -599,9 +625,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         rows.append(row)
-        row["compile"] = w["compile"]
-        brief = {k: row.get(k) for k in ("model", "config", "strategy", "compile", "losses", "tokens_per_s", "mfu_spec",
-                                          "peak_allocated", "memory_estimate", "wall_seconds", "error")}
+        row["compile"], row["checkpointing"] = w["compile"], w["checkpointing"]
+        brief = {k: row.get(k) for k in ("model", "config", "strategy", "compile", "checkpointing", "losses",
+                                          "tokens_per_s", "mfu_spec", "peak_allocated", "memory_estimate",
+                                          "wall_seconds", "error")}
         print("gpu_check: run", json.dumps(brief), flush=True)
         if args.json:  # after every run: a call cut off at its time limit keeps the runs that ended
             Path(args.json).write_text(json.dumps({"environment": env, "peaks": peaks, "rows": rows, "partial": True,

@@ -65,6 +65,27 @@ def test_paper_7b_rows_take_the_paper_recipes_lora_frlora_and_checkpointing(gpu_
     assert recipes[1].federation.strategy_args == {"svd": "randomized", "niter": 4, "residual": "auto"}
 
 
+def test_checkpointing_settings_are_rows_of_their_own_with_the_same_losses(gpu_check, tmp_path, monkeypatch, capsys):
+    """``--checkpointing true,2,false`` (the selective form a GPU session times against full checkpointing): one row
+    per setting, each run with that ``train.gradient_checkpointing``; the losses are the same (checkpointing changes
+    what is kept, not what is computed) and the dry-run estimate grows as fewer layers are checkpointed."""
+    recipes = []
+    real = gpu_check.recipe_for
+    monkeypatch.setattr(gpu_check, "recipe_for", lambda *a, **k: recipes.append(real(*a, **k)) or recipes[-1])
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--dry", "--paper-7b", "--configs", "bf16", "--strategies", "fedavg", "--checkpointing",
+                           "true,2,false", "--json", str(out), "--work-dir", str(tmp_path / "work")]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["checkpointing"], "error" in r) for r in rows] == [(True, False), (2, False), (False, False)]
+    assert [x.train.gradient_checkpointing for x in recipes] == [True, 2, False]
+    assert rows[0]["losses"] == rows[1]["losses"] == rows[2]["losses"]
+    assert rows[0]["memory_estimate"] < rows[1]["memory_estimate"] < rows[2]["memory_estimate"]
+    table = capsys.readouterr().out.split("max |d|", 1)[1].splitlines()[1:4]
+    assert [line.split()[4] for line in table] == ["True", "2", "False"]
+    assert gpu_check.main(["--dry", "--checkpointing", "1"]) == 2
+    assert "unknown checkpointing setting(s) ['1']" in capsys.readouterr().err
+
+
 def _bench(name: str):
     return load_script(ROOT / "bench" / f"{name}.py")
 

@@ -480,9 +480,9 @@ class CostReport:
         kept = (f"{s.layers} layers x {_mb(layer.saved)}, no checkpointing (train.gradient_checkpointing)" if not every
                 else f"checkpointed: each of the {s.layers} layers keeps only its input ({_mb(layer.boundary)}), one "
                      f"layer's {_mb(layer.saved)} is recomputed at a time" if every == 1
-                else f"checkpointed: {checkpointed_layers(s.layers, every)} of the {s.layers} layers (every {every}th) "
-                     f"keep only their input ({_mb(layer.boundary)}), the others {_mb(layer.saved)}; one layer is "
-                     "recomputed at a time")
+                else f"checkpointed: {checkpointed_layers(s.layers, every)} of the {s.layers} layers "
+                     f"(layers 0, {every}, {2 * every}, ...) keep only their input ({_mb(layer.boundary)}), the others "
+                     f"{_mb(layer.saved)}; one layer is recomputed at a time")
         head = "the full logits" if self.head_rows is None else f"the head fused with its loss, chunks of " \
                                                                 f"{self.head_rows} rows"
         return [f"    activations: what autograd saves in one traced layer ({self.device}, {layer.attention} attention, "
