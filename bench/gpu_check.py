@@ -623,7 +623,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             summarise(row, peaks, ref if row.get("weights_match_ref", True) else {})
         except Exception as e:  # noqa: BLE001 — one broken configuration must not lose the others' figures
             traceback.print_exc()
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            row["error"] = f"{type(e).__name__}: {' '.join(line.strip() for line in str(e).splitlines())[:400]}"
         rows.append(row)
         row["compile"], row["checkpointing"] = w["compile"], w["checkpointing"]
         brief = {k: row.get(k) for k in ("model", "config", "strategy", "compile", "checkpointing", "losses",
