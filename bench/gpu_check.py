@@ -516,7 +516,7 @@ def checkpointing_setting(text: str) -> bool | int | None:
     """``--checkpointing`` item -> ``train.gradient_checkpointing`` (None: not a setting)."""
     if text in ("false", "true"):
         return text == "true"
-    return int(text) if text.isdigit() and int(text) >= 2 else None
+    return int(text) if text.isascii() and text.isdigit() and int(text) >= 2 else None
 
 
 def environment(device: str) -> dict[str, Any]:
