@@ -91,26 +91,31 @@ def test_every_recipe_loads_and_names_its_command(path):
     yaml.safe_load(path.read_text())
 
 
-def test_the_c_parser_and_emitter_read_and_write_what_pure_python_pyyaml_does(tmp_path):
-    """read_yaml and dump_recipe run on libyaml's C parser and emitter; PyYAML's pure-Python ones are the reference:
-    every shipped recipe reads to the same values and resolves to the same recipe.yaml text, the YAML 1.2 floats
-    read alike, and YAML the C parser refuses gets the pure-Python parser's error (its line, its words)."""
-    from fedllm.recipe.schema import _Loader, dump_recipe, read_yaml
+def test_the_c_parser_and_emitter_read_and_write_what_pure_python_pyyaml_does():
+    """dump_recipe (a run's recipe.yaml, a checkpoint's) runs on libyaml's C emitter and read_written_yaml, which reads
+    such text back, on its C parser; PyYAML's pure-Python ones are the reference. Every shipped recipe resolves to the
+    same recipe.yaml text and reads back to the same values; YAML the C parser refuses gets the pure-Python parser's
+    error (its line, its words). Users' YAML stays on the pure-Python parser: it refuses a tab that libyaml takes."""
+    from fedllm.recipe.schema import _Loader, dump_recipe, read_written_yaml, read_yaml
 
     assert yaml.__with_libyaml__  # PyYAML's wheels ship libyaml: the fast path is the one tested here
     for path in sorted((ROOT / "recipes").rglob("*.yaml")):
-        text = path.read_text()
-        assert read_yaml(text) == yaml.load(text, Loader=_Loader), path  # noqa: S506
         recipe = load_recipe(path)
-        assert dump_recipe(recipe) == yaml.safe_dump(recipe.to_dict(), sort_keys=False), path
+        written = dump_recipe(recipe)
+        assert written == yaml.safe_dump(recipe.to_dict(), sort_keys=False), path
+        assert read_written_yaml(written) == yaml.load(written, Loader=_Loader) == recipe.to_dict(), path  # noqa: S506
     floats = "lr: 1e-3\nscale: 2E5\nplain: 0.5\nword: e5\n"
-    assert read_yaml(floats) == {"lr": 1e-3, "scale": 2e5, "plain": 0.5, "word": "e5"}
+    assert read_written_yaml(floats) == read_yaml(floats) == {"lr": 1e-3, "scale": 2e5, "plain": 0.5, "word": "e5"}
     said = []
     for broken in ("a: 1\nb: 2\na: 3\n", "model: [unclosed\n", "a: 'open\nb: 2\n", "a:\n\t- 1\n"):
         with pytest.raises(yaml.YAMLError) as fast:
-            read_yaml(broken)
+            read_written_yaml(broken)
         with pytest.raises(yaml.YAMLError) as pure:
             yaml.load(broken, Loader=_Loader)  # noqa: S506
         assert str(fast.value) == str(pure.value), broken
         said.append(str(fast.value))
     assert "duplicate key 'a' (line 3; first given on line 1)" in said[0]
+    tabbed = "rounds: 5\t\n"
+    assert read_written_yaml(tabbed) == {"rounds": 5}  # libyaml's reading
+    with pytest.raises(yaml.YAMLError, match=r"found character '\\t' that cannot start any token"):
+        read_yaml(tabbed)

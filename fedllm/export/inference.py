@@ -21,7 +21,7 @@ from fedllm.models import gguf_cache
 from fedllm.models.hardware import resolve_auto_dtypes
 from fedllm.models.loading import load_model, load_tokenizer
 from fedllm.recipe.checks import parse_recipe
-from fedllm.recipe.schema import ModelConfig, Recipe, read_yaml
+from fedllm.recipe.schema import ModelConfig, Recipe, read_written_yaml
 from fedllm.runs import checkpoint as ckpt_io
 from fedllm.strategies import ClientInfo, Strategy, get_strategy
 from fedllm.strategies.residual import BaseUpdates
@@ -33,7 +33,7 @@ def recipe_of(ck: ckpt_io.Checkpoint, where: Path) -> Recipe:
     """The resolved recipe stored in a checkpoint."""
     if not ck.recipe_yaml:
         raise ckpt_io.CheckpointError(f"{where}: checkpoint has no recipe.yaml")
-    return parse_recipe(read_yaml(ck.recipe_yaml), str(where / "recipe.yaml"))
+    return parse_recipe(read_written_yaml(ck.recipe_yaml), str(where / "recipe.yaml"))
 
 
 def model_from_checkpoint(path: str | Path, dtype: Optional[str] = None,

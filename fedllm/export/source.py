@@ -17,7 +17,7 @@ import torch
 from fedllm.common.errors import InputError
 from fedllm.export.errors import ExportInputError
 from fedllm.recipe.checks import parse_recipe
-from fedllm.recipe.schema import Recipe, read_yaml
+from fedllm.recipe.schema import Recipe, read_written_yaml
 from fedllm.runs import checkpoint as ckpt_io
 
 TENSOR_FILES = ("adapter", "base", "strategy", "clients", "optimizer")
@@ -111,7 +111,7 @@ def open_source(path: str | Path) -> Source:
         raise ExportInputError(f"{where}: the checkpoint has no recipe.yaml")
     recipe_yaml = recipe_path.read_text()
     try:
-        raw = read_yaml(recipe_yaml)
+        raw = read_written_yaml(recipe_yaml)
     except Exception as e:  # noqa: BLE001 — any YAML failure means a torn file
         raise ExportInputError(f"{recipe_path}: unreadable ({str(e).splitlines()[0]})") from None
     recipe = parse_recipe(raw, str(recipe_path))

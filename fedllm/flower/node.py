@@ -79,7 +79,7 @@ class Node:
     def __init__(self, config: NodeConfig, recipe_yaml: str, token: str):
         from fedllm.engine.server import build_federation
         from fedllm.recipe.checks import parse_recipe
-        from fedllm.recipe.schema import read_yaml
+        from fedllm.recipe.schema import read_written_yaml
 
         self.config = config
         overrides = []
@@ -87,7 +87,7 @@ class Node:
             overrides = [f"data.path={config.data_path}", "federation.num_clients=1", "federation.clients_per_round=1",
                          "federation.fraction=null", "federation.min_clients_per_round=1",
                          "federation.partition.method=iid"]
-        recipe = parse_recipe(read_yaml(recipe_yaml), "<recipe from the server>", overrides)
+        recipe = parse_recipe(read_written_yaml(recipe_yaml), "<recipe from the server>", overrides)
         self.recipe = recipe
         self.use_threads()
         self.fed = build_federation(recipe)

@@ -338,12 +338,11 @@ class _UniqueKeys:
 
 class _Loader(_UniqueKeys, yaml.SafeLoader):
     """SafeLoader that also reads ``1e-3`` / ``2E5`` as floats (YAML 1.2), as users write learning rates,
-    and refuses duplicate keys. Its errors are the ones users see (:func:`read_yaml`)."""
+    and refuses duplicate keys."""
 
 
 class _FastLoader(_UniqueKeys, yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader):
-    """:class:`_Loader` on libyaml's C parser (PyYAML's wheels ship it): the same values, a few times faster
-    (runs read their recipe.yaml back at every resume check and export)."""
+    """:class:`_Loader` on libyaml's C parser (PyYAML's wheels ship it), for :func:`read_written_yaml`."""
 
 
 for _loader in (_Loader, _FastLoader):
@@ -359,14 +358,26 @@ for _loader in (_Loader, _FastLoader):
 
 
 def read_yaml(text: str) -> Any:
-    """Parse YAML text with :class:`_FastLoader` (what :class:`_Loader` reads; YAML it refuses is parsed again by
-    :class:`_Loader`, so errors read as they always did); a :class:`yaml.YAMLError` for duplicate keys, nesting deeper
-    than :data:`MAX_YAML_DEPTH` or more than :data:`MAX_YAML_NODES` values once aliases are expanded."""
+    """Parse YAML text with :class:`_Loader`; a :class:`yaml.YAMLError` for duplicate keys, nesting deeper than
+    :data:`MAX_YAML_DEPTH` or more than :data:`MAX_YAML_NODES` values once aliases are expanded."""
+    return _parsed(text, _Loader)
+
+
+def read_written_yaml(text: str) -> Any:
+    """:func:`read_yaml` for YAML fedllm wrote itself (:func:`dump_recipe`: a run's recipe.yaml, a checkpoint's, the
+    recipe a ServerApp sends its nodes), on libyaml's C parser, which reads the C emitter's text to the same values a
+    few times faster (``tests/test_config.py``). It is more lenient than PyYAML's own parser on some malformed text (a
+    tab inside a line, a ``?`` inside a flow scalar), so users' YAML goes through :func:`read_yaml`; text it refuses
+    (a damaged file) gets :func:`read_yaml`'s error."""
     try:
-        try:
-            value = yaml.load(text, Loader=_FastLoader)  # noqa: S506 — a SafeLoader subclass
-        except yaml.YAMLError:  # parsed again by the pure-Python parser, whose messages and marks users see
-            value = yaml.load(text, Loader=_Loader)  # noqa: S506 — a SafeLoader subclass
+        return _parsed(text, _FastLoader)
+    except yaml.YAMLError:
+        return read_yaml(text)
+
+
+def _parsed(text: str, loader: type) -> Any:
+    try:
+        value = yaml.load(text, Loader=loader)  # noqa: S506 — a SafeLoader subclass
     except RecursionError:
         raise yaml.YAMLError(f"nested deeper than {MAX_YAML_DEPTH} levels") from None
     _expanded_size(value, 0, {})

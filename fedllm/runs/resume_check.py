@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedllm.common.errors import InputError
-from fedllm.recipe.schema import Recipe, read_yaml
+from fedllm.recipe.schema import Recipe, read_written_yaml
 
 SAFE_SECTIONS = ("eval", "logging", "checkpoint")
 """Sections that may change on ``--resume`` (what is measured, logged and checkpointed; not what is trained)."""
@@ -107,7 +107,7 @@ def check_resume_recipe(run_dir: Path, recipe: Recipe) -> dict[str, list[Any]]:
     if not path.is_file():
         return {}
     try:
-        run_recipe = read_yaml(path.read_text(encoding="utf-8-sig"))
+        run_recipe = read_written_yaml(path.read_text(encoding="utf-8-sig"))
     except Exception as e:  # noqa: BLE001 — a damaged recipe.yaml: named, exit 2
         raise ResumeMismatchError(f"{path}: unreadable ({type(e).__name__}: {e}); cannot check what --resume "
                                   "would continue") from None
