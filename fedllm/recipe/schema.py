@@ -355,6 +355,7 @@ for _loader in (_Loader, _FastLoader):
         |\.(?:nan|NaN|NAN))$""", re.X),
         list("-+0123456789."),
     )
+del _loader
 
 
 def read_yaml(text: str) -> Any:
@@ -712,5 +713,7 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def dump_recipe(recipe: Recipe) -> str:
-    """YAML text of the resolved recipe."""
-    return yaml.dump(recipe.to_dict(), Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False)
+    """YAML text of the resolved recipe (libyaml's C emitter: the pure-Python one's text, faster; read back with
+    :func:`read_written_yaml`)."""
+    return yaml.dump(recipe.to_dict(), Dumper=yaml.CSafeDumper if yaml.__with_libyaml__ else yaml.SafeDumper,
+                     sort_keys=False)
