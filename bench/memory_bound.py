@@ -69,7 +69,12 @@ KBIT = [(m, dt, False, length, "sft", b)
         for b, length in shapes for dt in ("bf16", "4bit", "8bit")]
 #: Checkpointed quantised bases on a random-weight shipped config (no GGUF in the way), beside its bf16 row.
 KBIT_CKPT = [("random:Qwen--Qwen2-0.5B", dt, True, 512, "sft", 2) for dt in ("bf16", "4bit", "8bit")]
-SETS = {"smollm2": SMOLLM2, "gemma": GEMMA, "kbit": KBIT, "kbit-ckpt": KBIT_CKPT}
+#: ``train.compile: true`` (a seventh field): the compiled layers keep what inductor's partition saves
+#: (:mod:`fedllm.engine.compiled_activations`), and the process holds the compiler besides.
+COMPILED = [("smollm2-135m-instruct", "bf16", False, 256, "sft", 4, True),
+            ("smollm2-135m-instruct", "fp32", False, 256, "sft", 4, True),
+            ("smollm2-135m-instruct", "bf16", True, 512, "sft", 2, True)]
+SETS = {"smollm2": SMOLLM2, "gemma": GEMMA, "kbit": KBIT, "kbit-ckpt": KBIT_CKPT, "compile": COMPILED}
 
 
 def model_path(model: str) -> str:
@@ -99,7 +104,8 @@ def _records(objective: str, n: int) -> list[dict]:
     return [{"question": f"Count, please ({i}).", "answer": long} for i in range(n)]
 
 
-def recipe_for(model: str, dtype: str, ckpt: bool, length: int, objective: str, batch: int, work: Path):
+def recipe_for(model: str, dtype: str, ckpt: bool, length: int, objective: str, batch: int, work: Path,
+               compiled: bool = False):
     """The recipe of one row (2 clients, 1 sampled, 1 local step; FedAvg; LoRA r=8 on q/k/v/o)."""
     from fedllm.recipe.checks import parse_recipe
 
@@ -114,6 +120,8 @@ def recipe_for(model: str, dtype: str, ckpt: bool, length: int, objective: str, 
              "objective": objective}
     if ckpt and _has_checkpointing_key():
         train["gradient_checkpointing"] = True
+    if compiled:
+        train["compile"] = True
     return parse_recipe({
         "seed": 0, "output_dir": str(work / "run"),
         "model": {"name": model, "dtype": weights, "quantization": quant},
@@ -130,7 +138,7 @@ def _has_checkpointing_key() -> bool:
 
 
 def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, batch: int,
-             train: bool = True) -> dict:
+             train: bool = True, compiled: bool = False) -> dict:
     """One row, in this process (see the module docstring); ``train=False``: the estimates only (no step)."""
     import torch
 
@@ -153,7 +161,7 @@ def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, ba
     from functools import partial
 
     work = Path(tempfile.mkdtemp(prefix="memory_bound-"))
-    recipe = recipe_for(model, dtype, ckpt, length, objective, batch, work)
+    recipe = recipe_for(model, dtype, ckpt, length, objective, batch, work, compiled)
     fed = build_federation(recipe)
     m = fed.loaded.model
     wrapped = ckpt and not _has_checkpointing_key()
@@ -178,6 +186,7 @@ def run_case(model: str, dtype: str, ckpt: bool, length: int, objective: str, ba
     del fed, m, result, state, plan
     meta = untimed(recipe, weights_missing="bench").costs.memory()
     return {"model": model, "dtype": dtype, "ckpt": ckpt, "length": length, "objective": objective, "batch": batch,
+            "compile": compiled,
             "measured_mib": train_peak / 1024 if train else None, "train_peak_mib": train_peak / 1024,
             "load_peak_mib": load_peak / 1024, "loaded_mib": loaded / 1024, "baseline_mib": baseline / 1024,
             "estimate_mib": sum(estimate.values()) / 2**20, "meta_mib": sum(meta.values()) / 2**20,
@@ -197,18 +206,18 @@ def main(argv=None) -> int:
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
-        m, dt, ck, length, obj, b, train = json.loads(args.case)
-        print(json.dumps(run_case(m, dt, ck, length, obj, b, train)))
+        m, dt, ck, length, obj, b, train, compiled = json.loads(args.case)
+        print(json.dumps(run_case(m, dt, ck, length, obj, b, train, compiled)))
         return 0
     names = list(SETS) if args.cases == "all" else args.cases.split(",")
     rows = [c for n in names for c in SETS[n] if args.only in label(c)]
     found = []
-    print(f"{'model':<22} {'dtype':<5} {'ckpt':<4} {'obj':<3} {'b x S':>8} {'measured':>9} {'estimate':>9} "
+    print(f"{'model':<22} {'dtype':<5} {'ckpt':<4} {'comp':<4} {'obj':<3} {'b x S':>8} {'measured':>9} {'estimate':>9} "
           f"{'error':>7} {'meta':>8} {'load pk':>8} {'load':>5}")
     for case in rows:
         load = os.getloadavg()[0]
         path = model_path(case[0])
-        row = json.dumps([path, *case[1:], not args.estimate_only])
+        row = json.dumps([path, *case[1:6], not args.estimate_only, trains_compiled(case)])
         done = subprocess.run([sys.executable, __file__, "--case", row],
                               capture_output=True, text=True,
                               env=os.environ | ({} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": "131072"}))
@@ -218,11 +227,13 @@ def main(argv=None) -> int:
         r = json.loads(done.stdout.strip().splitlines()[-1]) | {"load": load, "model": case[0].split("/")[-1]}
         found.append(r)
         if args.estimate_only:
-            print(f"{r['model'][:22]:<22} {r['dtype']:<5} {'yes' if r['ckpt'] else 'no':<4} {r['objective']:<3} "
+            print(f"{r['model'][:22]:<22} {r['dtype']:<5} {'yes' if r['ckpt'] else 'no':<4} "
+                  f"{'yes' if r.get('compile') else 'no':<4} {r['objective']:<3} "
                   f"{r['batch']:>3} x {r['length']:<4} {'-':>9} {r['estimate_mib']:>7.0f} M", flush=True)
             continue
         err = r["estimate_mib"] / r["measured_mib"] - 1
-        print(f"{r['model'][:22]:<22} {r['dtype']:<5} {'yes' if r['ckpt'] else 'no':<4} {r['objective']:<3} "
+        print(f"{r['model'][:22]:<22} {r['dtype']:<5} {'yes' if r['ckpt'] else 'no':<4} "
+              f"{'yes' if r.get('compile') else 'no':<4} {r['objective']:<3} "
               f"{r['batch']:>3} x {r['length']:<4} {r['measured_mib']:>7.0f} M {r['estimate_mib']:>7.0f} M "
               f"{100 * err:>+6.1f}% {r['meta_mib']:>6.0f} M {r['load_peak_mib']:>6.0f} M {load:>5.1f}", flush=True)
     if args.json:
@@ -234,9 +245,14 @@ def main(argv=None) -> int:
     return 1 if bad else 0
 
 
+def trains_compiled(case: tuple) -> bool:
+    """Whether a row trains under ``train.compile: true`` (its seventh field)."""
+    return len(case) > 6 and bool(case[6])
+
+
 def label(case: tuple) -> str:
-    m, dt, ck, length, obj, b = case
-    return f"{m} {dt} {'ckpt' if ck else 'nockpt'} {obj} {b}x{length}"
+    m, dt, ck, length, obj, b = case[:6]
+    return f"{m} {dt} {'ckpt' if ck else 'nockpt'} {obj} {b}x{length}{' compile' if trains_compiled(case) else ''}"
 
 
 if __name__ == "__main__":

@@ -427,7 +427,7 @@ class CostReport:
         from fedllm.engine.activation_memory import layer_activations
 
         r = recipe or self.recipe
-        key = (device, sequences_per_batch(r), r.model.quantization)
+        key = (device, sequences_per_batch(r), r.model.quantization, r.train.compile)
         if key not in self._traces:
             try:
                 self._traces[key] = None if self.model is None else layer_activations(
@@ -485,7 +485,9 @@ class CostReport:
                      f"{_mb(layer.saved)}; one layer is recomputed at a time")
         head = "the full logits" if self.head_rows is None else f"the head fused with its loss, chunks of " \
                                                                 f"{self.head_rows} rows"
-        return [f"    activations: what autograd saves in one traced layer ({self.device}, {layer.attention} attention, "
+        saves = "what inductor's partition saves (train.compile) in one traced compiled layer" if layer.compiled \
+            else "what autograd saves in one traced layer"
+        return [f"    activations: {saves} ({self.device}, {layer.attention} attention, "
                 f"{layer.stream_dtype} hidden states) at b={rows}{pairs} x s={r.train.max_length} (every sequence "
                 f"at max_length): {kept}; backward: one layer's gradients"
                 f"{' and the recomputed layer' if every else ''}, "

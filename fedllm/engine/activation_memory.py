@@ -18,6 +18,11 @@ layer it keeps no input for backward (bitsandbytes' 4-bit matmul keeps its packe
 its input until :mod:`fedllm.models.kbit_memory`), and it dequantises its weight one layer at a time (the cost
 report adds the largest: :func:`fedllm.commands.cost_report.dequantised_bytes`).
 
+Under ``train.compile`` a layer keeps what inductor's partition of its forward and backward saves, not what eager's
+autograd saves: the trace then runs AOTAutograd with inductor's decompositions and partitioner on the same fake
+tensors (:mod:`fedllm.engine.compiled_activations`), and falls back to eager's count (an upper bound) for a layer it
+cannot trace.
+
 With ``train.gradient_checkpointing`` (non-reentrant, per decoder layer: :mod:`fedllm.engine.checkpointed`) a
 checkpointed layer keeps only its input hidden state until backward recomputes it, one layer at a time
 (:func:`activation_peak`, which also keeps the forward's holdings apart from the backward's transients).
@@ -26,6 +31,7 @@ checkpointed layer keeps only its input hidden state until backward recomputes i
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -50,6 +56,7 @@ class LayerActivations:
     attention: str  # the attention implementation traced
     stream_dtype: str  # dtype of the residual stream between layers
     shared: int = 0  # inputs every layer saves and shares (the attention mask, the rotary cos/sin): counted once
+    compiled: bool = False  # traced as ``train.compile`` runs it: inductor's partition (compiled_activations)
 
 
 def decoder_layers(model: Any) -> Optional[Any]:
@@ -111,7 +118,8 @@ def layer_activations(model: Any, train: Any, rows: int, length: int, device_typ
 
     Args:
         model: The recipe's model with its LoRA.
-        train: The recipe's ``train`` section (``dtype``; ``compile`` picks the grouped eager attention).
+        train: The recipe's ``train`` section (``dtype``; ``compile``: the saved tensors of inductor's partition,
+            :mod:`fedllm.engine.compiled_activations`, and on a CPU the grouped eager attention).
         rows: Sequences in the micro-batch (twice ``batch_size`` for preference pairs).
         length: Positions per sequence.
         device_type: ``cpu`` or ``cuda``: where the step runs (it picks the attention).
@@ -132,23 +140,33 @@ def layer_activations(model: Any, train: Any, rows: int, length: int, device_typ
     base = base_of(model)
     config = base.config
     current = getattr(config, "_attn_implementation", None) or "sdpa"
+    compiled = bool(getattr(train, "compile", False))
     if attention is None:
         attention = training_attention_choice(current, torch.device(device_type), train.dtype, length,
-                                              compiled=bool(getattr(train, "compile", False))) or current
+                                              compiled=compiled) or current
     if attention.startswith("flash_attention"):
         attention = "sdpa"  # the same saved tensors (output and log-sum-exp) for a dense batch
     compute = DTYPES[train.dtype] if train.dtype in ("bf16", "fp16") else torch.float32
     dtypes = _dtype_like(model, quantized, compute)
     stream = _stream_dtype(model, quantized, compute)
-    traced, shared = _trace(type(base), _one_layer_config(config, attention), model.peft_config.get("default"),
-                    tuple(sorted((n, str(d)) for n, d in dtypes.items())), str(stream), rows, length,
-                    train.dtype, device_type)
+    trace = functools.partial(_trace, type(base), _one_layer_config(config, attention),
+                              model.peft_config.get("default"), tuple(sorted((n, str(d)) for n, d in dtypes.items())),
+                              str(stream), rows, length, train.dtype, device_type)
+    try:
+        traced, shared = trace(compiled)
+    except Exception:  # noqa: BLE001 — a layer AOTAutograd cannot trace: eager's saved tensors, an upper bound
+        if not compiled:
+            raise
+        compiled = False
+        traced, shared = trace(False)
     return LayerActivations(traced, rows * length * _text_config(config).hidden_size * stream.itemsize, attention,
-                            str(stream).removeprefix("torch."), shared)
+                            str(stream).removeprefix("torch."), shared, compiled)
 
 
 def _trace(cls: Any, config: Any, lora: Any, dtypes: tuple, stream: str, rows: int, length: int, dtype: str,
-           device_type: str) -> tuple[int, int]:
+           device_type: str, compiled: bool = False) -> tuple[int, int]:
+    import contextlib
+
     import torch
     from peft import get_peft_model
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -174,6 +192,8 @@ def _trace(cls: Any, config: Any, lora: Any, dtypes: tuple, stream: str, rows: i
     shared: dict[int, tuple[Any, int]] = {}  # the same for the layer's inputs every layer shares (mask, rotary)
     inputs: set[int] = set()
     counting = [False]
+    partitioned: list[tuple[int, int]] = []
+    partitioned_call = [False]
 
     def pack(t: Any) -> Any:
         if counting[0]:
@@ -183,12 +203,20 @@ def _trace(cls: Any, config: Any, lora: Any, dtypes: tuple, stream: str, rows: i
         return t
 
     def enter(module: Any, args: tuple, kwargs: dict) -> None:
-        counting[0] = True
+        if partitioned_call[0]:  # the compiled trace's own call of the layer
+            return
+        counting[0] = not compiled
         rest = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states" or not args]
         for v in rest:
             for t in (v if isinstance(v, (tuple, list)) else (v,)):
                 if isinstance(t, torch.Tensor):
-                    inputs.add(id(t._base if t._base is not None else t))
+                    inputs.update({id(t), id(t._base if t._base is not None else t)})
+        if compiled:  # inductor's partition of this layer's forward and backward, instead of eager's saved tensors
+            from fedllm.engine.compiled_activations import compiled_saved
+
+            partitioned_call[0] = True
+            partitioned.append(compiled_saved(module, args, kwargs, inputs))
+            raise _LayerTraced
 
     layer.register_forward_pre_hook(enter, with_kwargs=True)
     layer.register_forward_hook(lambda *_: counting.__setitem__(0, False))
@@ -203,11 +231,18 @@ def _trace(cls: Any, config: Any, lora: Any, dtypes: tuple, stream: str, rows: i
         mask = torch.ones(rows, length, dtype=torch.long)
         embeds = torch.empty(rows, length, _text_config(config).hidden_size, dtype=stream_dtype, requires_grad=True)
         embeds = embeds * 1  # a non-leaf, as the hidden states between layers are
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                train_autocast(torch.device("cpu"), dtype), lora_input_casts_skipped(one, _Dtype(dtype)):
+        hooks = contextlib.nullcontext() if compiled else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, train_autocast(torch.device("cpu"), dtype), lora_input_casts_skipped(one, _Dtype(dtype)), \
+                contextlib.suppress(_LayerTraced):
             torch.func.functional_call(base_of(one), fakes, (), {"inputs_embeds": embeds, "attention_mask": mask,
                                                                  "use_cache": False}, strict=False, tie_weights=False)
+    if compiled:
+        return partitioned[0]
     return sum(n for _, n in saved.values()), sum(n for _, n in shared.values())
+
+
+class _LayerTraced(Exception):
+    """Raised in the layer's pre-hook once the compiled trace has its count: the rest of the model need not run."""
 
 
 @dataclass

@@ -138,3 +138,56 @@ def test_a_cpu_without_a_half_gemm_adds_the_fp32_blocks(meta_costs, monkeypatch,
     fp32 = meta_costs("recipes/frlora/llama2-7b-metamathqa-frlora.yaml", "train.dtype=fp32", "model.dtype=fp32",
                       "model.quantization=none")
     assert fp32.memory("cpu")["fp32 blocks"] == 0
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "bf16"), ("gemma", "fp32")])  # grouped eager; SDPA
+def test_traced_compiled_layer_saves_the_bytes_a_compiled_forward_saves(family, dtype, monkeypatch):
+    """``train.compile``: the trace (inductor's decompositions and min-cut partition, on fake tensors) against what
+    layer 1 saves when fedllm's client compiles it (:func:`fedllm.engine.compiled.compiled_training`) with torch's
+    ``aot_eager_decomp_partition`` backend: inductor's decompositions and partition, run without code generation, so
+    the same saved tensors in a second instead of a C++ build. The compiled layer keeps less than eager's: elementwise
+    products are recomputed in its backward. The graph is compiled for the batch's width, as on a GPU: a CPU's one
+    graph for every width (dynamic shapes) saves the same tensors and a few 0-dimensional fp32 scalars besides (20
+    bytes a layer here), which the trace's static shapes keep as constants, and takes 6x as long to compile."""
+    length = 40
+    from fedllm.engine import compiled
+
+    model = load_model(ModelConfig(name=f"tiny-{family}", dtype=dtype), LoraConfig(r=4, dropout=0.1)).model
+    cfg = TrainConfig(dtype=dtype, max_length=length, compile=True)
+    traced = layer_activations(model, cfg, 3, length, "cpu")
+    eager = layer_activations(model, TrainConfig(dtype=dtype, max_length=length), 3, length, "cpu")
+    assert traced.compiled and not eager.compiled
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager_decomp_partition")
+    monkeypatch.setattr(compiled, "one_graph_for_all_widths", lambda cfg, device_type: False)
+    ids = torch.randint(3, 100, (3, length), generator=torch.Generator().manual_seed(0))
+    with compiled.compiled_training(model, cfg):
+        real = _saved_by_layer_one(model, cfg, ids)
+    assert traced.saved == real
+    assert traced.saved < 0.8 * eager.saved
+
+
+def test_a_compiled_recipe_is_estimated_from_the_partition_and_else_from_eager(meta_costs, monkeypatch):
+    """The LLaMA-2-7B FRLoRA recipe with ``train.compile: true``: the layer recomputed under checkpointing (and the
+    backward's one layer) is the compiled layer's saved tensors, less than eager's; a layer AOTAutograd cannot trace
+    is estimated from eager's saved tensors (an upper bound) instead of the formula."""
+    import dataclasses
+
+    from fedllm.engine import compiled_activations
+
+    recipe = "recipes/frlora/llama2-7b-metamathqa-frlora.yaml"
+    report, eager_report = meta_costs(recipe, "train.compile=true"), meta_costs(recipe)
+    layer, eager = report.layer("cuda"), eager_report.layer("cuda")  # SDPA in both (on a CPU eager's is blocked)
+    assert layer.compiled and not eager.compiled and layer.attention == eager.attention == "sdpa"
+    assert layer.boundary == eager.boundary and layer.saved < 0.8 * eager.saved
+    compiled_mem, eager_mem = report.memory("cuda"), eager_report.memory("cuda")
+    # checkpointed: the layers keep their inputs either way; the recomputed layer and the backward's one differ
+    assert compiled_mem["activations"] == eager_mem["activations"]
+    assert eager_mem["backward"] - compiled_mem["backward"] == 2 * (eager.saved - layer.saved)
+    assert "what inductor's partition saves (train.compile)" in report.activation_lines()[0]
+
+    def untraceable(*args, **kwargs):
+        raise RuntimeError("an operator AOTAutograd cannot trace")
+
+    monkeypatch.setattr(compiled_activations, "compiled_saved", untraceable)
+    fallback = dataclasses.replace(report).layer("cuda")  # a fresh report: nothing traced yet
+    assert fallback == eager
