@@ -5,6 +5,7 @@
     python bench/gpu_check.py --big --ref REF.json --json OUT.json   # GPU, losses beside the CPU reference
     python bench/gpu_check.py --dry                            # seconds on a CPU: the same code, tiny shapes
     python bench/gpu_check.py --paper-7b --configs bf16 --checkpointing true,2   # 7B: all layers vs every 2nd
+    python bench/gpu_check.py --device cuda --paper-7b --compile false,true --estimate-only   # no GPU: estimates
 
 docs/gpu.md has the command, the figures of a run on an H200 and what this check does not cover.
 
@@ -341,12 +342,33 @@ def matmul_probe(device: str, n: int = 8192, warmup: int = 3, timed: int = 10) -
 # --------------------------------------------------------------------------- one run
 
 
-def memory_estimate(recipe: Any) -> Optional[int]:
-    """Bytes of ``fedllm train --dry-run``'s peak-memory estimate (the model built on the meta device)."""
+def memory_estimate(recipe: Any, device: Optional[str] = None) -> Optional[int]:
+    """Bytes of ``fedllm train --dry-run``'s peak-memory estimate (the model built on the meta device) for training on
+    ``device`` (default: where the dry run would train)."""
     from fedllm.commands.dry_run import untimed
 
     report = untimed(recipe, weights_missing="gpu_check: estimate only")
-    return int(sum(report.costs.memory().values()))
+    return int(sum(report.costs.memory(device).values()))
+
+
+def print_estimates(plan: list[tuple], args: argparse.Namespace, work: Path, data: Path) -> int:
+    """``--estimate-only``: each planned row's dry-run estimate for ``--device``, from the model's config and
+    fedllm's tiny tokenizer alone (no weights, no training: a CPU host gives a GPU row's estimate)."""
+    from fedllm.models.loading import tiny_tokenizer
+
+    for key, config, strategy, big, compiled, kept in plan:
+        where = work / f"config-{key}"
+        if not where.exists():
+            where.mkdir(parents=True)
+            model_config(key, args.dry).to_json_file(str(where / "config.json"))
+            tiny_tokenizer().save_pretrained(str(where))
+        w = {**workload(args, big), "compile": {"false": False, "true": True}.get(compiled, compiled),
+             "checkpointing": checkpointing_setting(kept)}
+        recipe = recipe_for(where, data, work / "estimate", strategy, config, args.device, w)
+        print(f"gpu_check: estimate {key} {config} {strategy} {w['batch']} x {w['max_length']} compile={w['compile']} "
+              f"checkpointing={w['checkpointing']}: {_gb(memory_estimate(recipe, args.device))} GiB "
+              f"({args.device})", flush=True)
+    return 0
 
 
 def run_one(key: str, model_dir: Path, data: Path, out: Path, strategy: str, config: str, device: str,
@@ -497,6 +519,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "1 a round, 2 rounds of --steps steps; configs bf16,4bit (8bit: the recipe's own base), "
                         "strategies fedavg,frlora")
     p.add_argument("--work-dir", default=None, help="where models, data and run directories go (default: a temp dir)")
+    p.add_argument("--estimate-only", action="store_true",
+                   help="print each row's dry-run peak-memory estimate for --device and train nothing (no GPU "
+                        "needed: the model is built on the meta device from its config)")
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cpu" if args.dry or not torch.cuda.is_available() else "cuda"
@@ -543,10 +568,10 @@ def environment(device: str) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.estimate_only:
         print("gpu_check: --device cuda but torch sees no GPU", file=sys.stderr)
         return 2
-    env = environment(args.device)
+    env = environment(args.device if torch.cuda.is_available() or args.device == "cpu" else "cpu")
     print("gpu_check:", json.dumps(env))
     models = [m for m in args.models.split(",") if m]
     configs = [c for c in args.configs.split(",") if c]
@@ -572,7 +597,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ref = json.loads(Path(args.ref).read_text()) if args.ref else {}
 
     peaks: dict[str, Optional[float]] = {"spec_bf16": None, "spec_fp32": None, "probe_bf16": None}
-    if args.device == "cuda":
+    if args.device == "cuda" and not args.estimate_only:
         peaks.update(spec_bf16=spec_peak(env["gpu"], "bf16"), spec_fp32=spec_peak(env["gpu"], "fp32"),
                      probe_bf16=matmul_probe("cuda"))
         print(f"gpu_check: {env['gpu']}: spec dense bf16 {peaks['spec_bf16'] or 0:.3g} FLOP/s, fp32 "
@@ -588,6 +613,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.big and not args.dry and args.device == "cuda":
         plan += [(m, c, "fedavg", True, k, g) for k in compiles for g in checkpointings for m in models
                  for c in ("bf16", "4bit") if c in configs]
+    if args.estimate_only:
+        return print_estimates(plan, args, work, data_big if args.big or args.paper_7b else data)
     rows: list[dict[str, Any]] = []
     built: dict[str, tuple[Path, list[float], Shapes]] = {}
     for i, (key, config, strategy, big, compiled, kept) in enumerate(plan):

@@ -90,6 +90,28 @@ def _bench(name: str):
     return load_script(ROOT / "bench" / f"{name}.py")
 
 
+def test_estimate_only_prints_a_gpu_rows_estimate_without_a_gpu_and_trains_nothing(gpu_check, tmp_path, capsys):
+    """``--estimate-only --device cuda``: the dry run's estimate of each planned row for a GPU, on this CPU host (the
+    paper's 7B shape from its config on the meta device, in seconds), equal to the cost report's own; with
+    ``train.compile`` the estimate is the compiled layer's (less than eager's)."""
+    from fedllm.commands.dry_run import untimed
+
+    work = tmp_path / "work"
+    assert gpu_check.main(["--device", "cuda", "--paper-7b", "--configs", "bf16", "--strategies", "fedavg",
+                           "--compile", "false,true", "--estimate-only", "--work-dir", str(work)]) == 0
+    printed = re.findall(r"gpu_check: estimate llama2-7b bf16 fedavg 16 x 512 compile=(\w+) checkpointing=True: "
+                         r"([0-9.]+) GiB \(cuda\)", capsys.readouterr().out)
+    assert [c for c, _ in printed] == ["False", "True"]
+    eager, compiled = (float(gib) for _, gib in printed)
+    assert compiled < eager
+    recipe = gpu_check.recipe_for(work / "config-llama2-7b", work / "data-big.jsonl", work / "x", "fedavg", "bf16",
+                                  "cuda", {**gpu_check.workload(gpu_check.parse_args(["--paper-7b"])),
+                                           "compile": False, "checkpointing": True})
+    costs = untimed(recipe, weights_missing="test").costs
+    assert eager == round(sum(costs.memory("cuda").values()) / 2**30, 2)
+    assert not any(p.name.startswith(("run-", "model-")) for p in work.iterdir())  # nothing trained, no weights
+
+
 def test_profile_writes_the_last_rounds_host_ops_and_python_calls_and_stops(gpu_check, tmp_path, capsys):
     profile = tmp_path / "profile.txt"
     assert gpu_check.main(["--dry", "--models", "smollm2-135m", "--configs", "fp32", "--profile", str(profile),
