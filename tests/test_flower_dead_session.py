@@ -89,13 +89,23 @@ def test_a_restarted_node_ends_its_dead_session_and_joins_without_waiting(tmp_pa
         ended.append(dead_session.recorded(at).pid)
         return "ended that session"
 
+    record = dead_session.record
+
+    def record_once_it_has_exited(marker, node_id, pid, *args):
+        # the node has stopped (a zombie, or collected) before its joining line is read: as a busy machine may have it
+        while dead_session.started_at(pid):
+            sleep(0.01)
+        record(marker, node_id, pid, *args)
+
+    monkeypatch.setattr(dead_session, "record", record_once_it_has_exited)
     count = tmp_path / "attempts"
     cmd = [sys.executable, "-S", "-c", FAKE_SUPERNODE, str(count), "0"]
     assert rejoin.serve_node(cmd, {}, state, 3, end_dead_session=end) == 130
     assert count.read_text() == "1" and len(ended) == 1
     assert "client 3's node: ended that session; joining now" in capsys.readouterr().err
     now = dead_session.recorded(marker)
-    assert now.node_id == 7 and now.pid != ended[0] and now.started and now.is_dead()  # the new one, exited since
+    # the new one, exited since, with the start time read when it was started
+    assert now.node_id == 7 and now.pid != ended[0] and now.started and now.is_dead()
 
 
 def test_a_refused_node_whose_session_may_live_retries_as_before(tmp_path, monkeypatch):

@@ -61,10 +61,10 @@ class Session:
         return self.boot != boot_id() or not self.started or started_at(self.pid) != self.started
 
 
-def record(marker: Path, node_id: int, pid: int) -> None:
-    """Write into ``marker`` (the state directory's ``.node-K.activated``) that process ``pid`` holds the session of
-    node ``node_id``."""
-    session = Session(node_id, pid, started_at(pid), boot_id(), socket.gethostname())
+def record(marker: Path, node_id: int, pid: int, started: str | None = None) -> None:
+    """Write into ``marker`` (the state directory's ``.node-K.activated``) that process ``pid``, started at
+    ``started`` (:func:`started_at`, read now when None), holds the session of node ``node_id``."""
+    session = Session(node_id, pid, started_at(pid) if started is None else started, boot_id(), socket.gethostname())
     marker.write_text(json.dumps(asdict(session)))
 
 

@@ -64,6 +64,9 @@ class ActivationWatch:
         self.refused = self.activated = False
         proc = processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                                bufsize=1)
+        # its start time now, while it surely runs: read when it says it joined, a node that stopped at once since
+        # (kill -9, Ctrl-C) would leave no start time in the record
+        started = dead_session.started_at(proc.pid)
 
         def copy() -> None:
             for line in proc.stdout:
@@ -73,7 +76,7 @@ class ActivationWatch:
                     self.activated = True
                     node_id = line.split(ACTIVATED, 1)[1].strip()
                     if node_id.isdigit():  # which process holds the session: fedllm.flower.dead_session
-                        dead_session.record(self.marker, int(node_id), proc.pid)
+                        dead_session.record(self.marker, int(node_id), proc.pid, started)
                     else:
                         self.marker.touch()
                 self.refused = self.refused or ACTIVATION_REFUSED in line
