@@ -50,6 +50,12 @@ UNQUANTISED_HEADS = ("lm_head", "score", "classifier")
 #: after SmolLM2-135M's federation was built, above its weights, of which its tokenizer 31; docs/memory.md). A GPU's
 #: is the CUDA context (:data:`fedllm.commands.memory_fit.CUDA_RUNTIME_BYTES`).
 CPU_RUNTIME_BYTES = 22 * 2**20
+#: A CPU process under ``train.compile``: the compiler's memory outside torch's allocator at the step's peak. Measured
+#: for SmolLM2-135M against the eager run at the same shapes (bench/memory_bound.py's RSS peak less torch's allocator
+#: peak, read through the profiler): 67 and 77 MiB where the step peaks at the first backward, whose graph is compiled
+#: while the forward's activations are all held (4 x 256, fp32 and bf16), 12 MiB checkpointed (2 x 512), where the
+#: head's chunk sets the peak (docs/memory.md). On a GPU it is host memory, outside the estimate.
+CPU_COMPILER_BYTES = 64 * 2**20
 #: A fast tokenizer's resident bytes per byte of its compact serialised form (``backend_tokenizer.to_str()``): 21.2
 #: measured for both SmolLM2-135M's (1.49 MB serialised, 31.6 MiB resident) and Gemma 3 270M's (13.7 MB, 290 MiB).
 TOKENIZER_BYTES_PER_SERIALISED_BYTE = 21.2
@@ -57,7 +63,8 @@ TOKENIZER_BYTES_PER_SERIALISED_BYTE = 21.2
 #: (Gemma 3 270M's 262,144 entries: 1,180; SmolLM2-135M's 49,152: 646).
 TOKENIZER_BYTES_PER_ENTRY = 1180
 #: Terms of the peak-memory estimate printed only when not zero.
-OPTIONAL_TERMS = ("backward", "base changes", "residual casts", "dequantised weight", "fp32 blocks", "runtime")
+OPTIONAL_TERMS = ("backward", "base changes", "residual casts", "dequantised weight", "fp32 blocks", "runtime",
+                  "compiler")
 LORA_PARTS = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.[^.]+")
 SUFFIXES = (".base_layer", ".modules_to_save.default", ".original_module")
 
@@ -286,23 +293,26 @@ def checkpointing(recipe: Any) -> int | None:
     return every_n_layers(recipe.train)
 
 
-def head_bytes(shapes: Shapes, tokens: int, dtype_bytes: int, head_rows: int | None, device: str = "cpu") -> int:
+def head_bytes(shapes: Shapes, tokens: int, dtype_bytes: int, head_rows: int | None, device: str = "cpu",
+               compiled: bool = False) -> int:
     """The LM head's logits in the compute dtype, their fp32 copy and its gradient: ``b·s·V·(p + 8)``, or fused in
     chunks of ``c`` rows ``min(b·s, c)·V·q + b·s·h·p`` (``q``: one chunk's bytes a logit at its peak on ``device``,
     :func:`fedllm.models.fused_head_loss.chunk_peak_bytes_per_logit`; ``b·s·h·p``: the kept gradient with respect to
-    the hidden states); 0 without an LM head."""
+    the hidden states); 0 without an LM head. ``compiled``: the chunk runs compiled (``train.compile`` on a CPU)."""
     if not shapes.vocab:
         return 0
     if head_rows is None:
         return tokens * shapes.vocab * (dtype_bytes + 8)
-    return head_chunk_bytes(shapes, tokens, dtype_bytes, head_rows, device) + tokens * shapes.hidden * dtype_bytes
+    return head_chunk_bytes(shapes, tokens, dtype_bytes, head_rows, device, compiled) + \
+        tokens * shapes.hidden * dtype_bytes
 
 
-def head_chunk_bytes(shapes: Shapes, tokens: int, dtype_bytes: int, head_rows: int, device: str) -> int:
+def head_chunk_bytes(shapes: Shapes, tokens: int, dtype_bytes: int, head_rows: int, device: str,
+                     compiled: bool = False) -> int:
     """One chunk of the fused head at its peak: freed before backward begins."""
     from fedllm.models.fused_head_loss import chunk_peak_bytes_per_logit
 
-    return min(tokens, head_rows) * shapes.vocab * chunk_peak_bytes_per_logit(dtype_bytes, device)
+    return min(tokens, head_rows) * shapes.vocab * chunk_peak_bytes_per_logit(dtype_bytes, device, compiled)
 
 
 def activation_bytes(shapes: Shapes, batch: int, length: int, dtype_bytes: int, head_rows: int | None = None) -> int:
@@ -414,6 +424,7 @@ class CostReport:
             **self.activation_terms(device or self.device, DTYPES[r.train.dtype].itemsize, r),
             "fp32 blocks": half_block_bytes(r) if (device or self.device) == "cpu" else 0,
             "runtime": self.cpu_runtime() if (device or self.device) == "cpu" else 0,
+            "compiler": CPU_COMPILER_BYTES if (device or self.device) == "cpu" and r.train.compile else 0,
         }
 
     def cpu_runtime(self) -> int:
@@ -447,15 +458,17 @@ class CostReport:
         if layer is None:  # the formula (an architecture the trace could not run)
             return {"activations": activation_bytes(self.shapes, rows, length, compute, self.head_rows)}
         from fedllm.engine.activation_memory import checkpointed_layers
+        from fedllm.engine.compiled import one_graph_for_all_widths
 
         every = checkpointing(r)
         trunk = activation_peak(layer, self.shapes.layers, every)
+        compiled = one_graph_for_all_widths(r.train, device)  # train.compile on a CPU compiles the head's chunk too
         # the fused head's chunk is freed before backward starts: the step peaks at the larger of the two
         chunk = 0 if self.head_rows is None or not self.shapes.vocab else \
-            head_chunk_bytes(self.shapes, rows * length, compute, self.head_rows, device)
+            head_chunk_bytes(self.shapes, rows * length, compute, self.head_rows, device, compiled)
         trunk["backward"] = max(0, trunk["backward"] - chunk)
         layers = self.shapes.layers - checkpointed_layers(self.shapes.layers, every) + (1 if every else 0)
-        return {**trunk, "head": head_bytes(self.shapes, rows * length, compute, self.head_rows, device),
+        return {**trunk, "head": head_bytes(self.shapes, rows * length, compute, self.head_rows, device, compiled),
                 "residual casts": residual_casts(r, self.residuals) * layers // self.shapes.layers,
                 "dequantised weight": self.dequantised if r.model.quantization == self.recipe.model.quantization
                 else dequantised_bytes(r, self.model)}
@@ -483,8 +496,11 @@ class CostReport:
                 else f"checkpointed: {checkpointed_layers(s.layers, every)} of the {s.layers} layers "
                      f"(layers 0, {every}, {2 * every}, ...) keep only their input ({_mb(layer.boundary)}), the others "
                      f"{_mb(layer.saved)}; one layer is recomputed at a time")
+        from fedllm.engine.compiled import one_graph_for_all_widths
+
+        compiled = " (compiled: the logits and their gradient)" if one_graph_for_all_widths(r.train, self.device) else ""
         head = "the full logits" if self.head_rows is None else f"the head fused with its loss, chunks of " \
-                                                                f"{self.head_rows} rows"
+                                                                f"{self.head_rows} rows{compiled}"
         saves = "what inductor's partition saves (train.compile) in one traced compiled layer" if layer.compiled \
             else "what autograd saves in one traced layer"
         return [f"    activations: {saves} ({self.device}, {layer.attention} attention, "

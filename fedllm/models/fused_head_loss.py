@@ -36,7 +36,7 @@ def chunk_rows(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
-def chunk_peak_bytes_per_logit(compute_bytes: int, device_type: str) -> int:
+def chunk_peak_bytes_per_logit(compute_bytes: int, device_type: str, compiled: bool = False) -> int:
     """Bytes per logit of one chunk at its peak inside :func:`rows_loss_and_grad` (for the memory estimate): the
     ``R x V`` logits in the compute dtype (``p`` bytes) stay alive through the chunk while, in turn,
 
@@ -48,8 +48,14 @@ def chunk_peak_bytes_per_logit(compute_bytes: int, device_type: str) -> int:
       ``MALLOC_MMAP_THRESHOLD_`` fixed: 6.0 bytes per element for a bf16 scatter, 4.0 for an fp32 one).
 
     On a CPU that is ``p + 12`` in bf16 and fp32 alike (measured: 14.05 bytes a logit for SmolLM2's head at 256 bf16
-    rows, 16.4 in fp32; docs/memory.md); on a GPU (not measured) 12 in 16-bit, 16 in fp32."""
+    rows, 16.4 in fp32; docs/memory.md); on a GPU (not measured) 12 in 16-bit, 16 in fp32.
+
+    ``compiled`` (:func:`compiled_rows`: ``train.compile`` on a CPU): inductor computes the log-softmax, the exponent
+    and the one-hot in one pass, keeping no ``R x V`` temporary: the logits and the gradient it writes, ``2p``
+    (torch's allocator, read through the profiler: 4.01 bytes a logit in bf16, 8.01 in fp32)."""
     p = compute_bytes
+    if compiled:
+        return 2 * p
     sixteen_bit = p != 4
     log_softmax = p + (4 if sixteen_bit else 0) + 4
     exp_cast = p + 4 + 4 + (p if sixteen_bit else 0)

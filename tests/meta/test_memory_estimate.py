@@ -77,23 +77,31 @@ def test_checkpointing_keeps_each_layers_input_and_recomputes_one_layer():
     assert third == {"activations": 10 * traced.boundary + 20 * traced.saved + shared, "backward": 2 * traced.saved}
 
 
-@pytest.mark.parametrize("dtype,per_logit", [(torch.bfloat16, 14), (torch.float32, 16)])
-def test_fused_head_chunk_peak_is_what_the_allocator_holds(dtype, per_logit):
+@pytest.mark.parametrize("dtype,compiled,per_logit", [(torch.bfloat16, False, 14), (torch.float32, False, 16),
+                                                       (torch.bfloat16, True, 4)])
+def test_fused_head_chunk_peak_is_what_the_allocator_holds(dtype, compiled, per_logit):
     """One chunk of the fused head + loss at its peak, as torch's CPU allocator reports it to the profiler (every
     allocation and free, the kernels' own temporaries included): the logits, log_softmax's fp32 output (and fp32 copy
     of a bf16 input), the exponent's cast and the scatter's new tensor, which on a CPU in bf16 allocates an fp32
-    temporary of the whole chunk: 14 bytes a logit in bf16, 16 in fp32. The estimate's per-logit figure is the same."""
+    temporary of the whole chunk: 14 bytes a logit in bf16, 16 in fp32. Compiled by inductor (``train.compile`` on a
+    CPU) the chunk keeps only the logits and the gradient it writes: 4 bytes a logit in bf16. The estimate's per-logit
+    figure is the same."""
+    import contextlib
+
     from torch.profiler import ProfilerActivity, profile
 
-    from fedllm.models.fused_head_loss import chunk_peak_bytes_per_logit, fused_head_cross_entropy
+    from fedllm.models.fused_head_loss import chunk_peak_bytes_per_logit, compiled_rows, fused_head_cross_entropy
 
     vocab, hidden, rows = 4096, 8, 64
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, hidden, generator=g).to(dtype)
     h = torch.randn(rows, hidden, generator=g).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (rows,), generator=g)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fused_head_cross_entropy(h, weight, targets, chunk_bytes=rows * vocab * 4)  # one chunk of every row
+    with compiled_rows("inductor") if compiled else contextlib.nullcontext():
+        if compiled:
+            fused_head_cross_entropy(h, weight, targets, chunk_bytes=rows * vocab * 4)  # compiles, outside the profile
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fused_head_cross_entropy(h, weight, targets, chunk_bytes=rows * vocab * 4)  # one chunk of every row
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
@@ -101,7 +109,7 @@ def test_fused_head_chunk_peak_is_what_the_allocator_holds(dtype, per_logit):
         peak = max(peak, live)
     # above the chunk: the kept rows x hidden gradient, the losses, a chunk's targets (under 1 % here)
     assert rows * vocab * per_logit <= peak <= rows * vocab * per_logit * 1.01
-    assert chunk_peak_bytes_per_logit(dtype.itemsize, "cpu") == per_logit
+    assert chunk_peak_bytes_per_logit(dtype.itemsize, "cpu", compiled) == per_logit
 
 
 def test_fits_line_of_the_llama2_7b_metamathqa_recipe(meta_costs):
