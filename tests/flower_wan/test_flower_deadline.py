@@ -16,6 +16,10 @@ from tests.flower_cluster import assert_matches, wait_until
 from tests.flower_wan.wan_cluster import logged_times
 
 SLOW = Link(mbit_s=0.001, burst_bytes=64)  # 125 B/s: a reply of ~10 kB takes minutes; back to fast within 0.5 s
+#: Node 2's downlink in round 1: 4 kB/s, so that its train message takes seconds to arrive after its query reply
+#: has gone, the moment the test slows its uplink (slowed once the train message had arrived, the test had only the
+#: client's training, ~0.4 s, to do it in, and a CI run at load once missed it)
+HELD = Link(mbit_s=0.032, burst_bytes=1024)
 
 
 def _rounds(run_dir):
@@ -54,11 +58,12 @@ def test_the_deadline_drops_a_slow_node_and_the_run_equals_the_simulation_withou
               for cid in range(3)}  # the lines of earlier runs on this deployment
     with ThreadPoolExecutor(1) as background:
         try:
+            wan_runs.proxies[2].links = {UP: Link(), DOWN: HELD}
             run = wan_runs.run(recipe, tmp_path / "run.log")
             node_log = wan_runs.node_log(2)
-            wait_until(lambda: logged_times(node_log, received) > before[2][0], 600, "node 2's round-1 train message",
+            wait_until(lambda: logged_times(node_log, delivered) > before[2][1], 600, "node 2's query reply",
                        node_log, every_s=0.02)
-            wan_runs.proxies[2].links = {UP: SLOW, DOWN: SLOW}  # its reply now crawls
+            wan_runs.proxies[2].links = {UP: SLOW, DOWN: HELD}  # its round-1 reply will crawl
             for cid in (0, 1):  # its query's reply, then its round-1 upload
                 wait_until(lambda c=cid: logged_times(wan_runs.node_log(c), delivered) >= before[c][1] + 2, 600,
                            f"node {cid}'s round-1 upload", wan_runs.node_log(cid))
@@ -70,6 +75,7 @@ def test_the_deadline_drops_a_slow_node_and_the_run_equals_the_simulation_withou
         finally:
             wan_runs.fresh_links()
 
+    assert logged_times(wan_runs.node_log(2), received) > before[2][0]  # node 2 had its train message: late, not lost
     first, second = _rounds(run_dir)
     assert first["late"] == {"2": None} and first["dropped"]["2"].startswith("late: no upload by the round's deadline")
     assert set(first["client_loss"]) == {"0", "1"} and set(second["client_loss"]) == {"0", "1", "2"}
