@@ -13,12 +13,16 @@ import pytest
 import yaml
 
 from fedllm.engine import server
-from fedllm.flower.wan_proxy import DOWN, UP
+from fedllm.flower.wan_proxy import DOWN, UP, Link
 from fedllm.recipe.checks import parse_recipe
 from tests.flower_cluster import assert_matches, wait_until
 from tests.flower_wan.wan_cluster import logged_times
 
 REQUEST = re.compile(rb"(?:POST|GET) /[A-Za-z0-9_/\-]*?([a-z\-]+) HTTP")
+#: Node 1's uplink: 40 kB/s, so that its round-2 reply (~57 kB) takes over a second to go. The cut is armed when the
+#: node logs its train message, and must land 16 kB into the reply; on a loopback link the test had only the client's
+#: training (~0.4 s) to arm it in before the whole reply had gone.
+UPLINK = Link(mbit_s=0.32, burst_bytes=4096)
 
 
 class RequestBytes:
@@ -62,6 +66,7 @@ def test_a_cut_download_and_a_cut_upload_resume_and_the_run_equals_the_simulatio
         try:
             for cid, tap in taps.items():
                 wan_runs.proxies[cid].observer = tap
+            proxy.links = {UP: UPLINK, DOWN: Link()}
             run = wan_runs.run(recipe, tmp_path / "run.log")
             for direction, armed_at, times, _ in cuts_wanted:
                 wait_until(lambda: logged_times(node_log, armed_at) >= before[armed_at] + times,  # noqa: B023
