@@ -110,6 +110,12 @@ def workload(args: argparse.Namespace, big: bool = False) -> dict[str, int]:
                 max_length=args.max_length, r=8)
 
 
+def row_workload(args: argparse.Namespace, big: bool, compiled: str, kept: str) -> dict[str, Any]:
+    """:func:`workload` with a row's ``--compile`` and ``--checkpointing`` items as recipe values."""
+    return {**workload(args, big), "compile": {"false": False, "true": True}.get(compiled, compiled),
+            "checkpointing": checkpointing_setting(kept)}
+
+
 def write_data(path: Path, n: int, shots: int = 14, seed: int = 0) -> Path:
     """``n`` arithmetic problems behind ``shots`` solved ones (far longer than any max_length used here, so
     fedllm left-truncates every prompt and each example is exactly ``max_length`` tokens)."""
@@ -362,8 +368,7 @@ def print_estimates(plan: list[tuple], args: argparse.Namespace, work: Path, dat
             where.mkdir(parents=True)
             model_config(key, args.dry).to_json_file(str(where / "config.json"))
             tiny_tokenizer().save_pretrained(str(where))
-        w = {**workload(args, big), "compile": {"false": False, "true": True}.get(compiled, compiled),
-             "checkpointing": checkpointing_setting(kept)}
+        w = row_workload(args, big, compiled, kept)
         recipe = recipe_for(where, data, work / "estimate", strategy, config, args.device, w)
         print(f"gpu_check: estimate {key} {config} {strategy} {w['batch']} x {w['max_length']} compile={w['compile']} "
               f"checkpointing={w['checkpointing']}: {_gb(memory_estimate(recipe, args.device))} GiB "
@@ -623,8 +628,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             skipped += [f"{k} {c} {s}{' big' if b else ''} compile={m} checkpointing={g}: over --budget-s "
                         f"{args.budget_s:g}" for k, c, s, b, m, g in plan[i:]]
             break
-        w = {**workload(args, big), "compile": {"false": False, "true": True}.get(compiled, compiled),
-             "checkpointing": checkpointing_setting(kept)}
+        w = row_workload(args, big, compiled, kept)
         row: dict[str, Any] = {"model": key, "config": config, "strategy": strategy, "batch": w["batch"],
                                "max_length": w["max_length"], "compile": w["compile"],
                                "checkpointing": w["checkpointing"]}

@@ -54,38 +54,30 @@ def compiled_saved(layer: torch.nn.Module, args: tuple, kwargs: dict, shared_inp
     tensors = [leaves[i] for i in tensor_at]
     names = list(params)
 
+    outputs: list[int] = []  # how many tensors the layer returns: the forward graph's outputs before the saved ones
+    counted: dict[str, int] = {}
+
     def forward(*flat: torch.Tensor) -> Any:
         values = list(leaves)
         for i, t in zip(tensor_at, flat[len(names):]):
             values[i] = t
         call_args, call_kwargs = pytree.tree_unflatten(values, spec)
-        return torch.func.functional_call(layer, dict(zip(names, flat[:len(names)])), call_args, call_kwargs,
-                                          strict=False, tie_weights=False)
+        out = torch.func.functional_call(layer, dict(zip(names, flat[:len(names)])), call_args, call_kwargs,
+                                         strict=False, tie_weights=False)
+        outputs.append(len([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]))
+        return out
 
-    counted: dict[str, int] = {}
-
-    def capture(graph: torch.fx.GraphModule, _inputs: Any, outputs: int) -> torch.fx.GraphModule:
+    def count_saved(graph: torch.fx.GraphModule, _inputs: Any) -> torch.fx.GraphModule:
         placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
         kind = {n: "param" for n in placeholders[:len(names)]}
         kind.update({n: "shared" for n, t in zip(placeholders[len(names):], tensors) if id(t) in shared_inputs})
         result = next(n for n in graph.graph.nodes if n.op == "output").args[0]
-        owners = {_storage_owner(n) for n in result[outputs:] if isinstance(n, torch.fx.Node)}
-        for owner in owners:
+        for owner in {_storage_owner(n) for n in result[outputs[0]:] if isinstance(n, torch.fx.Node)}:
             where = kind.get(owner, "saved")
             counted[where] = counted.get(where, 0) + _nbytes(owner)
         return graph
 
-    n_outputs: list[int] = []
-
-    def forward_compiler(graph: torch.fx.GraphModule, inputs: Any) -> torch.fx.GraphModule:
-        return capture(graph, inputs, n_outputs[0])
-
-    def counting_forward(*flat: torch.Tensor) -> Any:
-        out = forward(*flat)
-        n_outputs.append(len([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]))
-        return out
-
-    traced = aot_function(counting_forward, fw_compiler=forward_compiler, bw_compiler=lambda g, _: g,
+    traced = aot_function(forward, fw_compiler=count_saved, bw_compiler=lambda g, _: g,
                           partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
                           decompositions=select_decomp_table())
     traced(*params.values(), *tensors)
